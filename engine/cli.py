@@ -1,0 +1,129 @@
+"""`meshpipe` command line: `train` and `data`.
+
+The `train` flags are generated from `TrainConfig`'s fields and field docstrings, so the CLI,
+the config and its documentation never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import TrainConfig
+from engine.data import prepare
+
+__all__ = ["build_parser", "main"]
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field of a dataclass."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in itertools.pairwise(body):
+        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            docs[node.target.id] = str(after.value.value)
+    return docs
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    docs = _field_docs(cls)
+    for field in dataclasses.fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        kind: Any = {"int": int, "float": float}.get(str(field.type), str)
+        parser.add_argument(
+            flag,
+            dest=field.name,
+            type=kind,
+            default=field.default,
+            help=f"{docs.get(field.name, '')} (default: {field.default})",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshpipe", description="Pipeline-parallel training of decoder LLMs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model (the default corpus if no --data)")
+    _add_config_flags(train, TrainConfig)
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
+    plan.add_argument("--model", default="gpt-tiny", help="a registered model name")
+    plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
+    plan.add_argument("--partition", default="balanced", help="partition method")
+    plan.add_argument(
+        "--cost-model", default="flops", help="costs balanced: parameters|flops|activations|time"
+    )
+    plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    data = commands.add_parser("data", help="prepare token files")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    prep = data_commands.add_parser("prepare", help="turn text files into a token file")
+    prep.add_argument("source", help="a text file or a folder of them")
+    prep.add_argument("--out", required=True, help="output prefix (writes OUT.bin and OUT.json)")
+    prep.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
+    return parser
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from engine.train import train
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    result = train(config, progress=not args.no_progress)
+    print(
+        f"final loss {result.final_loss:.4f} after {config.steps} steps "
+        f"({result.tokens_per_s:,.0f} tokens/s)"
+    )
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from models import layer_specs
+    from partitioners import layer_costs, partition_model
+
+    specs = layer_specs(args.model)
+    kwargs = {"batch_size": args.micro_batch_size, "seq_len": args.seq_len}
+    partition = partition_model(
+        specs, method=args.partition, num_stages=args.pp, cost_model=args.cost_model, **kwargs
+    )
+    costs = layer_costs(specs, args.cost_model, **kwargs)
+    params = [spec.num_parameters() for spec in specs]
+    print(
+        f"{args.model}: {len(specs)} layers on {args.pp} stages ({args.partition}, "
+        f"cost share by {args.cost_model})"
+    )
+    print(partition.describe(costs=costs, params=params, names=[s.kind for s in specs]))
+    return 0
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    info = prepare(args.source, args.out, max_bytes=args.max_bytes)
+    print(f"wrote {info.num_tokens:,} tokens to {info.bin_path} (header {info.json_path})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _run_train(args)
+        if args.command == "plan":
+            return _run_plan(args)
+        return _run_data(args)
+    except ValueError as error:
+        parser.exit(2, f"meshpipe: error: {error}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Typed configuration of a training run, validated once before any compute."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.optim import LR_SCHEDULES, OPTIMIZERS
+from models import get_config
+
+__all__ = ["TrainConfig"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything that defines a training run; two runs with equal configs are identical."""
+
+    model: str = "gpt-tiny"
+    """Name of a registered model config (see `models.MODEL_CONFIGS`)."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all data-parallel replicas."""
+    micro_batches: int = 4
+    """Micro-batches each replica's batch is split into (gradient accumulation)."""
+    seq_len: int = 128
+    """Tokens per sequence; at most the model's context."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` for decaying schedules."""
+    lr_schedule: str = "cosine"
+    """One of `constant`, `cosine`, `linear` (after warmup)."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    optimizer: str = "adamw"
+    """`adamw` or `sgd`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms and biases)."""
+    seed: int = 0
+    """Seed of weights and data order."""
+    data: str | None = None
+    """Prepared token file; None uses the embedded default corpus."""
+    threads: int = 0
+    """Intra-op threads per process; 0 leaves torch's default."""
+    metrics_file: str | None = None
+    """Path of a JSON-lines file receiving one record per step."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "micro_batches", "seq_len"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{name}={value} must be at least 1")
+        _require(
+            self.global_batch % self.micro_batches == 0,
+            f"global batch {self.global_batch} does not split into {self.micro_batches} "
+            "micro-batches: choose --global-batch as a multiple of --micro-batches",
+        )
+        _require(self.lr > 0, f"lr={self.lr} must be positive")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
+        _require(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
+        _require(
+            self.lr_schedule in LR_SCHEDULES,
+            f"unknown lr schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}",
+        )
+        _require(
+            self.optimizer in OPTIMIZERS,
+            f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}",
+        )
+        _require(self.threads >= 0, f"threads={self.threads} must be >= 0")
+        context = get_config(self.model).max_seq_len
+        _require(
+            self.seq_len <= context,
+            f"seq_len={self.seq_len} is longer than {self.model}'s context of {context} tokens: "
+            f"use --seq-len {context} or less",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

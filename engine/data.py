@@ -1,0 +1,353 @@
+"""Token data: a byte tokenizer, flat memory-mapped token files, and a deterministic batch loader.
+
+The loader draws each global batch from ``(seed, step)`` alone, so a pipelined, data-parallel run
+and a single-process reference see exactly the same tokens at every step, and a resumed run
+continues with the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+__all__ = [
+    "VOCAB_SIZE",
+    "BatchLoader",
+    "TokenDataset",
+    "TokenFileInfo",
+    "decode",
+    "default_corpus",
+    "encode",
+    "load_tokens",
+    "prepare",
+]
+
+VOCAB_SIZE = 256
+"""Vocabulary of the byte tokenizer: one token per byte value."""
+
+_FORMAT = "meshpipe-tokens"
+_VERSION = 1
+_DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst")
+_STDLIB_EXCLUDED = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+)
+_SEPARATOR = b"\n"
+
+
+def encode(text: str) -> npt.NDArray[np.uint8]:
+    """Encode text as its UTF-8 bytes: no vocabulary file to ship, and every string round-trips."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(tokens: Iterable[int] | npt.NDArray[Any] | torch.Tensor) -> str:
+    """Decode byte tokens to text; invalid UTF-8 (e.g. a cut-off sample) becomes U+FFFD."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    return np.asarray(tokens, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenFileInfo:
+    """Where a prepared token file lives and what its header says."""
+
+    bin_path: Path
+    """The raw token file: ``num_tokens`` values of ``dtype``, nothing else."""
+    json_path: Path
+    """The header that describes ``bin_path``; written last, so its presence marks completion."""
+    num_tokens: int
+    """Number of tokens in ``bin_path``."""
+    vocab_size: int
+    """Size of the tokenizer's vocabulary; every token is below it."""
+    dtype: str
+    """NumPy dtype name of the tokens: ``uint8`` for vocab <= 256, else ``uint16``."""
+
+
+def _dtype_for(vocab_size: int) -> str:
+    return "uint8" if vocab_size <= 256 else "uint16"
+
+
+def _info(bin_path: Path, json_path: Path, header: dict[str, Any]) -> TokenFileInfo:
+    keys = ("num_tokens", "vocab_size", "dtype")
+    return TokenFileInfo(bin_path=bin_path, json_path=json_path, **{k: header[k] for k in keys})
+
+
+def _split_prefix(path: str | Path) -> tuple[Path, Path]:
+    """Accept a prefix, a ``.bin`` or a ``.json`` path and return the (bin, json) pair."""
+    path = Path(path)
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".json") else path
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
+
+
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
+    """Write a temp file in the same folder, fsync, rename: readers never see half a file."""
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return result
+
+
+def _collect_files(
+    source: Path, suffixes: Iterable[str], excluded_dirs: frozenset[str] = frozenset()
+) -> list[Path]:
+    """A file, or a folder's matching files sorted by relative path parts: reproducible output."""
+    if source.is_file():
+        return [source]
+    if not source.is_dir():
+        raise ValueError(f"source {str(source)!r} does not exist; pass a text file or a folder")
+    wanted = tuple(suffixes)
+    found: list[Path] = []
+    for root, dirs, names in os.walk(source):
+        dirs[:] = [d for d in dirs if d not in excluded_dirs]
+        found.extend(Path(root, n) for n in names if n.endswith(wanted))
+    if not found:
+        raise ValueError(
+            f"no files ending in {list(wanted)} under {str(source)!r}; "
+            "add text files there or pass suffixes=(...) to match the ones you have"
+        )
+    return sorted(found, key=lambda p: p.relative_to(source).parts)
+
+
+def _concat(files: list[Path], f: IO[bytes], max_bytes: int | None) -> tuple[int, int]:
+    """Stream files into ``f`` separated by newlines; return (bytes written, files used)."""
+    written = used = 0
+    for i, file in enumerate(files):
+        chunk = (_SEPARATOR if i else b"") + file.read_bytes()
+        if max_bytes is not None:
+            chunk = chunk[: max_bytes - written]
+        f.write(chunk)
+        written += len(chunk)
+        used += 1
+        if max_bytes is not None and written >= max_bytes:
+            break
+    return written, used
+
+
+def _write_token_file(
+    files: list[Path], out: str | Path, max_bytes: int | None, origin: object
+) -> TokenFileInfo:
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"max_bytes={max_bytes} must be >= 1; pass None for no cap")
+    bin_path, json_path = _split_prefix(out)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    num_tokens, used = _atomic_write(bin_path, lambda f: _concat(files, f, max_bytes))
+    if num_tokens == 0:
+        bin_path.unlink()
+        raise ValueError(f"source {str(origin)!r} holds no bytes; give it some text")
+    header = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "dtype": _dtype_for(VOCAB_SIZE),
+        "vocab_size": VOCAB_SIZE,
+        "tokenizer": "bytes",
+        "num_tokens": num_tokens,
+        "sources": used,
+    }
+    _atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
+    return _info(bin_path, json_path, header)
+
+
+def prepare(
+    source: str | Path,
+    out: str | Path,
+    *,
+    max_bytes: int | None = None,
+    suffixes: Iterable[str] = _DEFAULT_SUFFIXES,
+) -> TokenFileInfo:
+    """Tokenize a text file or a folder of them (recursively) into ``<out>.bin`` + ``<out>.json``.
+
+    Files are joined with a newline in sorted relative-path order; ``max_bytes`` cuts the total to
+    exactly that many tokens. ``out`` may be a prefix or end in ``.bin``.
+    """
+    files = _collect_files(Path(source), suffixes)
+    return _write_token_file(files, out, max_bytes, source)
+
+
+def _cache_root(cache_dir: Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("MESHPIPE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "meshpipe"
+
+
+def default_corpus(cache_dir: Path | None = None, max_bytes: int = 8_000_000) -> TokenFileInfo:
+    """The running interpreter's own stdlib ``.py`` sources: real text that needs no download.
+
+    Prepared once into ``cache_dir`` (default ``$MESHPIPE_CACHE`` or ``~/.cache/meshpipe``) and
+    reused while its header is valid; the name carries the Python version and ``max_bytes``.
+    """
+    v = sys.version_info
+    name = f"stdlib-{sys.implementation.name}{v.major}.{v.minor}.{v.micro}-{max_bytes}b"
+    prefix = _cache_root(cache_dir) / name
+    try:
+        return TokenDataset(prefix).info
+    except ValueError:
+        pass
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = _collect_files(stdlib, (".py",), _STDLIB_EXCLUDED)
+    return _write_token_file(files, prefix, max_bytes, stdlib)
+
+
+def _read_header(json_path: Path) -> dict[str, Any]:
+    where, fix = f"token header {str(json_path)!r}", "re-create it with engine.data.prepare()"
+    try:
+        header = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where} is unreadable ({e}); {fix}") from None
+    h = header if isinstance(header, dict) else {}
+    n, vocab, dtype = h.get("num_tokens"), h.get("vocab_size"), h.get("dtype")
+    want_dtype = _dtype_for(vocab) if isinstance(vocab, int) else None
+    problems = [
+        (h.get("format") != _FORMAT, f"is not a {_FORMAT!r} header"),
+        (h.get("version") != _VERSION, f"has version {h.get('version')!r}, not {_VERSION}"),
+        (not (isinstance(n, int) and n > 0), f"has num_tokens={n!r}, not a positive int"),
+        (not (isinstance(vocab, int) and vocab > 0), f"has vocab_size={vocab!r}, not positive"),
+        (dtype != want_dtype, f"has dtype={dtype!r}, expected {want_dtype!r}"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ValueError(f"{where} {what}; {fix}")
+    return h
+
+
+class TokenDataset:
+    """A prepared token file, memory-mapped read-only so every rank shares the page cache."""
+
+    def __init__(self, path: str | Path) -> None:
+        """Open ``path`` (the ``.bin``, the ``.json`` or their prefix) after validating it."""
+        bin_path, json_path = _split_prefix(path)
+        header = _read_header(json_path)
+        self.info = _info(bin_path, json_path, header)
+        if not bin_path.is_file():
+            raise ValueError(
+                f"token file {str(bin_path)!r} is missing next to its header; "
+                "re-create both with engine.data.prepare()"
+            )
+        expected = self.info.num_tokens * np.dtype(self.info.dtype).itemsize
+        actual = bin_path.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"token file {str(bin_path)!r} has {actual} bytes but its header promises "
+                f"{expected} (num_tokens={self.info.num_tokens}); the file is truncated or "
+                "stale, re-create it with engine.data.prepare()"
+            )
+        self.tokens: npt.NDArray[Any] = np.memmap(bin_path, dtype=self.info.dtype, mode="r")
+
+    def __len__(self) -> int:
+        return self.info.num_tokens
+
+
+def load_tokens(path: str | Path) -> TokenDataset:
+    """Open a prepared token file; ``path`` may be the ``.bin``, the ``.json`` or the prefix."""
+    return TokenDataset(path)
+
+
+def _check_positive(name: str, value: int, fix: str) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int; {fix}")
+
+
+class BatchLoader:
+    """Random windows of a token file; the global batch at step k depends only on (seed, k).
+
+    DP rank r takes rows ``[r*b, (r+1)*b)`` of the global batch (``b = global_batch // dp_size``),
+    so the ranks' batches concatenated in rank order equal the ``dp_size=1`` batch.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
+        _check_positive("seq_len", seq_len, "use the model's context length")
+        _check_positive("global_batch", global_batch, "use the number of sequences per step")
+        _check_positive("dp_size", dp_size, "use the data-parallel world size")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative int")
+        if global_batch % dp_size:
+            raise ValueError(
+                f"global_batch={global_batch} is not divisible by dp_size={dp_size}; "
+                f"use a multiple of {dp_size}"
+            )
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank!r} is out of range; use 0..{dp_size - 1}")
+        if len(dataset) < seq_len + 1:
+            raise ValueError(
+                f"{str(dataset.info.bin_path)!r} has {len(dataset)} tokens, too short for "
+                f"seq_len={seq_len} (needs >= {seq_len + 1}); use a shorter seq_len or more data"
+            )
+        self.dataset = dataset
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.local_batch = global_batch // dp_size
+        self._position = 0
+
+    @property
+    def position(self) -> int:
+        """The step whose batch ``next_batch`` returns next."""
+        return self._position
+
+    def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (inputs, targets) for ``step``, int64 of shape (local_batch, seq_len)."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.dataset) - self.seq_len, size=self.global_batch)
+        rows = starts[self.dp_rank * self.local_batch : (self.dp_rank + 1) * self.local_batch]
+        windows = self.dataset.tokens[rows[:, None] + np.arange(self.seq_len + 1)]
+        chunk = torch.from_numpy(windows.astype(np.int64))
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch at ``position``, then advance by one step."""
+        batch = self.batch_at(self._position)
+        self._position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint needs to resume; the DP layout is left out, so it may change."""
+        return {
+            "position": self._position,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state["position"]``; refuse a state drawn with a different batch recipe."""
+        for key in ("seed", "seq_len", "global_batch"):
+            if key not in state:
+                raise ValueError(f"loader state lacks {key!r}; pass a BatchLoader.state_dict()")
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has "
+                    f"{key}={getattr(self, key)!r}; build the loader with {key}={state[key]!r}"
+                )
+        position = state.get("position")
+        if not isinstance(position, int) or position < 0:
+            raise ValueError(f"loader state position={position!r} must be a non-negative int")
+        self._position = position

@@ -1,0 +1,59 @@
+"""Step metrics: JSON-lines records and the progress display."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tqdm import tqdm
+
+__all__ = ["MetricsLog"]
+
+
+class MetricsLog:
+    """Writes one JSON record per step and shows loss and tokens/s on a progress bar.
+
+    Holds an open file and a bar, hence a class; use it as a context manager.
+    """
+
+    def __init__(
+        self, *, total_steps: int, path: str | Path | None = None, progress: bool = True
+    ) -> None:
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        self._bar = tqdm(
+            total=total_steps, disable=not progress, file=sys.stderr, unit="step", leave=True
+        )
+
+    def record(self, **fields: Any) -> None:
+        """Append a step's record and refresh the bar's postfix."""
+        if self._file is not None:
+            self._file.write(json.dumps(fields) + "\n")
+            self._file.flush()
+        shown = {k: fields[k] for k in ("loss", "tokens_per_s", "bubble") if k in fields}
+        self._bar.set_postfix(
+            {k: (f"{v:.4f}" if k == "loss" else f"{v:.3g}") for k, v in shown.items()},
+            refresh=False,
+        )
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,72 @@
+"""Optimizers and learning-rate schedules.
+
+Weight decay applies to matrices only (not to norms, biases or other 1-D parameters), as in
+GPT-2 and Llama training recipes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["LR_SCHEDULES", "OPTIMIZERS", "build_optimizer", "lr_factor"]
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _param_groups(
+    named: Iterable[tuple[str, nn.Parameter]], weight_decay: float
+) -> list[dict[str, object]]:
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for _, param in named:
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(
+    module: nn.Module,
+    *,
+    name: str = "adamw",
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    momentum: float = 0.0,
+) -> torch.optim.Optimizer:
+    """An optimizer over `module`'s parameters, with decay on matrices only."""
+    groups = _param_groups(module.named_parameters(), weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=False)
+    raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+
+def lr_factor(
+    step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
+) -> float:
+    """Multiplier of the base learning rate at `step` (0-based): linear warmup, then decay.
+
+    `cosine` and `linear` decay from 1 to `min_ratio` between the end of warmup and
+    `total_steps`; `constant` stays at 1 after warmup.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(
+            f"unknown lr schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}"
+        )
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))

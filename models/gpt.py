@@ -1,0 +1,153 @@
+"""GPT-2 style decoder as a layer list.
+
+Layers: token + learned position embedding, `n_layer` pre-LN blocks, final LayerNorm, LM head
+(optionally tied to the token embedding through the tie key `token_embedding`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.layers import GELUMLP, CausalSelfAttention, LayerSpec, block_flops
+
+__all__ = ["GPTBlock", "GPTConfig", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "gpt_layers"]
+
+TIE_KEY = "token_embedding"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a GPT-2 style model."""
+
+    vocab_size: int
+    """Number of token ids."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads per block."""
+    d_model: int
+    """Hidden size."""
+    max_seq_len: int
+    """Context length (rows of the learned position embedding)."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as GPT-2 has."""
+    tie_embeddings: bool = True
+    """Share the LM head's weight with the token embedding."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_head={self.n_head}: "
+                "choose d_model as a multiple of n_head"
+            )
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return gpt_layers(self)
+
+
+class GPTEmbedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.max_seq_len = config.max_seq_len
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.max_seq_len, config.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's context {self.max_seq_len}: "
+                "use a shorter --seq-len or a model with a longer max_seq_len"
+            )
+        positions = torch.arange(seq_len, device=tokens.device)
+        return self.wte(tokens) + self.wpe(positions)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return batch_size * seq_len * self.wte.embedding_dim
+
+
+class GPTBlock(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    residual_params: tuple[str, ...] = ("attn.o_proj.weight", "mlp.proj.weight")
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.d_model = config.d_model
+        self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(
+            config.d_model, config.n_head, config.n_head, bias=config.bias
+        )
+        self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = GELUMLP(config.d_model, 4 * config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return block_flops(self, self.d_model, batch_size, seq_len)
+
+
+class GPTFinalNorm(nn.Module):
+    """The LayerNorm after the last block."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return 5 * batch_size * seq_len * self.ln_f.normalized_shape[0]
+
+
+class GPTHead(nn.Module):
+    """Projection of hidden states onto the vocabulary (logits)."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return 2 * batch_size * seq_len * self.weight.numel()
+
+
+def gpt_layers(config: GPTConfig) -> list[LayerSpec]:
+    """The layer list: embedding, blocks, final norm, head."""
+    tie_key = TIE_KEY if config.tie_embeddings else None
+    embedding = LayerSpec(
+        name="embedding",
+        module_cls=GPTEmbedding,
+        config=config,
+        input_kind="tokens",
+        tie_key=tie_key,
+        tied_param="wte.weight" if tie_key else None,
+    )
+    blocks = [
+        LayerSpec(name="block", module_cls=GPTBlock, config=config) for _ in range(config.n_layer)
+    ]
+    final_norm = LayerSpec(name="final_norm", module_cls=GPTFinalNorm, config=config)
+    head = LayerSpec(
+        name="lm_head",
+        module_cls=GPTHead,
+        config=config,
+        tie_key=tie_key,
+        tied_param="weight" if tie_key else None,
+    )
+    return [embedding, *blocks, final_norm, head]

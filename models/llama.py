@@ -1,0 +1,152 @@
+"""Llama style decoder as a layer list.
+
+Layers: token embedding, `n_layer` blocks (RMSNorm, rotary grouped-query attention, RMSNorm,
+SwiGLU MLP), final RMSNorm, untied LM head. Parameter names follow Hugging Face's
+`LlamaForCausalLM` inside each block so that export is a rename of the prefix only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.layers import CausalSelfAttention, LayerSpec, SwiGLUMLP, block_flops
+
+__all__ = [
+    "LlamaBlock",
+    "LlamaConfig",
+    "LlamaEmbedding",
+    "LlamaFinalNorm",
+    "LlamaHead",
+    "llama_layers",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """Shape of a Llama style model."""
+
+    vocab_size: int
+    """Number of token ids."""
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Query heads per block."""
+    n_kv_head: int
+    """Key/value heads per block (grouped-query attention when < n_head)."""
+    d_model: int
+    """Hidden size."""
+    ffn_hidden: int
+    """Inner size of the SwiGLU MLP."""
+    max_seq_len: int
+    """Longest sequence the model is meant for (rotary positions work beyond it)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm."""
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(
+                f"d_model={self.d_model}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
+                "d_model must be a multiple of n_head and n_head a multiple of n_kv_head"
+            )
+
+    def layer_specs(self) -> list[LayerSpec]:
+        return llama_layers(self)
+
+
+class LlamaEmbedding(nn.Module):
+    """Token embedding (positions enter through rotary attention)."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.max_seq_len = config.max_seq_len
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds the model's context "
+                f"{self.max_seq_len}: use a shorter --seq-len"
+            )
+        return self.embed_tokens(tokens)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return batch_size * seq_len * self.embed_tokens.embedding_dim
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x))."""
+
+    residual_params: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.d_model = config.d_model
+        self.input_layernorm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.self_attn = CausalSelfAttention(
+            config.d_model,
+            config.n_head,
+            config.n_kv_head,
+            bias=False,
+            rope_theta=config.rope_theta,
+        )
+        self.post_attention_layernorm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp = SwiGLUMLP(config.d_model, config.ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return block_flops(self, self.d_model, batch_size, seq_len)
+
+
+class LlamaFinalNorm(nn.Module):
+    """The RMSNorm after the last block."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return 4 * batch_size * seq_len * self.norm.weight.numel()
+
+
+class LlamaHead(nn.Module):
+    """Untied projection onto the vocabulary."""
+
+    residual_params: tuple[str, ...] = ()
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        return 2 * batch_size * seq_len * self.lm_head.weight.numel()
+
+
+def llama_layers(config: LlamaConfig) -> list[LayerSpec]:
+    """The layer list: embedding, blocks, final norm, head."""
+    return [
+        LayerSpec(name="embedding", module_cls=LlamaEmbedding, config=config, input_kind="tokens"),
+        *(
+            LayerSpec(name="block", module_cls=LlamaBlock, config=config)
+            for _ in range(config.n_layer)
+        ),
+        LayerSpec(name="final_norm", module_cls=LlamaFinalNorm, config=config),
+        LayerSpec(name="lm_head", module_cls=LlamaHead, config=config),
+    ]

@@ -1,0 +1,30 @@
+"""Partitioners: per-layer costs in, stage boundaries out.
+
+The methods are pure Python; only `partitioners.costs` uses torch, to measure layers.
+"""
+
+from partitioners.costs import COST_MODELS, layer_costs, partition_model
+from partitioners.methods import (
+    PARTITION_METHODS,
+    balanced,
+    by_parameters,
+    by_type,
+    explicit,
+    make_partition,
+    uniform,
+)
+from partitioners.partition import Partition
+
+__all__ = [
+    "COST_MODELS",
+    "PARTITION_METHODS",
+    "Partition",
+    "balanced",
+    "by_parameters",
+    "by_type",
+    "explicit",
+    "layer_costs",
+    "make_partition",
+    "partition_model",
+    "uniform",
+]

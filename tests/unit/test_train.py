@@ -1,0 +1,129 @@
+"""The single-process reference trainer, its config and the `meshpipe train` CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import TrainConfig, accumulate_gradients, lr_factor, split_micro_batches, train
+from engine.cli import main
+from engine.data import prepare
+from models import build_layers, layer_specs, lm_loss
+
+torch.set_num_threads(1)
+
+
+def test_micro_batches_are_equal_views_in_order() -> None:
+    batch = torch.arange(12).view(6, 2)
+    parts = split_micro_batches(batch, 3)
+    assert [p.tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+    assert parts[1].data_ptr() == batch[2].data_ptr()
+
+
+def test_batch_that_does_not_split_is_rejected() -> None:
+    with pytest.raises(ValueError, match="batch of 6 sequences does not split into 4"):
+        split_micro_batches(torch.zeros(6, 2), 4)
+
+
+def test_accumulated_gradients_equal_full_batch_gradients() -> None:
+    specs = layer_specs("gpt-tiny")
+    inputs = torch.randint(0, 256, (8, 16))
+    targets = torch.randint(0, 256, (8, 16))
+    accumulated, full = build_layers(specs, seed=1), build_layers(specs, seed=1)
+    loss = accumulate_gradients(accumulated, inputs, targets, micro_batches=4)
+    full_loss = lm_loss(full(inputs), targets)
+    full_loss.backward()
+    assert loss.item() == pytest.approx(full_loss.item(), rel=1e-6)
+    for (name, a), (_, b) in zip(
+        accumulated.named_parameters(), full.named_parameters(), strict=True
+    ):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "step", "factor"),
+    [
+        ("cosine", 0, 0.25),
+        ("cosine", 3, 1.0),
+        ("cosine", 14, 0.1),
+        ("cosine", 9, 0.55),
+        ("linear", 9, 0.55),
+        ("constant", 20, 1.0),
+    ],
+)
+def test_lr_warms_up_then_decays(schedule: str, step: int, factor: float) -> None:
+    got = lr_factor(step, schedule=schedule, warmup_steps=4, total_steps=14, min_ratio=0.1)
+    assert got == pytest.approx(factor)
+
+
+def test_training_lowers_the_loss_on_the_default_corpus(tmp_path: Path) -> None:
+    config = TrainConfig(
+        steps=40, global_batch=8, micro_batches=2, seq_len=64, lr=3e-3, warmup_steps=5
+    )
+    result = train(config, progress=False)
+    assert len(result.losses) == 40
+    assert sum(result.losses[-5:]) / 5 < result.losses[0] - 1.0
+
+
+def test_training_is_deterministic() -> None:
+    config = TrainConfig(steps=3, global_batch=4, micro_batches=2, seq_len=32)
+    assert train(config, progress=False).losses == train(config, progress=False).losses
+
+
+def test_cli_trains_on_prepared_data_and_writes_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    prepare(tmp_path / "corpus.txt", tmp_path / "tokens")
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [
+        "train",
+        "--data",
+        str(tmp_path / "tokens"),
+        "--steps",
+        "3",
+        "--global-batch",
+        "4",
+        "--micro-batches",
+        "2",
+        "--seq-len",
+        "32",
+        "--metrics-file",
+        str(metrics),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert {"loss", "lr", "tokens_per_s", "step_s"} <= set(records[0])
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_cli_data_prepare_writes_a_token_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello")
+    assert main(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out.bin").read_bytes() == b"hello"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--global-batch", "6", "--micro-batches", "4"], "does not split into 4 micro-batches"),
+        (["--model", "gpt5"], "unknown model 'gpt5'.*gpt-tiny"),
+        (["--seq-len", "512"], "longer than gpt-tiny's context of 128"),
+        (["--data", "/nonexistent/tokens"], "nonexistent"),
+        (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+    ],
+)
+def test_cli_rejects_bad_input_before_compute(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--steps", "1", "--no-progress", *argv])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
