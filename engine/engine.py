@@ -1,0 +1,309 @@
+"""PipelineEngine: one training or evaluation step of a pipeline replica on the mesh.
+
+The stage computes, the runtime interprets the schedule, the exchange moves tensors, the
+reducers sum gradients; the engine wires them together for one step and reports what it saw
+(loss on every rank, busy time, measured bubble, in-flight peak).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.actions import Action, ActionKind
+from engine.grad_sync import BucketedAllReduce, new_tie_groups, tied_parameters
+from engine.mesh import Mesh
+from engine.p2p import StageExchange
+from engine.passes import add_communication
+from engine.reference import LossFn, split_micro_batches
+from engine.runtime import ActionTiming, execute
+from engine.schedules import Schedule, make_schedule
+from engine.stage import PipelineStage
+from engine.validate import validate
+from models import LayerSpec, lm_loss
+from partitioners import Partition
+
+__all__ = ["OptimizerFactory", "PipelineEngine", "StepStats"]
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What one step measured on this rank."""
+
+    loss: float
+    """Mean loss over the global batch (the same on every rank)."""
+    step_s: float
+    """Seconds the schedule took on this rank."""
+    busy_s: float
+    """Seconds of compute (F, B, I, W) on this rank."""
+    bubble: float
+    """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
+    in_flight_peak: dict[int, int]
+    """Peak micro-batches in flight per stage held by this rank."""
+    timings: tuple[ActionTiming, ...]
+    """Every action's start and end on this rank."""
+
+
+def _forward_only(num_ranks: int, micro_batches: int) -> Schedule:
+    rows = tuple(
+        tuple(Action(r, ActionKind.F, k) for k in range(micro_batches)) for r in range(num_ranks)
+    )
+    return Schedule(
+        name="inference",
+        num_ranks=num_ranks,
+        num_stages=num_ranks,
+        micro_batches=micro_batches,
+        placement=tuple(range(num_ranks)),
+        rows=rows,
+    )
+
+
+class PipelineEngine:
+    """Runs this rank's stage of a partitioned layer list under a pipeline schedule."""
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        mesh: Mesh,
+        *,
+        partition: Partition,
+        micro_batches: int,
+        schedule: str = "1f1b",
+        seed: int = 0,
+        optimizer: OptimizerFactory | None = None,
+        loss_fn: LossFn = lm_loss,
+        timeout_s: float = 300.0,
+    ) -> None:
+        _check_layout(specs, mesh, partition, micro_batches)
+        self.mesh, self.micro_batches = mesh, micro_batches
+        self.schedule = add_communication(
+            make_schedule(schedule, num_ranks=mesh.pp, micro_batches=micro_batches)
+        )
+        validate(self.schedule)
+        self.eval_schedule = add_communication(_forward_only(mesh.pp, micro_batches))
+        self.stages = {
+            s: PipelineStage(
+                specs,
+                stage=s,
+                layers=partition.layers_of(s),
+                num_stages=partition.num_stages,
+                seed=seed,
+                device=mesh.device,
+                loss_fn=loss_fn,
+            )
+            for s in self.schedule.stages_of(mesh.pp_rank)
+        }
+        self.module = nn.ModuleList(stage.module for stage in self.stages.values())
+        rank_of_stage = {
+            s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
+            for s in range(partition.num_stages)
+        }
+        self.exchange = StageExchange(
+            group=mesh.pp_group,
+            global_rank_of_stage=rank_of_stage,
+            device=mesh.device,
+            timeout_s=timeout_s,
+        )
+        self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
+        self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
+        self.optimizer = optimizer(self.module) if optimizer else None
+        self._last_rank = rank_of_stage[partition.num_stages - 1]
+
+    def _init_ties(
+        self, specs: Sequence[LayerSpec], partition: Partition, timeout_s: float
+    ) -> tuple[dict[str, nn.Parameter], dict[str, dist.ProcessGroup | None]]:
+        tied: dict[str, nn.Parameter] = {}
+        for stage in self.stages.values():
+            tied.update(tied_parameters(stage.module, specs, stage.layers))
+        if self.mesh.world_size == 1:
+            return tied, {}
+        layers = [partition.layers_of(s) for s in range(partition.num_stages)]
+        replicas = [
+            [
+                self.mesh.global_rank(pp_rank=self.schedule.rank_of(s), dp_rank=d)
+                for s in range(partition.num_stages)
+            ]
+            for d in range(self.mesh.dp)
+        ]
+        groups = new_tie_groups(specs, layers, replicas, timeout=timedelta(seconds=timeout_s))
+        return tied, groups
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        return max(self.stages) == self.schedule.num_stages - 1
+
+    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
+        """Forward and backward every micro-batch, reduce gradients, step the optimizer.
+
+        Only the first stage needs `inputs` and only the last needs `targets`; other ranks may
+        pass None. The returned loss is the global batch's mean, on every rank.
+        """
+        for param in self.module.parameters():
+            param.grad = None
+        stats = self._run(self.schedule, inputs, targets, training=True)
+        self._dp_reduce.finish()
+        for key, param in self._tied.items():
+            if key in self._tie_groups and param.grad is not None:
+                dist.all_reduce(param.grad, group=self._tie_groups[key])
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return stats
+
+    def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """Forward-only loss of a batch, on every rank."""
+        return self._run(self.eval_schedule, inputs, targets, training=False).loss
+
+    def _run(
+        self,
+        schedule: Schedule,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        training: bool,
+    ) -> StepStats:
+        step = _Step(self, inputs, targets, training=training)
+        for stage in self.stages.values():
+            stage.reset_peak()
+        start = time.perf_counter()
+        timings = execute(schedule, self.mesh.pp_rank, step.handlers())
+        self.exchange.wait_sends()
+        step_s = time.perf_counter() - start
+        busy = sum(t.end - t.start for t in timings if t.action.is_compute)
+        return StepStats(
+            loss=self._global_loss(step.losses),
+            step_s=step_s,
+            busy_s=busy,
+            bubble=self._bubble(busy, step_s),
+            in_flight_peak={s: stage.peak_in_flight for s, stage in self.stages.items()},
+            timings=tuple(timings),
+        )
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.mesh.device)
+        loss = loss.to(torch.float32)
+        if self.mesh.pp > 1:
+            dist.broadcast(loss, src=self._last_rank, group=self.mesh.pp_group)
+        if self.mesh.dp > 1:
+            dist.all_reduce(loss, group=self.mesh.dp_group)
+            loss /= self.mesh.dp
+        return float(loss)
+
+    def _bubble(self, busy: float, step_s: float) -> float:
+        if self.mesh.pp == 1:
+            return 1.0 - busy / step_s if step_s > 0 else 0.0
+        mine = torch.tensor([busy, step_s], dtype=torch.float64, device=self.mesh.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.mesh.pp)]
+        dist.all_gather(gathered, mine, group=self.mesh.pp_group)
+        total_busy = sum(float(g[0]) for g in gathered)
+        slowest = max(float(g[1]) for g in gathered)
+        return 1.0 - total_busy / (self.mesh.pp * slowest)
+
+
+def _check_layout(
+    specs: Sequence[LayerSpec], mesh: Mesh, partition: Partition, micro_batches: int
+) -> None:
+    if partition.num_layers != len(specs):
+        raise ValueError(
+            f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
+            "partition this model's layer list"
+        )
+    if partition.num_stages != mesh.pp:
+        raise ValueError(
+            f"the partition has {partition.num_stages} stages but the mesh has pp={mesh.pp} "
+            "pipeline ranks: use one stage per pipeline rank"
+        )
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
+
+
+class _Step:
+    """Per-step state of one rank: micro-batches, tensors waiting to be sent, losses."""
+
+    def __init__(
+        self,
+        engine: PipelineEngine,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        training: bool,
+    ) -> None:
+        m = engine.micro_batches
+        if engine.is_first and inputs is None:
+            raise ValueError("the first pipeline stage needs the batch's inputs")
+        if engine.is_last and targets is None:
+            raise ValueError("the last pipeline stage needs the batch's targets")
+        self.engine, self.training = engine, training
+        self.inputs = (
+            split_micro_batches(inputs, m) if engine.is_first and inputs is not None else ()
+        )
+        self.targets = (
+            split_micro_batches(targets, m) if engine.is_last and targets is not None else ()
+        )
+        self.activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.outbox: dict[tuple[ActionKind, int, int], tuple[torch.Tensor, ...]] = {}
+        self.losses: list[torch.Tensor] = []
+        self._backwards_left = m * len(engine.stages)
+
+    def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
+        return {
+            ActionKind.F: self.forward,
+            ActionKind.B: self.backward,
+            ActionKind.SEND_F: self.send,
+            ActionKind.SEND_B: self.send,
+            ActionKind.RECV_F: self.recv,
+            ActionKind.RECV_B: self.recv,
+        }
+
+    def forward(self, action: Action) -> None:
+        s, k = action.stage, action.micro_batch
+        stage = self.engine.stages[s]
+        inputs = (self.inputs[k],) if stage.is_first else self.activations.pop((s, k))
+        divisor = self.engine.micro_batches * self.engine.mesh.dp
+        outputs = stage.forward(
+            k,
+            inputs,
+            targets=self.targets[k] if stage.is_last else None,
+            loss_divisor=divisor,
+            training=self.training,
+        )
+        if stage.is_last:
+            self.losses.append(outputs[0])
+        elif s + 1 in self.engine.stages:
+            self.activations[(s + 1, k)] = tuple(o.detach().requires_grad_() for o in outputs)
+        else:
+            self.outbox[(ActionKind.SEND_F, s, k)] = outputs
+
+    def backward(self, action: Action) -> None:
+        s, k = action.stage, action.micro_batch
+        stage = self.engine.stages[s]
+        grads = () if stage.is_last else self.gradients.pop((s, k))
+        input_grads = stage.backward(k, grads)
+        if s > 0 and s - 1 in self.engine.stages:
+            self.gradients[(s - 1, k)] = input_grads
+        elif s > 0:
+            self.outbox[(ActionKind.SEND_B, s, k)] = input_grads
+        self._backwards_left -= 1
+        if self._backwards_left == 0 and self.engine.mesh.dp > 1:
+            self.engine._dp_reduce.start()
+
+    def send(self, action: Action) -> None:
+        tensors = self.outbox.pop((action.kind, action.stage, action.micro_batch))
+        self.engine.exchange.send(action, tensors, training=self.training)
+
+    def recv(self, action: Action) -> None:
+        tensors = self.engine.exchange.recv(action, training=self.training)
+        box = self.activations if action.kind is ActionKind.RECV_F else self.gradients
+        box[(action.stage, action.micro_batch)] = tensors

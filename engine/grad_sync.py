@@ -1,0 +1,104 @@
+"""Gradient reduction across the mesh: data-parallel replicas and tied weights.
+
+Gradients are summed (each micro-batch loss is already divided by the global number of
+micro-batches), in buckets of flattened gradients so a stage sends a few large messages, and
+started asynchronously as soon as the stage's last backward of the step is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from models import LayerSpec
+
+__all__ = ["BucketedAllReduce", "new_tie_groups", "tied_parameters"]
+
+
+class BucketedAllReduce:
+    """Sum a set of parameters' gradients over a group, bucket by bucket, asynchronously."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: dist.ProcessGroup | None,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+    ) -> None:
+        self._group = group
+        self._buckets: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for param in params:
+            if size >= bucket_bytes:
+                self._buckets.append([])
+                size = 0
+            self._buckets[-1].append(param)
+            size += param.numel() * param.element_size()
+        self._inflight: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+
+    def start(self) -> None:
+        """Post every bucket's all-reduce (missing grads count as zeros)."""
+        for bucket in self._buckets:
+            if not bucket:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = _flatten_dense_tensors(grads)
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
+            assert work is not None
+            self._inflight.append((work, flat, bucket))
+
+    def finish(self) -> None:
+        """Wait for the reductions and write the sums back into `.grad`."""
+        for work, flat, bucket in self._inflight:
+            work.wait()
+            shapes = [torch.empty_like(p) for p in bucket]
+            for param, summed in zip(bucket, _unflatten_dense_tensors(flat, shapes), strict=True):
+                param.grad = summed
+        self._inflight = []
+
+
+def tied_parameters(
+    module: nn.Module, specs: Sequence[LayerSpec], layers: range
+) -> dict[str, nn.Parameter]:
+    """This stage's copy of each tied weight, by tie key."""
+    found: dict[str, nn.Parameter] = {}
+    for i in layers:
+        spec = specs[i]
+        if spec.tie_key is not None and spec.tie_key not in found:
+            found[spec.tie_key] = module.get_parameter(f"layers.{i}.{spec.tied_param}")
+    return found
+
+
+def new_tie_groups(
+    specs: Sequence[LayerSpec],
+    stage_layers: Sequence[range],
+    replica_ranks: Sequence[Sequence[int]],
+    *,
+    timeout: timedelta,
+) -> dict[str, dist.ProcessGroup | None]:
+    """For each tie key held by more than one pipeline rank, the group of those ranks.
+
+    `stage_layers[s]` are the layers of stage s; `replica_ranks[d][s]` the global rank holding
+    stage s in replica d. Every rank calls this identically (`new_group` is collective over the
+    world); only the groups this rank belongs to are kept.
+    """
+    holders: dict[str, set[int]] = {}
+    for stage, layers in enumerate(stage_layers):
+        for i in layers:
+            if specs[i].tie_key is not None:
+                holders.setdefault(str(specs[i].tie_key), set()).add(stage)
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    for key in sorted(holders):
+        for ranks_of_stage in replica_ranks:
+            ranks = sorted({ranks_of_stage[s] for s in holders[key]})
+            if len(ranks) < 2:
+                continue
+            group = dist.new_group(ranks, timeout=timeout)
+            if dist.get_rank() in ranks:
+                groups[key] = group
+    return groups

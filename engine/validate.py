@@ -1,0 +1,377 @@
+"""Schedule validator and dry-run simulator.
+
+`validate` checks the invariants every schedule must keep (each micro-batch's F, B or I+W once,
+in order, on the rank that holds its stage; every send matched by one receive) and reports all
+broken ones at once. `simulate` executes a lowered schedule with per-action costs to find
+deadlocks, the step time, the bubble and the in-flight peaks a runtime will measure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, fields
+
+from engine.actions import COMM_KINDS, Action, ActionKind
+from engine.passes import (
+    add_communication,
+    communication_for,
+    counterpart,
+    is_lowered,
+    peer_stage,
+)
+from engine.schedules import Schedule, format_schedule
+
+__all__ = [
+    "ActionCosts",
+    "ScheduleError",
+    "SimResult",
+    "TimedAction",
+    "simulate",
+    "validate",
+]
+
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+_RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+_USES = {  # the compute kinds a communication action feeds or is fed by
+    ActionKind.SEND_F: (_F,),
+    ActionKind.RECV_F: (_F,),
+    ActionKind.SEND_B: (_B, _I),
+    ActionKind.RECV_B: (_B, _I),
+}
+_ORDER_GROUPS = {_F: "F", _B: "B/I", _I: "B/I", _W: "W"}
+
+
+class ScheduleError(ValueError):
+    """A schedule that breaks an invariant or deadlocks; the message lists every problem."""
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def _placement_problem(schedule: Schedule, rank: int, action: Action) -> str | None:
+    """Why an action cannot run on `rank`, or None."""
+    s, k, last = action.stage, action.micro_batch, schedule.num_stages - 1
+    if not 0 <= s <= last:
+        return f"stage {s} is outside 0..{last}"
+    if not 0 <= k < schedule.micro_batches:
+        return f"micro-batch {k} is outside 0..{schedule.micro_batches - 1}"
+    if schedule.rank_of(s) != rank:
+        return f"stage {s} lives on rank {schedule.rank_of(s)}"
+    if action.kind in COMM_KINDS:
+        peer = peer_stage(action)
+        if not 0 <= peer <= last:
+            return f"stage {s} has no stage {peer} to exchange with"
+        if schedule.rank_of(peer) == rank:
+            return f"stages {s} and {peer} share rank {rank} and pass data in memory"
+    return None
+
+
+def _check_placement(schedule: Schedule) -> tuple[list[str], list[list[tuple[int, Action]]]]:
+    """Problems with where actions sit, and each rank's well-placed actions with their index."""
+    problems: list[str] = []
+    placed: list[list[tuple[int, Action]]] = []
+    for rank, row in enumerate(schedule.rows):
+        placed.append([])
+        for index, action in enumerate(row):
+            why = _placement_problem(schedule, rank, action)
+            if why is None:
+                placed[rank].append((index, action))
+            else:
+                problems.append(f"rank {rank}: {action} at index {index}: {why}")
+    return problems, placed
+
+
+def _check_counts(schedule: Schedule, placed: list[list[tuple[int, Action]]]) -> list[str]:
+    """Each (stage, micro-batch) has one F and either one B or one I and one W."""
+    seen = Counter(a for row in placed for _, a in row)
+    problems = []
+    for s in range(schedule.num_stages):
+        for k in range(schedule.micro_batches):
+            f, b, i, w = (seen[Action(s, kind, k)] for kind in (_F, _B, _I, _W))
+            if f != 1:
+                problems.append(
+                    f"stage {s} micro-batch {k}: expected exactly one {s}F{k}, found {f}"
+                )
+            if (b, i, w) not in ((1, 0, 0), (0, 1, 1)):
+                problems.append(
+                    f"stage {s} micro-batch {k}: expected one {s}B{k}, or one {s}I{k} and one "
+                    f"{s}W{k}; found B×{b}, I×{i}, W×{w}"
+                )
+    return problems
+
+
+def _check_rank_order(rank: int, row: list[tuple[int, Action]]) -> list[str]:
+    """On one rank: F before its B/I, I before its W, each stage's kinds in micro-batch order."""
+    first = _first_index(row)
+    problems = []
+    last: dict[tuple[int, str], Action] = {}
+    for index, action in row:
+        s, k = action.stage, action.micro_batch
+        needs = {_B: _F, _I: _F, _W: _I}.get(action.kind)
+        if needs is not None and first.get(Action(s, needs, k), -1) > index:
+            before = Action(s, needs, k)
+            problems.append(
+                f"rank {rank}: {action} at index {index} comes before its {before} "
+                f"at index {first[before]}"
+            )
+        group = _ORDER_GROUPS.get(action.kind)
+        if group is None:
+            continue
+        prev = last.get((s, group))
+        if prev is not None and k < prev.micro_batch:
+            problems.append(
+                f"rank {rank}: {action} at index {index} comes after {prev}: stage {s}'s "
+                f"{group} actions must run in ascending micro-batch order"
+            )
+        last[(s, group)] = action
+    return problems
+
+
+def _comm_order_problem(action: Action, index: int, first: dict[Action, int]) -> str | None:
+    """A send must follow the compute action that produces its data, a receive precede its user."""
+    users = [Action(action.stage, kind, action.micro_batch) for kind in _USES[action.kind]]
+    found = [(first[u], u) for u in users if u in first]
+    if not found:
+        return f"has no {' or '.join(map(str, users))} on its rank"
+    at, user = min(found)
+    if action.kind in _RECVS and at < index:
+        return f"comes after {user} at index {at}: a receive must come before its use"
+    if action.kind not in _RECVS and at > index:
+        return f"comes before {user} at index {at}: a send must come after what it sends"
+    return None
+
+
+def _first_index(row: list[tuple[int, Action]]) -> dict[Action, int]:
+    first: dict[Action, int] = {}
+    for index, action in row:
+        first.setdefault(action, index)
+    return first
+
+
+def _missing_comm(schedule: Schedule, action: Action, first: dict[Action, int]) -> list[str]:
+    """The sends/receives a compute action needs (see `communication_for`) that are absent."""
+    before, after = communication_for(action, schedule)
+    return [f"needs {c} before it, none found" for c in before if c not in first] + [
+        f"needs {c} after it, none found" for c in after if c not in first
+    ]
+
+
+def _exchange_problems(
+    schedule: Schedule,
+    rank: int,
+    index: int,
+    first: dict[Action, int],
+    on_rank: list[Counter[Action]],
+) -> list[str]:
+    """A SEND/RECV must be unique, matched on its peer rank, and in order with its compute."""
+    action = schedule.rows[rank][index]
+    problems = []
+    count = on_rank[rank][action]
+    if count > 1 and first[action] == index:
+        problems.append(f"appears {count} times: each exchange happens once")
+    match = counterpart(action)
+    peer = schedule.rank_of(match.stage)
+    if on_rank[peer][match] == 0:
+        problems.append(f"has no matching {match} on rank {peer}")
+    order = _comm_order_problem(action, index, first)
+    if order is not None:
+        problems.append(order)
+    return problems
+
+
+def _check_comm(schedule: Schedule, placed: list[list[tuple[int, Action]]]) -> list[str]:
+    """Every SEND has one matching RECV on the peer (and back), in order with its compute."""
+    on_rank = [Counter(a for _, a in row) for row in placed]
+    problems = []
+    for rank, row in enumerate(placed):
+        first = _first_index(row)
+        for index, action in row:
+            if action.kind in COMM_KINDS:
+                whys = _exchange_problems(schedule, rank, index, first, on_rank)
+            else:
+                whys = _missing_comm(schedule, action, first)
+            problems += [f"rank {rank}: {action} at index {index} {why}" for why in whys]
+    return problems
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise `ScheduleError` listing every broken invariant; works lowered or compute-only."""
+    problems, placed = _check_placement(schedule)
+    problems += _check_counts(schedule, placed)
+    for rank, row in enumerate(placed):
+        problems += _check_rank_order(rank, row)
+    if is_lowered(schedule):
+        problems += _check_comm(schedule, placed)
+    if problems:
+        raise ScheduleError(
+            f"schedule {schedule.name!r} breaks {len(problems)} rule(s):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+# --- simulation ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActionCosts:
+    """Time each action takes in the dry run (any unit; only ratios matter for the bubble)."""
+
+    forward: float = 1.0
+    """One micro-batch's F on one stage."""
+    backward: float = 2.0
+    """One full B (input and weight gradients), about twice a forward."""
+    input_grad: float = 1.0
+    """The I half of a split backward."""
+    weight_grad: float = 1.0
+    """The W half of a split backward."""
+    comm: float = 0.0
+    """Delay from a SEND until its RECV's data arrives; sends cost the sender nothing."""
+    per_stage: tuple[tuple[float, float, float, float], ...] | None = None
+    """Optional (F, B, I, W) per stage, overriding the four above (unbalanced partitions)."""
+
+    def __post_init__(self) -> None:
+        scalars = [getattr(self, f.name) for f in fields(self) if f.name != "per_stage"]
+        every = scalars + [c for row in self.per_stage or () for c in row]
+        if any(c < 0 for c in every):
+            raise ValueError(f"costs must be >= 0, got {self}")
+
+    def of(self, action: Action) -> float:
+        """Compute time of an action (0 for SEND/RECV: their delay is `comm`)."""
+        if action.kind in COMM_KINDS:
+            return 0.0
+        costs = (
+            (self.forward, self.backward, self.input_grad, self.weight_grad)
+            if self.per_stage is None
+            else self.per_stage[action.stage]
+        )
+        return costs[(_F, _B, _I, _W).index(action.kind)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimedAction:
+    """An action with its simulated start and end (a RECV's span is the wait for its data)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    """What a dry run of one step measured."""
+
+    timeline: tuple[tuple[TimedAction, ...], ...]
+    """Per rank, its lowered actions with start and end times."""
+    step_time: float
+    """Makespan: when the last rank finishes."""
+    busy: tuple[float, ...]
+    """Per rank, time spent in compute actions."""
+    bubble: float
+    """Idle fraction, `1 − sum(busy) / (ranks · step_time)`."""
+    in_flight_peak: tuple[int, ...]
+    """Per stage, most micro-batches whose F ran and whose B (or I) has not."""
+    pending_w_peak: tuple[int, ...]
+    """Per stage, most micro-batches whose I ran and whose W has not."""
+    steps: int
+    """Compute actions on the busiest rank: the step length in unit-cost clock ticks."""
+
+
+class _Run:
+    """Mutable state of one dry run: each rank's position and clock, and when each send ran."""
+
+    def __init__(self, schedule: Schedule, costs: ActionCosts) -> None:
+        self.schedule, self.costs = schedule, costs
+        self.pc = [0] * schedule.num_ranks
+        self.clock = [0.0] * schedule.num_ranks
+        self.sent: dict[Action, float] = {}
+        self.timeline: list[list[TimedAction]] = [[] for _ in schedule.rows]
+
+    def advance(self, rank: int) -> bool:
+        """Run `rank` until it blocks on a receive or ends; whether it moved."""
+        row, start_pc = self.schedule.rows[rank], self.pc[rank]
+        while self.pc[rank] < len(row):
+            action, now = row[self.pc[rank]], self.clock[rank]
+            if action.kind in _RECVS:
+                sent = self.sent.get(counterpart(action))
+                if sent is None:
+                    break
+                end = max(now, sent + self.costs.comm)
+            else:
+                end = now + self.costs.of(action)
+                if action.kind in COMM_KINDS:
+                    self.sent[action] = now
+            self.timeline[rank].append(TimedAction(action=action, start=now, end=end))
+            self.clock[rank], self.pc[rank] = end, self.pc[rank] + 1
+        return self.pc[rank] > start_pc
+
+    def done(self) -> bool:
+        return all(pc == len(row) for pc, row in zip(self.pc, self.schedule.rows, strict=True))
+
+    def deadlock(self) -> ScheduleError:
+        lines, first = [], None
+        for rank, row in enumerate(self.schedule.rows):
+            pc = self.pc[rank]
+            if pc < len(row):
+                match = counterpart(row[pc])
+                lines.append(
+                    f"rank {rank} waits at {row[pc]} (index {pc}) for {match} "
+                    f"from rank {self.schedule.rank_of(match.stage)}"
+                )
+                first = first or (rank, pc)
+        assert first is not None, "a deadlock needs a blocked rank"
+        grid = format_schedule(self.schedule, around=first)
+        return ScheduleError(
+            f"deadlock in schedule {self.schedule.name!r}: no rank can move\n  "
+            + "\n  ".join(lines)
+            + f"\n{grid}"
+        )
+
+
+def _peaks(schedule: Schedule, opens: ActionKind, closes: tuple[ActionKind, ...]) -> list[int]:
+    """Per stage, the largest count of `opens` not yet `closes`d, walking its rank's own order.
+
+    That is the stash size a runtime counts, whatever the timing.
+    """
+    live, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
+    for row in schedule.rows:
+        for action in row:
+            if action.kind is opens:
+                live[action.stage] += 1
+                peak[action.stage] = max(peak[action.stage], live[action.stage])
+            elif action.kind in closes:
+                live[action.stage] -= 1
+    return peak
+
+
+def _bubble(busy: tuple[float, ...], step_time: float) -> float:
+    """Idle fraction; written as idle / total so exact inputs give correctly rounded results."""
+    total = len(busy) * step_time
+    return (total - sum(busy)) / total if total > 0 else 0.0
+
+
+def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> SimResult:
+    """Dry-run one step; compute-only schedules are lowered first. Raises on deadlock."""
+    costs = costs or ActionCosts()
+    validate(schedule)
+    if costs.per_stage is not None and len(costs.per_stage) != schedule.num_stages:
+        raise ValueError(
+            f"costs.per_stage has {len(costs.per_stage)} entries for {schedule.num_stages} "
+            "stages: give (F, B, I, W) for every stage"
+        )
+    lowered = schedule if is_lowered(schedule) else add_communication(schedule)
+    run = _Run(lowered, costs)
+    while not run.done():
+        moved = [run.advance(rank) for rank in range(lowered.num_ranks)]
+        if not any(moved) and not run.done():
+            raise run.deadlock()
+    step_time = max(run.clock)
+    busy = tuple(sum(costs.of(a) for a in row) for row in lowered.rows)
+    return SimResult(
+        timeline=tuple(tuple(row) for row in run.timeline),
+        step_time=step_time,
+        busy=busy,
+        bubble=_bubble(busy, step_time),
+        in_flight_peak=tuple(_peaks(lowered, _F, (_B, _I))),
+        pending_w_peak=tuple(_peaks(lowered, _I, (_W,))),
+        steps=max(sum(a.is_compute for a in row) for row in lowered.rows),
+    )

@@ -1,0 +1,138 @@
+"""Pipeline runs and their single-process references, shared by the distributed tests.
+
+A `Case` is one (model, layout, schedule, micro-batching) configuration. `run_case` runs it on
+the calling rank's mesh; `reference_run` runs the same steps in one process with the same
+seed, the same global batches and the same micro-batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.engine import PipelineEngine
+from engine.mesh import init_mesh
+from engine.optim import build_optimizer
+from engine.reference import reference_step
+from models import GPTConfig, build_layers, layer_specs, lm_loss
+from partitioners import partition_model
+
+GPT_UNTIED = GPTConfig(
+    vocab_size=256, n_layer=4, n_head=4, d_model=64, max_seq_len=64, tie_embeddings=False
+)
+MODELS: dict[str, Any] = {"gpt-untied": GPT_UNTIED, "gpt-tiny": "gpt-tiny", "llama": "llama-tiny"}
+SEQ_LEN = 16
+STEPS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    pp: int
+    dp: int
+    schedule: str
+    micro_batches: int
+    partition: str
+    optimizer: str = "adamw"
+    micro_batch_size: int = 2
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.micro_batches * self.dp
+
+    def __str__(self) -> str:
+        return (
+            f"{self.model}-pp{self.pp}-dp{self.dp}-{self.schedule}-m{self.micro_batches}-"
+            f"{self.partition.replace(':', '=').replace(',', '.')}-{self.optimizer}"
+        )
+
+
+def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1234)
+    shape = (case.global_batch, SEQ_LEN + 1)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, shape, generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _optimizer(case: Case) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
+    normalises gradients that are mathematically zero (attention's key bias) and turns their
+    last-bit noise into lr-sized steps."""
+
+    def build(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return build_optimizer(
+            module, name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9
+        )
+
+    return build
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Train `case` on this rank; returns losses, in-flight peaks and this rank's parameters."""
+    mesh = init_mesh(case.pp, case.dp, timeout_s=60)
+    specs = layer_specs(MODELS[case.model])
+    partition = partition_model(specs, method=case.partition, num_stages=case.pp, seq_len=SEQ_LEN)
+    engine = PipelineEngine(
+        specs,
+        mesh,
+        partition=partition,
+        micro_batches=case.micro_batches,
+        schedule=case.schedule,
+        seed=7,
+        optimizer=_optimizer(case),
+        timeout_s=60,
+    )
+    rows = case.global_batch // case.dp
+    losses, peaks, bubbles = [], [], []
+    for inputs, targets in batches(case):
+        local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+        stats = engine.train_step(
+            inputs[local] if engine.is_first else None,
+            targets[local] if engine.is_last else None,
+        )
+        losses.append(stats.loss)
+        peaks.append(stats.in_flight_peak)
+        bubbles.append(stats.bubble)
+    inputs, targets = batches(case)[0]
+    local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    eval_loss = engine.eval_step(inputs[local], targets[local])
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "peaks": peaks,
+        "bubbles": bubbles,
+        "params": {n.split(".", 1)[1]: p for n, p in params.items()},
+        "dp_rank": mesh.dp_rank,
+    }
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict[str, Any]]:
+    """Harness entry point: run every case on this rank, keyed by the case's name."""
+    return {str(case): run_case(case) for case in cases}
+
+
+def reference_run(case: Case) -> dict[str, Any]:
+    """The same steps in one process: m·dp micro-batches of the same size."""
+    torch.set_num_threads(1)
+    model = build_layers(layer_specs(MODELS[case.model]), seed=7)
+    optimizer = _optimizer(case)(model)
+    losses = [
+        reference_step(model, optimizer, x, y, micro_batches=case.micro_batches * case.dp)
+        for x, y in batches(case)
+    ]
+    x, y = batches(case)[0]
+    with torch.no_grad():
+        pairs = zip(x.split(case.micro_batch_size), y.split(case.micro_batch_size), strict=True)
+        eval_loss = float(torch.stack([lm_loss(model(a), b) for a, b in pairs]).mean())
+    return {
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=False).items()},
+    }

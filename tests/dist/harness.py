@@ -1,0 +1,92 @@
+"""Spawn N gloo ranks on this machine, run a function on each, collect what it returns.
+
+Each rank is a fresh process (spawn) with the launcher environment torchrun would set and one
+intra-op thread. Results travel back serialised with `torch.save`. A rank that raises fails the
+caller with its traceback; ranks that do not finish within `timeout_s` are killed.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["free_port", "run_ranks", "RanksFailed"]
+
+
+class RanksFailed(AssertionError):
+    """At least one rank raised or the group timed out."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, out: Any, args: tuple[Any, ...]
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        out.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; returns results by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, out, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = out.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+    except queue.Empty:
+        missing = sorted(set(range(world_size)) - set(results) - set(errors))
+        errors[-1] = f"ranks {missing} did not finish within {timeout_s}s"
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        raise RanksFailed("\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
