@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a model (the default corpus if no --data)")
     _add_config_flags(train, TrainConfig)
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    train.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
     plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
     plan.add_argument("--model", default="gpt-tiny", help="a registered model name")
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
@@ -75,14 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from engine.train import train
+    from engine.launch import is_launched, launch_local
+    from engine.mesh import launcher_world_size
+    from engine.train import train_worker
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    result = train(config, progress=not args.no_progress)
+    ranks = config.pp * config.dp
+    if ranks > 1 and not is_launched():
+        result = launch_local(train_worker, ranks, config, not args.no_progress)[0]
+    else:
+        if is_launched() and launcher_world_size() != ranks:
+            raise ValueError(
+                f"--pp {config.pp} × --dp {config.dp} = {ranks} ranks, but the launcher "
+                f"started {launcher_world_size()}: make them equal"
+            )
+        result = train_worker(config, not args.no_progress)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    bubble = sum(result.bubbles[1:]) / max(1, len(result.bubbles) - 1)
     print(
         f"final loss {result.final_loss:.4f} after {config.steps} steps "
-        f"({result.tokens_per_s:,.0f} tokens/s)"
+        f"({result.tokens_per_s:,.0f} tokens/s, bubble {bubble:.1%})"
     )
     return 0
 

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.optim import LR_SCHEDULES, OPTIMIZERS
-from models import get_config
+from engine.schedules import SCHEDULES
+from models import get_config, layer_specs
 
 __all__ = ["TrainConfig"]
 
@@ -50,6 +51,16 @@ class TrainConfig:
     """Intra-op threads per process; 0 leaves torch's default."""
     metrics_file: str | None = None
     """Path of a JSON-lines file receiving one record per step."""
+    pp: int = 1
+    """Pipeline stages (ranks per pipeline)."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe` or `1f1b`."""
+    partition: str = "balanced"
+    """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
+    timeout: float = 300.0
+    """Seconds any collective or p2p call may wait before failing (dead or stalled peer)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batches", "seq_len"):
@@ -72,6 +83,23 @@ class TrainConfig:
             f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}",
         )
         _require(self.threads >= 0, f"threads={self.threads} must be >= 0")
+        _require(self.pp >= 1 and self.dp >= 1, f"pp={self.pp} and dp={self.dp} must be >= 1")
+        _require(self.timeout > 0, f"timeout={self.timeout} must be positive")
+        _require(
+            self.global_batch % (self.dp * self.micro_batches) == 0,
+            f"global batch {self.global_batch} does not split into {self.dp} replicas × "
+            f"{self.micro_batches} micro-batches: use a multiple of {self.dp * self.micro_batches}",
+        )
+        _require(
+            self.schedule in SCHEDULES,
+            f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+        )
+        num_layers = len(layer_specs(self.model))
+        _require(
+            self.pp <= num_layers,
+            f"cannot split {self.model}'s {num_layers} layers into {self.pp} stages: "
+            f"use --pp {num_layers} or less",
+        )
         context = get_config(self.model).max_seq_len
         _require(
             self.seq_len <= context,

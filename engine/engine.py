@@ -23,7 +23,7 @@ from engine.p2p import StageExchange
 from engine.passes import add_communication
 from engine.reference import LossFn, split_micro_batches
 from engine.runtime import ActionTiming, execute
-from engine.schedules import Schedule, make_schedule
+from engine.schedules import Schedule, inference, make_schedule
 from engine.stage import PipelineStage
 from engine.validate import validate
 from models import LayerSpec, lm_loss
@@ -52,20 +52,6 @@ class StepStats:
     """Every action's start and end on this rank."""
 
 
-def _forward_only(num_ranks: int, micro_batches: int) -> Schedule:
-    rows = tuple(
-        tuple(Action(r, ActionKind.F, k) for k in range(micro_batches)) for r in range(num_ranks)
-    )
-    return Schedule(
-        name="inference",
-        num_ranks=num_ranks,
-        num_stages=num_ranks,
-        micro_batches=micro_batches,
-        placement=tuple(range(num_ranks)),
-        rows=rows,
-    )
-
-
 class PipelineEngine:
     """Runs this rank's stage of a partitioned layer list under a pipeline schedule."""
 
@@ -88,7 +74,8 @@ class PipelineEngine:
             make_schedule(schedule, num_ranks=mesh.pp, micro_batches=micro_batches)
         )
         validate(self.schedule)
-        self.eval_schedule = add_communication(_forward_only(mesh.pp, micro_batches))
+        self.eval_schedule = add_communication(inference(mesh.pp, micro_batches))
+        validate(self.eval_schedule)
         self.stages = {
             s: PipelineStage(
                 specs,

@@ -16,6 +16,7 @@ __all__ = [
     "Schedule",
     "format_schedule",
     "gpipe",
+    "inference",
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
@@ -129,6 +130,13 @@ def one_f_one_b(num_ranks: int, micro_batches: int) -> Schedule:
     _check_sizes(num_ranks, micro_batches)
     rows = [_one_f_one_b_row(r, num_ranks, micro_batches) for r in range(num_ranks)]
     return _one_stage_per_rank("1f1b", rows, micro_batches)
+
+
+def inference(num_ranks: int, micro_batches: int) -> Schedule:
+    """Forwards only, in micro-batch order: what `eval_step` runs."""
+    _check_sizes(num_ranks, micro_batches)
+    rows = [[Action(r, ActionKind.F, k) for k in range(micro_batches)] for r in range(num_ranks)]
+    return _one_stage_per_rank("inference", rows, micro_batches)
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -82,8 +82,12 @@ def _check_placement(schedule: Schedule) -> tuple[list[str], list[list[tuple[int
 
 
 def _check_counts(schedule: Schedule, placed: list[list[tuple[int, Action]]]) -> list[str]:
-    """Each (stage, micro-batch) has one F and either one B or one I and one W."""
+    """Each (stage, micro-batch) has one F and either one B or one I and one W.
+
+    A forward-only schedule (no backward action at all, as `inference` makes) needs only F's.
+    """
     seen = Counter(a for row in placed for _, a in row)
+    forward_only = all(a.kind is _F for a in seen if a.is_compute)
     problems = []
     for s in range(schedule.num_stages):
         for k in range(schedule.micro_batches):
@@ -92,7 +96,7 @@ def _check_counts(schedule: Schedule, placed: list[list[tuple[int, Action]]]) ->
                 problems.append(
                     f"stage {s} micro-batch {k}: expected exactly one {s}F{k}, found {f}"
                 )
-            if (b, i, w) not in ((1, 0, 0), (0, 1, 1)):
+            if (b, i, w) not in ((1, 0, 0), (0, 1, 1)) and not forward_only:
                 problems.append(
                     f"stage {s} micro-batch {k}: expected one {s}B{k}, or one {s}I{k} and one "
                     f"{s}W{k}; found B×{b}, I×{i}, W×{w}"
@@ -327,6 +331,11 @@ class _Run:
         )
 
 
+def _has_backward(schedule: Schedule) -> bool:
+    """Forward-only schedules keep no activations for a backward, so nothing is in flight."""
+    return any(a.kind in (_B, _I) for row in schedule.rows for a in row)
+
+
 def _peaks(schedule: Schedule, opens: ActionKind, closes: tuple[ActionKind, ...]) -> list[int]:
     """Per stage, the largest count of `opens` not yet `closes`d, walking its rank's own order.
 
@@ -371,7 +380,9 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> SimResult:
         step_time=step_time,
         busy=busy,
         bubble=_bubble(busy, step_time),
-        in_flight_peak=tuple(_peaks(lowered, _F, (_B, _I))),
+        in_flight_peak=tuple(
+            _peaks(lowered, _F, (_B, _I)) if _has_backward(lowered) else [0] * lowered.num_stages
+        ),
         pending_w_peak=tuple(_peaks(lowered, _I, (_W,))),
         steps=max(sum(a.is_compute for a in row) for row in lowered.rows),
     )

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,33 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _collect(
+    procs: list[Any], out: Any, results: dict[int, Any], errors: dict[int, str], timeout_s: float
+) -> None:
+    """Gather every rank's report; a rank that died silently or overstayed is an error."""
+    deadline = time.monotonic() + timeout_s
+    dead_since: dict[int, float] = {}
+    while len(results) + len(errors) < len(procs):
+        try:
+            rank, status, payload = out.get(timeout=0.2)
+        except queue.Empty:
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                if rank in results or rank in errors or proc.is_alive():
+                    continue
+                if now - dead_since.setdefault(rank, now) > 2.0:
+                    errors[rank] = f"exited with code {proc.exitcode} without reporting"
+            if now > deadline:
+                missing = sorted(set(range(len(procs))) - set(results) - set(errors))
+                errors[-1] = f"ranks {missing} did not finish within {timeout_s}s"
+                return
+            continue
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0
 ) -> list[Any]:
@@ -73,15 +101,7 @@ def run_ranks(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        for _ in range(world_size):
-            rank, status, payload = out.get(timeout=timeout_s)
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors[rank] = payload
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(results) - set(errors))
-        errors[-1] = f"ranks {missing} did not finish within {timeout_s}s"
+        _collect(procs, out, results, errors, timeout_s)
     finally:
         for proc in procs:
             proc.join(timeout=10)

@@ -263,3 +263,13 @@ def test_action_costs_reject_negative_times() -> None:
 def test_simulate_rejects_per_stage_costs_of_the_wrong_length() -> None:
     with pytest.raises(ValueError, match="1 entries for 2 stages"):
         simulate(gpipe(2, 1), ActionCosts(per_stage=((1, 2, 1, 1),)))
+
+
+def test_forward_only_inference_schedule_is_valid_and_simulates() -> None:
+    from engine.schedules import inference
+
+    schedule = inference(3, 4)
+    validate(schedule)
+    result = simulate(schedule)
+    assert result.in_flight_peak == (0, 0, 0)
+    assert result.step_time == pytest.approx(4 + 3 - 1)

@@ -1,0 +1,50 @@
+"""Starting the ranks of a run: under a launcher, or our own local ones.
+
+`meshpipe train --pp 2 --dp 2` started plainly on a laptop launches its own ranks through
+torch's elastic agent (the machinery behind `torchrun`), so local runs take the same code path
+as cluster runs.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+__all__ = ["is_launched", "launch_local"]
+
+T = TypeVar("T")
+
+
+def is_launched() -> bool:
+    """True under torchrun, the deepspeed launcher or our own agent (they all set these)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_local(
+    entrypoint: Callable[..., T], nproc: int, *args: Any, max_restarts: int = 0
+) -> dict[int, T]:
+    """Run `entrypoint(*args)` on `nproc` local ranks; returns each rank's return value."""
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"meshpipe-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    return elastic_launch(config, entrypoint)(*args)

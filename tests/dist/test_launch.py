@@ -1,0 +1,83 @@
+"""`meshpipe train` runs the same under its own local launcher, torchrun-style and
+deepspeed-style environments, and in one process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import TrainConfig
+from engine.data import prepare
+from engine.train import train
+from tests.dist.harness import run_ranks
+
+ARGS = ["--model", "llama-tiny", "--steps", "3", "--global-batch", "8", "--micro-batches", "2",
+        "--seq-len", "32", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "text.txt").write_text("pipelines move activations forward and gradients back\n" * 300)
+    return str(prepare(folder / "text.txt", folder / "tokens").bin_path)
+
+
+def _single_process_losses(data: str) -> tuple[float, ...]:
+    config = TrainConfig(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
+                         seq_len=32, threads=1, data=data)
+    return train(config, progress=False).losses
+
+
+def _final_loss(text: str) -> float:
+    match = re.search(r"final loss (\d+\.\d+)", text)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_plain_start_with_pp2_launches_its_own_ranks(
+    tokens: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *ARGS, "--data", tokens, "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert _final_loss(out) == pytest.approx(_single_process_losses(tokens)[-1], abs=1e-4)
+    assert "bubble" in out
+
+
+def _deepspeed_style_rank(rank: int, world_size: int, data: str) -> int:
+    """What the deepspeed launcher does: the env of torchrun plus --local_rank=N."""
+    return main(["train", f"--local_rank={rank}", *ARGS, "--data", data, "--pp", "2"])
+
+
+def test_deepspeed_launcher_arguments_are_accepted(tokens: str) -> None:
+    assert run_ranks(_deepspeed_style_rank, 2, tokens) == [0, 0]
+
+
+def test_launcher_world_size_must_match_pp_times_dp(
+    tokens: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        main(["train", *ARGS, "--data", tokens, "--pp", "2", "--dp", "2"])
+    assert "= 4 ranks, but the launcher started 2" in capsys.readouterr().err
+
+
+def test_pp_dp_losses_equal_single_process_losses_exactly(tokens: str) -> None:
+    results = run_ranks(_train_pp2, 2, tokens)
+    assert results[0] == results[1] == _single_process_losses(tokens)
+
+
+def _train_pp2(rank: int, world_size: int, data: str) -> tuple[float, ...]:
+    config = TrainConfig(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
+                         seq_len=32, threads=1, data=data, pp=2)
+    return train(config, progress=False).losses
+
+
+def test_metrics_are_written_by_rank_zero_only(tokens: str, tmp_path: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", *ARGS, "--data", tokens, "--pp", "2", "--metrics-file", str(metrics)]) == 0
+    lines = metrics.read_text().splitlines()
+    assert len(lines) == 3 and all('"bubble"' in line for line in lines)

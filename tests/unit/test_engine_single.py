@@ -1,0 +1,79 @@
+"""PipelineEngine in one process (pp = dp = 1) is the reference step, and checks its input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import PipelineEngine
+from engine.mesh import init_mesh
+from engine.optim import build_optimizer
+from engine.reference import reference_step
+from models import build_layers, layer_specs
+from partitioners import Partition
+
+torch.set_num_threads(1)
+
+
+def _engine(schedule: str, micro_batches: int) -> PipelineEngine:
+    specs = layer_specs("llama-tiny")
+    return PipelineEngine(
+        specs,
+        init_mesh(1, 1),
+        partition=Partition(boundaries=(0, len(specs))),
+        micro_batches=micro_batches,
+        schedule=schedule,
+        seed=3,
+        optimizer=lambda m: build_optimizer(m, lr=1e-2),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_single_rank_engine_equals_the_reference_bit_for_bit(schedule: str) -> None:
+    engine = _engine(schedule, 4)
+    model = build_layers(layer_specs("llama-tiny"), seed=3)
+    optimizer = build_optimizer(model, lr=1e-2)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        stats = engine.train_step(tokens[:, :-1], tokens[:, 1:])
+        loss = reference_step(model, optimizer, tokens[:, :-1], tokens[:, 1:], micro_batches=4)
+        assert stats.loss == loss
+    for (name, a), b in zip(engine.module.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_one() -> None:
+    tokens = torch.zeros(8, 9, dtype=torch.long)
+    assert _engine("gpipe", 4).train_step(tokens[:, :-1], tokens[:, 1:]).in_flight_peak == {0: 4}
+    assert _engine("1f1b", 4).train_step(tokens[:, :-1], tokens[:, 1:]).in_flight_peak == {0: 1}
+
+
+def test_batch_that_does_not_split_into_micro_batches_is_rejected_before_compute() -> None:
+    tokens = torch.zeros(5, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match="batch of 5 sequences does not split into 2"):
+        _engine("1f1b", 2).train_step(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_partition_must_have_one_stage_per_pipeline_rank() -> None:
+    specs = layer_specs("gpt-tiny")
+    with pytest.raises(ValueError, match="partition has 2 stages but the mesh has pp=1"):
+        PipelineEngine(
+            specs, init_mesh(1), partition=Partition(boundaries=(0, 3, 7)), micro_batches=2
+        )
+
+
+def test_unknown_schedule_lists_the_known_ones() -> None:
+    specs = layer_specs("gpt-tiny")
+    with pytest.raises(ValueError, match="unknown schedule 'zb'.*gpipe, 1f1b"):
+        PipelineEngine(
+            specs,
+            init_mesh(1),
+            partition=Partition(boundaries=(0, 7)),
+            micro_batches=2,
+            schedule="zb",
+        )
+
+
+def test_first_stage_without_inputs_is_rejected() -> None:
+    with pytest.raises(ValueError, match="first pipeline stage needs the batch's inputs"):
+        _engine("1f1b", 2).train_step(None, torch.zeros(4, 8, dtype=torch.long))
