@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.actions import Action, ActionKind
-from engine.grad_sync import BucketedAllReduce, new_tie_groups, tied_parameters
+from engine.grad_sync import (
+    BucketedAllReduce,
+    new_tie_groups,
+    share_local_ties,
+    tied_parameters,
+)
 from engine.mesh import Mesh
 from engine.p2p import StageExchange
 from engine.passes import add_communication
@@ -47,7 +52,9 @@ class StepStats:
     bubble: float
     """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
     in_flight_peak: dict[int, int]
-    """Peak micro-batches in flight per stage held by this rank."""
+    """Peak micro-batches in flight (F done, B or I not) per stage held by this rank."""
+    pending_w_peak: dict[int, int]
+    """Peak micro-batches waiting for their W (I done) per stage held by this rank."""
     timings: tuple[ActionTiming, ...]
     """Every action's start and end on this rank."""
 
@@ -63,15 +70,21 @@ class PipelineEngine:
         partition: Partition,
         micro_batches: int,
         schedule: str = "1f1b",
+        stages_per_rank: int = 1,
         seed: int = 0,
         optimizer: OptimizerFactory | None = None,
         loss_fn: LossFn = lm_loss,
         timeout_s: float = 300.0,
     ) -> None:
-        _check_layout(specs, mesh, partition, micro_batches)
+        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches = mesh, micro_batches
         self.schedule = add_communication(
-            make_schedule(schedule, num_ranks=mesh.pp, micro_batches=micro_batches)
+            make_schedule(
+                schedule,
+                num_ranks=mesh.pp,
+                micro_batches=micro_batches,
+                stages_per_rank=stages_per_rank,
+            )
         )
         validate(self.schedule)
         self.eval_schedule = add_communication(inference(mesh.pp, micro_batches))
@@ -88,6 +101,11 @@ class PipelineEngine:
             )
             for s in self.schedule.stages_of(mesh.pp_rank)
         }
+        split = any(a.kind is ActionKind.I for a in self.schedule.rows[mesh.pp_rank])
+        for stage in self.stages.values():
+            if split:
+                stage.enable_split_backward()
+        share_local_ties(specs, list(self.stages.values()))
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         rank_of_stage = {
             s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
@@ -174,6 +192,7 @@ class PipelineEngine:
             busy_s=busy,
             bubble=self._bubble(busy, step_s),
             in_flight_peak={s: stage.peak_in_flight for s, stage in self.stages.items()},
+            pending_w_peak={s: stage.peak_pending_w for s, stage in self.stages.items()},
             timings=tuple(timings),
         )
 
@@ -199,17 +218,22 @@ class PipelineEngine:
 
 
 def _check_layout(
-    specs: Sequence[LayerSpec], mesh: Mesh, partition: Partition, micro_batches: int
+    specs: Sequence[LayerSpec],
+    mesh: Mesh,
+    partition: Partition,
+    micro_batches: int,
+    stages_per_rank: int,
 ) -> None:
     if partition.num_layers != len(specs):
         raise ValueError(
             f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
             "partition this model's layer list"
         )
-    if partition.num_stages != mesh.pp:
+    if partition.num_stages != mesh.pp * stages_per_rank:
         raise ValueError(
             f"the partition has {partition.num_stages} stages but the mesh has pp={mesh.pp} "
-            "pipeline ranks: use one stage per pipeline rank"
+            f"pipeline ranks × {stages_per_rank} stages per rank: partition into "
+            f"{mesh.pp * stages_per_rank} stages"
         )
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
@@ -242,12 +266,15 @@ class _Step:
         self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.outbox: dict[tuple[ActionKind, int, int], tuple[torch.Tensor, ...]] = {}
         self.losses: list[torch.Tensor] = []
-        self._backwards_left = m * len(engine.stages)
+        row = engine.schedule.rows[engine.mesh.pp_rank]
+        self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in row)
 
     def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
         return {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
+            ActionKind.I: self.backward,
+            ActionKind.W: self.weight_grad,
             ActionKind.SEND_F: self.send,
             ActionKind.SEND_B: self.send,
             ActionKind.RECV_F: self.recv,
@@ -277,13 +304,24 @@ class _Step:
         s, k = action.stage, action.micro_batch
         stage = self.engine.stages[s]
         grads = () if stage.is_last else self.gradients.pop((s, k))
-        input_grads = stage.backward(k, grads)
+        if action.kind is ActionKind.I:
+            input_grads = stage.backward_input(k, grads)
+        else:
+            input_grads = stage.backward(k, grads)
+            self._gradient_done()
         if s > 0 and s - 1 in self.engine.stages:
             self.gradients[(s - 1, k)] = input_grads
         elif s > 0:
             self.outbox[(ActionKind.SEND_B, s, k)] = input_grads
-        self._backwards_left -= 1
-        if self._backwards_left == 0 and self.engine.mesh.dp > 1:
+
+    def weight_grad(self, action: Action) -> None:
+        self.engine.stages[action.stage].backward_weight(action.micro_batch)
+        self._gradient_done()
+
+    def _gradient_done(self) -> None:
+        """After the rank's last B or W of the step, its gradients are final: reduce them."""
+        self._grads_left -= 1
+        if self._grads_left == 0 and self.engine.mesh.dp > 1:
             self.engine._dp_reduce.start()
 
     def send(self, action: Action) -> None:

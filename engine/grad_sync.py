@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,3 +103,20 @@ def new_tie_groups(
             if dist.get_rank() in ranks:
                 groups[key] = group
     return groups
+
+
+def share_local_ties(specs: Sequence[LayerSpec], stages: Sequence[Any]) -> None:
+    """Stages on one rank that hold the same tie key share one parameter (V placement puts
+    GPT-2's embedding and head on rank 0), so autograd sums the two uses itself."""
+    first: dict[str, nn.Parameter] = {}
+    for stage in stages:
+        for i in stage.layers:
+            spec = specs[i]
+            if spec.tie_key is None or spec.tied_param is None:
+                continue
+            parent_name, _, leaf = f"layers.{i}.{spec.tied_param}".rpartition(".")
+            parent = stage.module.get_submodule(parent_name)
+            if spec.tie_key in first:
+                setattr(parent, leaf, first[spec.tie_key])
+            else:
+                first[spec.tie_key] = getattr(parent, leaf)

@@ -13,13 +13,18 @@ from engine.actions import Action, ActionKind, parse_actions
 
 __all__ = [
     "SCHEDULES",
+    "VIRTUAL_SCHEDULES",
     "Schedule",
     "format_schedule",
     "gpipe",
     "inference",
+    "interleaved_1f1b",
+    "looped_bfs",
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
+    "zb_h1",
+    "zb_h2",
 ]
 
 
@@ -139,15 +144,150 @@ def inference(num_ranks: int, micro_batches: int) -> Schedule:
     return _one_stage_per_rank("inference", rows, micro_batches)
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def _virtual(
+    name: str, rows: list[list[Action]], micro_batches: int, stages_per_rank: int
+) -> Schedule:
+    """Stage s on rank s mod P (Megatron's loop placement)."""
+    num_ranks = len(rows)
+    num_stages = num_ranks * stages_per_rank
+    return Schedule(
+        name=name,
+        num_ranks=num_ranks,
+        num_stages=num_stages,
+        micro_batches=micro_batches,
+        placement=tuple(s % num_ranks for s in range(num_stages)),
+        rows=tuple(tuple(row) for row in rows),
+    )
+
+
+def _check_virtual(name: str, num_ranks: int, micro_batches: int, stages_per_rank: int) -> None:
+    _check_sizes(num_ranks, micro_batches)
+    if stages_per_rank < 1:
+        raise ValueError(f"{name}: stages_per_rank={stages_per_rank} must be at least 1")
+
+
+def interleaved_1f1b(num_ranks: int, micro_batches: int, stages_per_rank: int = 2) -> Schedule:
+    """Megatron's virtual pipeline: v stages per rank, 1F1B over (stage, micro-batch) units.
+
+    Units run in groups of P micro-batches, stage chunk by chunk (forwards ascending through
+    the chunks, backwards descending), which divides the bubble by v: (P-1)/(v·m+P-1).
+    Requires m to be a multiple of P so every group is full.
+    """
+    p, m, v = num_ranks, micro_batches, stages_per_rank
+    _check_virtual("interleaved_1f1b", p, m, v)
+    if m % p:
+        raise ValueError(
+            f"interleaved_1f1b needs the micro-batches to be a multiple of the pipeline ranks "
+            f"(m={m}, P={p}): use m={p * max(1, m // p)} or m={p * (m // p + 1)}"
+        )
+
+    def unit(i: int, backward: bool) -> tuple[int, int]:
+        group, pos = divmod(i, p * v)
+        chunk, offset = divmod(pos, p)
+        return (v - 1 - chunk if backward else chunk), group * p + offset
+
+    rows = []
+    for r in range(p):
+        total = m * v
+        warmup = total if m == p else min(total, (p - r - 1) * 2 + (v - 1) * p)
+        fwd = [
+            Action(c * p + r, ActionKind.F, k) for c, k in (unit(i, False) for i in range(total))
+        ]
+        bwd = [Action(c * p + r, ActionKind.B, k) for c, k in (unit(i, True) for i in range(total))]
+        row = fwd[:warmup]
+        for i in range(total - warmup):
+            row += [fwd[warmup + i], bwd[i]]
+        rows.append(row + bwd[total - warmup :])
+    return _virtual("interleaved_1f1b", rows, m, v)
+
+
+def looped_bfs(num_ranks: int, micro_batches: int, stages_per_rank: int = 2) -> Schedule:
+    """Breadth-first over loop-placed stages: every micro-batch through one chunk, then the next.
+
+    GPipe per chunk; its in-flight activations grow with m·v, its bubble shrinks like
+    interleaved's when sends are asynchronous.
+    """
+    p, m, v = num_ranks, micro_batches, stages_per_rank
+    _check_virtual("looped_bfs", p, m, v)
+    rows = [
+        [Action(c * p + r, ActionKind.F, k) for c in range(v) for k in range(m)]
+        + [Action(c * p + r, ActionKind.B, k) for c in reversed(range(v)) for k in range(m)]
+        for r in range(p)
+    ]
+    return _virtual("looped_bfs", rows, m, v)
+
+
+def _zero_bubble_row(rank: int, micro_batches: int, warmup: int, w_lag: int) -> list[Action]:
+    """1F1B with the backward split: F/I pairs, each W `w_lag` pairs late; the late W's fill
+    the cool-down, where the rank would otherwise wait for the next input gradient."""
+    F, I, W = ActionKind.F, ActionKind.I, ActionKind.W  # noqa: E741 - the paper's names
+    m, warmup = micro_batches, min(warmup, micro_batches)
+    row, next_w = [Action(rank, F, k) for k in range(warmup)], 0
+    for j in range(m - warmup):
+        row += [Action(rank, F, warmup + j), Action(rank, I, j)]
+        if j >= w_lag:
+            row.append(Action(rank, W, next_w))
+            next_w += 1
+    for j in range(m - warmup, m):
+        row.append(Action(rank, I, j))
+        if next_w <= j:
+            row.append(Action(rank, W, next_w))
+            next_w += 1
+    return row + [Action(rank, W, k) for k in range(next_w, m)]
+
+
+def zb_h1(num_ranks: int, micro_batches: int) -> Schedule:
+    """Zero Bubble ZB-H1 (Qi et al. 2024): 1F1B's warm-up, rank r defers r weight gradients.
+
+    Same peak activations as 1F1B (P micro-batches on every rank); bubble
+    (P-1)(T_F + T_I - T_W) instead of 1F1B's (P-1)(T_F + T_I + T_W).
+    """
+    _check_sizes(num_ranks, micro_batches)
+    p = num_ranks
+    rows = [_zero_bubble_row(r, micro_batches, p - 1 - r, r) for r in range(p)]
+    return _one_stage_per_rank("zb_h1", rows, micro_batches)
+
+
+def zb_h2(num_ranks: int, micro_batches: int) -> Schedule:
+    """Zero Bubble ZB-H2: twice the warm-up forwards and weight gradients deferred 2r pairs.
+
+    Peak activations 2P-1 on the first rank; with T_F = T_I = T_W and steps that follow each
+    other without a barrier, no bubble at all once m >= 2P.
+    """
+    _check_sizes(num_ranks, micro_batches)
+    p = num_ranks
+    rows = [_zero_bubble_row(r, micro_batches, 2 * (p - 1 - r), 2 * r) for r in range(p)]
+    return _one_stage_per_rank("zb_h2", rows, micro_batches)
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "looped_bfs": looped_bfs,
+    "zb_h1": zb_h1,
+    "zb_h2": zb_h2,
+}
 """Schedule generators by the name a config or the CLI uses."""
 
+VIRTUAL_SCHEDULES = frozenset({"interleaved_1f1b", "looped_bfs"})
+"""Generators that take `stages_per_rank` (v > 1 stages per rank)."""
 
-def make_schedule(name: str, *, num_ranks: int, micro_batches: int) -> Schedule:
+
+def make_schedule(
+    name: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
+) -> Schedule:
     """Build a registered schedule by name (the config's and the CLI's entry point)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     _check_sizes(num_ranks, micro_batches)
+    if name in VIRTUAL_SCHEDULES:
+        return SCHEDULES[name](num_ranks, micro_batches, stages_per_rank)
+    if stages_per_rank != 1:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per rank, not {stages_per_rank}: use "
+            f"{' or '.join(sorted(VIRTUAL_SCHEDULES))} for several stages per rank"
+        )
     return SCHEDULES[name](num_ranks, micro_batches)
 
 

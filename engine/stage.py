@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.reference import LossFn
 from models import LayerSpec, build_layers, lm_loss
@@ -26,6 +27,12 @@ class StageError(RuntimeError):
 class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
+    weight_nodes: list[tuple[nn.Module, torch.Tensor]]
+
+
+@dataclass
+class _PendingWeightGrad:
+    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
 
 
 class PipelineStage:
@@ -47,7 +54,37 @@ class PipelineStage:
         self.module = build_layers(specs, layers, seed=seed, device=device)
         self.loss_fn = loss_fn
         self._in_flight: dict[int, _InFlight] = {}
+        self._pending_w: dict[int, _PendingWeightGrad] = {}
+        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._hooks_on = False
+        self._fused_weight_grads = False
         self.peak_in_flight = 0
+        self.peak_pending_w = 0
+
+    def enable_split_backward(self) -> None:
+        """Record, during forward, the output of every module that owns parameters.
+
+        The input-gradient pass (I) asks autograd for the gradients at those outputs along with
+        the stage input's; the weight-gradient pass (W) later turns each into its module's
+        parameter gradients. Every kernel runs once, as in a fused backward: no extra forward.
+        """
+        if self._hooks_on or self._fused_weight_grads:
+            return
+        owners = [m for m in self.module.modules() if list(m.parameters(recurse=False))]
+        uses = [id(p) for m in owners for p in m.parameters(recurse=False)]
+        if len(uses) != len(set(uses)):
+            # A parameter used by two modules of this stage (a tie held in one stage): the
+            # gradient at one module's output reaches it through the other too, so W cannot
+            # be taken per module. Such a stage runs its whole backward at I; W is empty.
+            self._fused_weight_grads = True
+            return
+        for module in owners:
+            module.register_forward_hook(self._record_output)
+        self._hooks_on = True
+
+    def _record_output(self, module: nn.Module, _: object, output: torch.Tensor) -> None:
+        if self._capture is not None and output.requires_grad:
+            self._capture.append((module, output))
 
     @property
     def is_first(self) -> bool:
@@ -61,8 +98,13 @@ class PipelineStage:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def pending_weight_grads(self) -> int:
+        return len(self._pending_w)
+
     def reset_peak(self) -> None:
         self.peak_in_flight = len(self._in_flight)
+        self.peak_pending_w = len(self._pending_w)
 
     def forward(
         self,
@@ -78,11 +120,15 @@ class PipelineStage:
         In training the last stage keeps `loss / loss_divisor` for the backward (the number of
         micro-batches, exactly as the reference divides), other stages keep their outputs.
         """
+        capture: list[tuple[nn.Module, torch.Tensor]] = []
+        self._capture = capture if training and self._hooks_on else None
         with torch.set_grad_enabled(training):
             try:
                 out = self.module(*inputs)
             except (RuntimeError, ValueError) as error:
                 raise StageError(self._shape_message(micro_batch, inputs, error)) from error
+            finally:
+                self._capture = None
             if self.is_last:
                 if targets is None:
                     raise StageError(f"stage {self.stage} is last but got no targets")
@@ -92,28 +138,85 @@ class PipelineStage:
             else:
                 outputs = result = out if isinstance(out, tuple) else (out,)
         if training:
-            self._in_flight[micro_batch] = _InFlight(inputs, outputs)
+            self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture)
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return result
 
-    def backward(
-        self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
-    ) -> tuple[torch.Tensor, ...]:
-        """Backward of one micro-batch: accumulate parameter grads, return input grads."""
+    def _pop(self, micro_batch: int) -> _InFlight:
         state = self._in_flight.pop(micro_batch, None)
         if state is None:
             raise StageError(
                 f"stage {self.stage} has no forward state for micro-batch {micro_batch}: "
                 "the schedule runs its backward before its forward or twice"
             )
+        return state
+
+    def _roots(
+        self, state: _InFlight, output_grads: tuple[torch.Tensor, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:
-            torch.autograd.backward(state.outputs)
-        else:
-            pairs = [
-                (o, g) for o, g in zip(state.outputs, output_grads, strict=True) if o.requires_grad
-            ]
-            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+            return list(state.outputs), None
+        pairs = [
+            (o, g) for o, g in zip(state.outputs, output_grads, strict=True) if o.requires_grad
+        ]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(
+        self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """Backward of one micro-batch: accumulate parameter grads, return input grads."""
+        state = self._pop(micro_batch)
+        roots, grads = self._roots(state, output_grads)
+        torch.autograd.backward(roots, grad_tensors=grads)
         return tuple(x.grad for x in state.inputs if x.requires_grad and x.grad is not None)
+
+    def backward_input(
+        self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """The I half: gradients of the stage input (to send upstream at once) and of every
+        parameter-owning module's output (kept for W); the graph stays alive until W."""
+        if self._fused_weight_grads:
+            input_grads = self.backward(micro_batch, output_grads)
+            self._pending_w[micro_batch] = _PendingWeightGrad([])
+            self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
+            return input_grads
+        state = self._pop(micro_batch)
+        roots, grads = self._roots(state, output_grads)
+        wanted = [x for x in state.inputs if x.requires_grad]
+        nodes = [out for _, out in state.weight_nodes]
+        found = torch.autograd.grad(
+            roots, wanted + nodes, grad_outputs=grads, retain_graph=True, allow_unused=True
+        )
+        input_grads, node_grads = found[: len(wanted)], found[len(wanted) :]
+        self._pending_w[micro_batch] = _PendingWeightGrad(
+            [
+                (m, out, g)
+                for (m, out), g in zip(state.weight_nodes, node_grads, strict=True)
+                if g is not None
+            ]
+        )
+        self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
+        return tuple(g for g in input_grads if g is not None)
+
+    def backward_weight(self, micro_batch: int) -> None:
+        """The W half: each module's parameter gradients from its output's gradient.
+
+        Modules go last-to-first, the order a fused backward reaches them; each autograd call
+        stops at the module's own parameters, so no gradient flows twice.
+        """
+        pending = self._pending_w.pop(micro_batch, None)
+        if pending is None:
+            raise StageError(
+                f"stage {self.stage} has no input-gradient state for micro-batch {micro_batch}: "
+                "the schedule runs its W before its I or twice"
+            )
+        for module, out, grad in reversed(pending.nodes):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            for param, value in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+                if param.grad is None:
+                    param.grad = value
+                else:
+                    param.grad += value
 
     def _shape_message(
         self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception

@@ -9,7 +9,7 @@ deadlocks, the step time, the bubble and the in-flight peaks a runtime will meas
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from engine.actions import COMM_KINDS, Action, ActionKind
 from engine.passes import (
@@ -26,7 +26,9 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "TimedAction",
+    "repeat",
     "simulate",
+    "steady_state_bubble",
     "validate",
 ]
 
@@ -276,6 +278,8 @@ class SimResult:
     """Per stage, most micro-batches whose F ran and whose B (or I) has not."""
     pending_w_peak: tuple[int, ...]
     """Per stage, most micro-batches whose I ran and whose W has not."""
+    activation_peak: tuple[int, ...]
+    """Per stage, most micro-batches holding activations: F ran, B (or W) has not."""
     steps: int
     """Compute actions on the busiest rank: the step length in unit-cost clock ticks."""
 
@@ -384,5 +388,38 @@ def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> SimResult:
             _peaks(lowered, _F, (_B, _I)) if _has_backward(lowered) else [0] * lowered.num_stages
         ),
         pending_w_peak=tuple(_peaks(lowered, _I, (_W,))),
+        activation_peak=tuple(
+            _peaks(lowered, _F, (_B, _W)) if _has_backward(lowered) else [0] * lowered.num_stages
+        ),
         steps=max(sum(a.is_compute for a in row) for row in lowered.rows),
     )
+
+
+def repeat(schedule: Schedule, iterations: int) -> Schedule:
+    """The compute-only schedule run `iterations` times back to back with no barrier between
+    steps (micro-batches renumbered), as when the optimizer step does not synchronise ranks."""
+    if iterations < 1:
+        raise ValueError(f"iterations={iterations} must be at least 1")
+    m = schedule.micro_batches
+    rows = tuple(
+        tuple(
+            Action(a.stage, a.kind, a.micro_batch + it * m) for it in range(iterations) for a in row
+        )
+        for row in schedule.rows
+    )
+    return replace(schedule, micro_batches=m * iterations, rows=rows, lowered=False)
+
+
+def steady_state_bubble(schedule: Schedule, costs: ActionCosts | None = None) -> float:
+    """Idle time per rank and step once steps follow each other without a barrier.
+
+    The Zero Bubble paper's bubble sizes assume this (it validates the optimizer step after the
+    fact instead of synchronising): the period of a long run minus each step's busy time.
+    """
+    costs = costs or ActionCosts()
+    if is_lowered(schedule):
+        raise ValueError("steady_state_bubble takes a compute-only schedule")
+    period = simulate(repeat(schedule, 4), costs).step_time
+    period -= simulate(repeat(schedule, 3), costs).step_time
+    busy = simulate(schedule, costs).busy
+    return period - max(busy)

@@ -23,7 +23,15 @@ from partitioners import partition_model
 GPT_UNTIED = GPTConfig(
     vocab_size=256, n_layer=4, n_head=4, d_model=64, max_seq_len=64, tie_embeddings=False
 )
-MODELS: dict[str, Any] = {"gpt-untied": GPT_UNTIED, "gpt-tiny": "gpt-tiny", "llama": "llama-tiny"}
+GPT_DEEP = GPTConfig(
+    vocab_size=256, n_layer=7, n_head=4, d_model=32, max_seq_len=64, tie_embeddings=False
+)
+MODELS: dict[str, Any] = {
+    "gpt-untied": GPT_UNTIED,
+    "gpt-deep": GPT_DEEP,
+    "gpt-tiny": "gpt-tiny",
+    "llama": "llama-tiny",
+}
 SEQ_LEN = 16
 STEPS = 2
 
@@ -37,6 +45,7 @@ class Case:
     micro_batches: int
     partition: str
     optimizer: str = "adamw"
+    stages_per_rank: int = 1
     micro_batch_size: int = 2
 
     @property
@@ -47,6 +56,7 @@ class Case:
         return (
             f"{self.model}-pp{self.pp}-dp{self.dp}-{self.schedule}-m{self.micro_batches}-"
             f"{self.partition.replace(':', '=').replace(',', '.')}-{self.optimizer}"
+            + (f"-v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
         )
 
 
@@ -77,19 +87,21 @@ def run_case(case: Case) -> dict[str, Any]:
     """Train `case` on this rank; returns losses, in-flight peaks and this rank's parameters."""
     mesh = init_mesh(case.pp, case.dp, timeout_s=60)
     specs = layer_specs(MODELS[case.model])
-    partition = partition_model(specs, method=case.partition, num_stages=case.pp, seq_len=SEQ_LEN)
+    stages = case.pp * case.stages_per_rank
+    partition = partition_model(specs, method=case.partition, num_stages=stages, seq_len=SEQ_LEN)
     engine = PipelineEngine(
         specs,
         mesh,
         partition=partition,
         micro_batches=case.micro_batches,
         schedule=case.schedule,
+        stages_per_rank=case.stages_per_rank,
         seed=7,
         optimizer=_optimizer(case),
         timeout_s=60,
     )
     rows = case.global_batch // case.dp
-    losses, peaks, bubbles = [], [], []
+    losses, peaks, pending, bubbles = [], [], [], []
     for inputs, targets in batches(case):
         local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         stats = engine.train_step(
@@ -98,6 +110,7 @@ def run_case(case: Case) -> dict[str, Any]:
         )
         losses.append(stats.loss)
         peaks.append(stats.in_flight_peak)
+        pending.append(stats.pending_w_peak)
         bubbles.append(stats.bubble)
     inputs, targets = batches(case)[0]
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
@@ -107,6 +120,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "losses": losses,
         "eval_loss": eval_loss,
         "peaks": peaks,
+        "pending_w": pending,
         "bubbles": bubbles,
         "params": {n.split(".", 1)[1]: p for n, p in params.items()},
         "dp_rank": mesh.dp_rank,

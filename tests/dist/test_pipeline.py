@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine.passes import add_communication
 from engine.schedules import make_schedule
 from engine.validate import simulate
 from tests.dist.cases import Case, reference_run, run_cases
@@ -31,16 +30,38 @@ P4_CASES = [
         SCHEDULES, (2, 4, 8), ("uniform", "balanced", "boundaries:0,1,2,3,7")
     )
 ]
+SPLIT_AND_VIRTUAL = [
+    Case("gpt-untied", 2, 1, "zb_h1", m, "uniform") for m in (1, 2, 4)
+] + [
+    Case("gpt-untied", 2, 1, "zb_h2", m, "balanced") for m in (2, 4)
+] + [
+    Case("gpt-untied", 2, 1, "interleaved_1f1b", m, "uniform", stages_per_rank=2) for m in (2, 4)
+] + [
+    Case("gpt-untied", 2, 1, "looped_bfs", m, "uniform", stages_per_rank=2) for m in (1, 3)
+] + [Case("llama", 2, 1, schedule, 4, "uniform") for schedule in ("zb_h1", "zb_h2")]
+P4_SPLIT_AND_VIRTUAL = [
+    Case("gpt-untied", 4, 1, schedule, m, "uniform")
+    for schedule, m in (("zb_h1", 4), ("zb_h1", 8), ("zb_h2", 4), ("zb_h2", 8))
+] + [
+    Case("gpt-deep", 4, 1, "interleaved_1f1b", m, "uniform", stages_per_rank=2) for m in (4, 8)
+] + [Case("gpt-deep", 4, 1, "looped_bfs", 4, "uniform", stages_per_rank=2)]
 DP_CASES = [Case("gpt-untied", 2, 2, schedule, 2, "uniform", "sgd") for schedule in SCHEDULES]
-TIED_CASES = [Case("gpt-tiny", 2, 1, schedule, 2, "uniform", "sgd") for schedule in SCHEDULES]
-EXACT_CASES = P2_CASES + P4_CASES
+DP_CASES += [Case("gpt-untied", 2, 2, "zb_h1", 4, "uniform", "sgd")]
+TIED_CASES = [
+    Case("gpt-tiny", 2, 1, schedule, 2, "uniform", "sgd") for schedule in ("gpipe", "1f1b", "zb_h1")
+] + [Case("gpt-tiny", 2, 1, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2)]
+EXACT_CASES = P2_CASES + P4_CASES + SPLIT_AND_VIRTUAL + P4_SPLIT_AND_VIRTUAL
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, Any]]]:
     """Every case's per-rank results, from one 2-rank and one 4-rank world."""
     by_case: dict[str, list[dict[str, Any]]] = {}
-    for world, cases in ((2, P2_CASES + TIED_CASES), (4, P4_CASES + DP_CASES)):
+    worlds = (
+        (2, P2_CASES + SPLIT_AND_VIRTUAL + TIED_CASES),
+        (4, P4_CASES + P4_SPLIT_AND_VIRTUAL + DP_CASES),
+    )
+    for world, cases in worlds:
         per_rank = run_ranks(run_cases, world, cases)
         for case in cases:
             by_case[str(case)] = [rank_results[str(case)] for rank_results in per_rank]
@@ -78,8 +99,10 @@ def test_tied_embedding_on_two_stages_matches_the_reference_to_1e6(
     assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-6)
     for name, value in _merged_params(results).items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-6, atol=1e-7)
-    head, embedding = results[-1]["params"]["layers.6.weight"], results[0]["params"]
-    assert torch.equal(head, embedding["layers.0.wte.weight"])
+    params = [rank["params"] for rank in results]
+    head = next(p["layers.6.weight"] for p in params if "layers.6.weight" in p)
+    embedding = next(p["layers.0.wte.weight"] for p in params if "layers.0.wte.weight" in p)
+    assert torch.equal(head, embedding)
 
 
 @pytest.mark.parametrize("case", DP_CASES, ids=str)
@@ -98,13 +121,18 @@ def test_dp2_pp2_matches_the_reference_to_float_tolerance(
 def test_measured_in_flight_peak_equals_the_simulator(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:
-    schedule = add_communication(
-        make_schedule(case.schedule, num_ranks=case.pp, micro_batches=case.micro_batches)
+    schedule = make_schedule(
+        case.schedule,
+        num_ranks=case.pp,
+        micro_batches=case.micro_batches,
+        stages_per_rank=case.stages_per_rank,
     )
-    predicted = simulate(schedule).in_flight_peak
+    predicted = simulate(schedule)
     for rank, results in enumerate(runs[str(case)]):
-        for step_peaks in results["peaks"]:
-            assert step_peaks == {rank % case.pp: predicted[rank % case.pp]}
+        stages = schedule.stages_of(rank % case.pp)
+        for step_peaks, step_pending in zip(results["peaks"], results["pending_w"], strict=True):
+            assert step_peaks == {s: predicted.in_flight_peak[s] for s in stages}
+            assert step_pending == {s: predicted.pending_w_peak[s] for s in stages}
 
 
 @pytest.mark.parametrize("case", EXACT_CASES[:4] + DP_CASES, ids=str)
