@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.config import TrainConfig
 from engine.data import prepare
+from engine.schedule_cli import add_schedule_parser, run_schedule
 
 __all__ = ["build_parser", "main"]
 
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    add_schedule_parser(commands)
     data = commands.add_parser("data", help="prepare token files")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     prep = data_commands.add_parser("prepare", help="turn text files into a token file")
@@ -138,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_train(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "schedule":
+            return run_schedule(args)
         return _run_data(args)
     except ValueError as error:
         parser.exit(2, f"meshpipe: error: {error}\n")

@@ -1,0 +1,98 @@
+"""`meshpipe schedule`: generate or load a schedule, simulate it, print, plot, save."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.schedules import SCHEDULES, Schedule, format_schedule, make_schedule
+from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
+from engine.validate import ActionCosts, simulate, steady_state_bubble
+
+__all__ = ["add_schedule_parser", "parse_costs", "run_schedule"]
+
+
+def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser(
+        "schedule", help="generate or load a pipeline schedule, simulate, plot and save it"
+    )
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
+    parser.add_argument("--load", default=None, help="a schedule file (csv or text) to check")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--stages-per-rank", type=int, default=1, help="v (interleaved, looped)")
+    parser.add_argument(
+        "--costs",
+        default="1,2,1,1,0",
+        help="F,B,I,W[,comm] per action, or profile:MODEL to time the real stages",
+    )
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="for profile: costs")
+    parser.add_argument("--seq-len", type=int, default=128, help="for profile: costs")
+    parser.add_argument("--plot", default=None, help="write the simulated timeline as a PNG")
+    parser.add_argument("--trace", default=None, help="write the simulated timeline as a trace")
+    parser.add_argument("--format", default="text", choices=("text", "csv"), help="for --out")
+    parser.add_argument("--out", default=None, help="write the schedule to this file")
+
+
+def parse_costs(text: str, schedule: Schedule, args: argparse.Namespace) -> ActionCosts:
+    """`F,B,I,W[,comm]` numbers, or `profile:MODEL` (balanced partition, timed on this CPU)."""
+    if text.startswith("profile:"):
+        from engine.profile import profile_stage_costs
+        from models import layer_specs
+        from partitioners import partition_model
+
+        specs = layer_specs(text.split(":", 1)[1])
+        partition = partition_model(specs, method="balanced", num_stages=schedule.num_stages)
+        return profile_stage_costs(
+            specs, partition, batch_size=args.micro_batch_size, seq_len=args.seq_len
+        )
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (4, 5):
+        raise ValueError(
+            f"--costs {text!r}: give F,B,I,W or F,B,I,W,comm as numbers (e.g. 1,2,1,1,0) "
+            "or profile:MODEL"
+        )
+    f, b, i, w = values[:4]
+    return ActionCosts(
+        forward=f, backward=b, input_grad=i, weight_grad=w, comm=values[4] if values[4:] else 0.0
+    )
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    schedule = (
+        load_schedule(args.load)
+        if args.load
+        else make_schedule(
+            args.schedule,
+            num_ranks=args.pp,
+            micro_batches=args.micro_batches,
+            stages_per_rank=args.stages_per_rank,
+        )
+    )
+    costs = parse_costs(args.costs, schedule, args)
+    result = simulate(schedule, costs)
+    print(format_schedule(schedule))
+    print(
+        f"\n{schedule.name}: P={schedule.num_ranks}, stages={schedule.num_stages}, "
+        f"m={schedule.micro_batches}; step {result.step_time:.4g}, bubble {result.bubble:.1%}"
+    )
+    if not schedule.lowered:
+        steady = steady_state_bubble(schedule, costs)
+        print(f"steady-state idle per rank and step (no barrier): {steady:.4g}")
+    print(f"in-flight peak per stage:   {list(result.in_flight_peak)}")
+    print(f"pending-W peak per stage:   {list(result.pending_w_peak)}")
+    print(f"activation peak per stage:  {list(result.activation_peak)}")
+    title = f"{schedule.name} P={schedule.num_ranks} m={schedule.micro_batches}"
+    if args.plot:
+        plot_timeline(result, args.plot, title=title)
+        print(f"wrote {args.plot}")
+    if args.trace:
+        slices = [[(str(t.action), t.start, t.end) for t in row] for row in result.timeline]
+        chrome_trace(slices, args.trace, unit_s=1e-3, process=title)
+        print(f"wrote {args.trace}")
+    if args.out:
+        save_schedule(schedule, args.out, fmt=args.format)
+        print(f"wrote {args.out}")
+    return 0

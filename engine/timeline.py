@@ -1,0 +1,175 @@
+"""Schedules people can read, write and look at: text/CSV files, timeline plots, Chrome traces.
+
+A schedule file has one row of action tokens per rank and a `#` header with what the tokens
+cannot say (name, stage placement, micro-batches); loading validates before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.actions import Action, ActionKind, format_actions, parse_actions
+from engine.schedules import Schedule
+from engine.validate import SimResult, TimedAction, validate
+
+__all__ = ["KIND_COLOURS", "chrome_trace", "load_schedule", "plot_timeline", "save_schedule"]
+
+KIND_COLOURS = {
+    ActionKind.F: "#4C72B0",
+    ActionKind.B: "#DD8452",
+    ActionKind.I: "#C44E52",
+    ActionKind.W: "#55A868",
+}
+
+
+def save_schedule(schedule: Schedule, path: str | Path, *, fmt: str = "csv") -> None:
+    """Write one row per rank (`csv`: comma-separated, `text`: space-separated)."""
+    if fmt not in ("csv", "text"):
+        raise ValueError(f"unknown schedule format {fmt!r}: use csv or text")
+    sep = "," if fmt == "csv" else " "
+    header = (
+        f"# meshpipe schedule name={schedule.name} micro_batches={schedule.micro_batches} "
+        f"placement={','.join(map(str, schedule.placement))}\n"
+    )
+    body = "".join(
+        (format_actions(row).replace(" ", sep) if row else "") + "\n" for row in schedule.rows
+    )
+    Path(path).write_text(header + body, encoding="utf-8")
+
+
+def _header(lines: Sequence[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("#"):
+            for part in line.lstrip("# ").split():
+                key, sep, value = part.partition("=")
+                if sep:
+                    fields[key] = value
+    return fields
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    """Read a schedule file (ours, or plain rows of tokens) and validate it.
+
+    Without a header, micro-batches and stages are inferred from the tokens and stage s is
+    placed on rank s mod P.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read schedule file {path}: {error}") from error
+    fields = _header(lines)
+    rows = tuple(tuple(parse_actions(line)) for line in lines if not line.startswith("#"))
+    actions: list[Action] = [a for row in rows for a in row]
+    if not actions:
+        raise ValueError(f"schedule file {path} holds no actions: write one row of tokens per rank")
+    num_ranks = len(rows)
+    if "placement" in fields:
+        placement = tuple(int(r) for r in fields["placement"].split(","))
+    else:
+        stages = max(a.stage for a in actions) + 1
+        placement = tuple(s % num_ranks for s in range(stages))
+    schedule = Schedule(
+        name=fields.get("name", "custom"),
+        num_ranks=num_ranks,
+        num_stages=len(placement),
+        micro_batches=int(fields.get("micro_batches", max(a.micro_batch for a in actions) + 1)),
+        placement=placement,
+        rows=rows,
+        lowered=any(not a.is_compute for a in actions),
+    )
+    validate(schedule)
+    return schedule
+
+
+def plot_timeline(result: SimResult, path: str | Path, *, title: str) -> None:
+    """Draw a Gantt chart: a row per rank, a colour per action kind, micro-batch numbers."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as error:
+        raise ValueError("plotting needs matplotlib: pip install 'meshpipe[plot]'") from error
+    ranks = len(result.timeline)
+    fig, ax = plt.subplots(figsize=(max(6.0, result.step_time * 0.35), 0.6 * ranks + 1.2))
+    for rank, row in enumerate(result.timeline):
+        for timed in row:
+            _draw(ax, rank, timed)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, result.step_time)
+    ax.set_xlabel("time")
+    ax.set_title(f"{title} — bubble {result.bubble:.1%}")
+    handles = [Patch(color=c) for c in KIND_COLOURS.values()]
+    ax.legend(
+        handles,
+        [k.value for k in KIND_COLOURS],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 / max(1, ranks) - 0.15),
+        ncols=4,
+        fontsize=8,
+        frameon=False,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _draw(ax: Any, rank: int, timed: TimedAction) -> None:
+    action = timed.action
+    if action.kind not in KIND_COLOURS or timed.end <= timed.start:
+        return
+    width = timed.end - timed.start
+    ax.barh(rank, width, left=timed.start, color=KIND_COLOURS[action.kind], edgecolor="white")
+    label = (
+        f"{action.micro_batch}"
+        if width < 1.5
+        else f"{action.stage}{action.kind.value}{action.micro_batch}"
+    )
+    ax.text(
+        timed.start + width / 2, rank, label, ha="center", va="center", fontsize=7, color="white"
+    )
+
+
+def chrome_trace(
+    timelines: Sequence[Sequence[tuple[str, float, float]]],
+    path: str | Path,
+    *,
+    unit_s: float = 1.0,
+    process: str = "meshpipe",
+) -> None:
+    """Write Chrome/Perfetto trace JSON: one track per rank, one slice per (name, start, end).
+
+    `unit_s` converts the times to seconds (1 for measured runs; any scale for simulations).
+    """
+    events: list[dict[str, object]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process}}
+    ]
+    for rank, slices in enumerate(timelines):
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": rank,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
+        for name, start, end in slices:
+            events.append(
+                {
+                    "name": name,
+                    "cat": name.lstrip("0123456789").rstrip("0123456789"),
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": start * unit_s * 1e6,
+                    "dur": (end - start) * unit_s * 1e6,
+                }
+            )
+    Path(path).write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
