@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -56,7 +56,9 @@ class StepStats:
     pending_w_peak: dict[int, int]
     """Peak micro-batches waiting for their W (I done) per stage held by this rank."""
     timings: tuple[ActionTiming, ...]
-    """Every action's start and end on this rank."""
+    """Every action's start and end on this rank, in seconds from the step's start."""
+    phases: tuple[tuple[str, float, float], ...] = ()
+    """Work outside the schedule (DP all-reduce, tied-weight sum, optimizer), same clock."""
 
 
 class PipelineEngine:
@@ -157,18 +159,30 @@ class PipelineEngine:
         """
         for param in self.module.parameters():
             param.grad = None
-        stats = self._run(self.schedule, inputs, targets, training=True)
+        origin = time.perf_counter()
+        stats = self._run(self.schedule, inputs, targets, training=True, origin=origin)
+        phases: list[tuple[str, float, float]] = []
         self._dp_reduce.finish()
+        if self._dp_reduce.window is not None and self.mesh.dp > 1:
+            start, end = self._dp_reduce.window
+            phases.append(("dp all-reduce", start - origin, end - origin))
+        tie_start = time.perf_counter()
         for key, param in self._tied.items():
             if key in self._tie_groups and param.grad is not None:
                 dist.all_reduce(param.grad, group=self._tie_groups[key])
+        if self._tie_groups:
+            phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
         if self.optimizer is not None:
+            opt_start = time.perf_counter()
             self.optimizer.step()
-        return stats
+            phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
+        return replace(stats, phases=tuple(phases))
 
     def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """Forward-only loss of a batch, on every rank."""
-        return self._run(self.eval_schedule, inputs, targets, training=False).loss
+        return self._run(
+            self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
+        ).loss
 
     def _run(
         self,
@@ -177,14 +191,14 @@ class PipelineEngine:
         targets: torch.Tensor | None,
         *,
         training: bool,
+        origin: float,
     ) -> StepStats:
         step = _Step(self, inputs, targets, training=training)
         for stage in self.stages.values():
             stage.reset_peak()
-        start = time.perf_counter()
-        timings = execute(schedule, self.mesh.pp_rank, step.handlers())
+        timings = execute(schedule, self.mesh.pp_rank, step.handlers(), origin=origin)
         self.exchange.wait_sends()
-        step_s = time.perf_counter() - start
+        step_s = time.perf_counter() - origin
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
         return StepStats(
             loss=self._global_loss(step.losses),

@@ -7,6 +7,7 @@ started asynchronously as soon as the stage's last backward of the step is done.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -41,9 +42,12 @@ class BucketedAllReduce:
             self._buckets[-1].append(param)
             size += param.numel() * param.element_size()
         self._inflight: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+        self.window: tuple[float, float] | None = None
+        """perf_counter times of the last `start` and the end of its `finish`."""
 
     def start(self) -> None:
         """Post every bucket's all-reduce (missing grads count as zeros)."""
+        self.window = (time.perf_counter(), time.perf_counter())
         for bucket in self._buckets:
             if not bucket:
                 continue
@@ -60,6 +64,8 @@ class BucketedAllReduce:
             shapes = [torch.empty_like(p) for p in bucket]
             for param, summed in zip(bucket, _unflatten_dense_tensors(flat, shapes), strict=True):
                 param.grad = summed
+        if self._inflight and self.window is not None:
+            self.window = (self.window[0], time.perf_counter())
         self._inflight = []
 
 

@@ -38,9 +38,10 @@ def execute(
     handlers: Mapping[ActionKind, Handler],
     *,
     clock: Callable[[], float] = time.perf_counter,
+    origin: float | None = None,
 ) -> list[ActionTiming]:
-    """Run `schedule.rows[rank]` in order; returns each action's timing."""
-    origin = clock()
+    """Run `schedule.rows[rank]` in order; returns each action's timing from `origin`."""
+    origin = clock() if origin is None else origin
     timings: list[ActionTiming] = []
     for index, action in enumerate(schedule.rows[rank]):
         start = clock()

@@ -24,12 +24,15 @@ from engine.engine import PipelineEngine
 from engine.launch import launch_local
 from engine.mesh import init_mesh
 from engine.optim import build_optimizer
-from engine.passes import add_communication
 from engine.reference import reference_step
-from engine.schedules import make_schedule
+from engine.schedules import VIRTUAL_SCHEDULES, make_schedule
 from engine.validate import ActionCosts, simulate
 from models import build_layers, layer_specs
 from partitioners import partition_model
+
+
+def _stages_per_rank(schedule: str, args: argparse.Namespace) -> int:
+    return args.stages_per_rank if schedule in VIRTUAL_SCHEDULES else 1
 
 
 def _worker(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
@@ -37,10 +40,11 @@ def _worker(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
     mesh = init_mesh(args.pp, 1, timeout_s=600)
     specs = layer_specs(args.model)
     local_batch = args.micro_batch_size * args.micro_batches
+    v = _stages_per_rank(schedule, args)
     partition = partition_model(
         specs,
         method="balanced",
-        num_stages=args.pp,
+        num_stages=args.pp * v,
         batch_size=args.micro_batch_size,
         seq_len=args.seq_len,
     )
@@ -50,6 +54,7 @@ def _worker(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
         partition=partition,
         micro_batches=args.micro_batches,
         schedule=schedule,
+        stages_per_rank=v,
         optimizer=lambda m: build_optimizer(m, lr=1e-3),
         timeout_s=600,
     )
@@ -67,7 +72,7 @@ def _worker(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
         walls.append(time.perf_counter() - start)
         stats.append(result)
     measured = stats[args.warmup :]
-    compute = _compute_costs(measured, mesh.pp_rank)
+    compute = _compute_costs(measured)
     return {
         "step_s": statistics.median(walls[args.warmup :]),
         "bubble": statistics.median(s.bubble for s in measured),
@@ -78,19 +83,30 @@ def _worker(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
     }
 
 
-def _compute_costs(stats: list[Any], stage: int) -> tuple[int, float, float]:
-    """Median forward and backward seconds of this rank's stage, from the action timings."""
-    forward = [t.end - t.start for s in stats for t in s.timings if t.action.kind.value == "F"]
-    backward = [t.end - t.start for s in stats for t in s.timings if t.action.kind.value == "B"]
-    return stage, statistics.median(forward), statistics.median(backward)
+def _compute_costs(stats: list[Any]) -> dict[int, tuple[float, float, float, float]]:
+    """Median F, B, I, W seconds per stage of this rank, from the runtime's action timings."""
+    spans: dict[tuple[int, str], list[float]] = {}
+    for step in stats:
+        for t in step.timings:
+            if t.action.is_compute:
+                spans.setdefault((t.action.stage, t.action.kind.value), []).append(t.end - t.start)
+    stages = {stage for stage, _ in spans}
+    costs = {}
+    for stage in stages:
+        f, b, i, w = (statistics.median(spans.get((stage, k), [0.0])) for k in "FBIW")
+        costs[stage] = (f, b or i + w, i or b / 2, w or b / 2)
+    return costs
 
 
-def _predicted_bubble(args: argparse.Namespace, schedule: str, costs: list[Any]) -> float:
-    per_stage = tuple((f, b, b / 2, b / 2) for _, f, b in sorted(costs))
-    lowered = add_communication(
-        make_schedule(schedule, num_ranks=args.pp, micro_batches=args.micro_batches)
+def _predicted_bubble(args: argparse.Namespace, schedule: str, costs: dict[int, Any]) -> float:
+    per_stage = tuple(costs[s] for s in sorted(costs))
+    compute_only = make_schedule(
+        schedule,
+        num_ranks=args.pp,
+        micro_batches=args.micro_batches,
+        stages_per_rank=_stages_per_rank(schedule, args),
     )
-    return simulate(lowered, ActionCosts(per_stage=per_stage)).bubble
+    return simulate(compute_only, ActionCosts(per_stage=per_stage)).bubble
 
 
 def _single_process_step(args: argparse.Namespace) -> float:
@@ -122,7 +138,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zb_h1,zb_h2")
+    parser.add_argument("--stages-per-rank", type=int, default=2, help="v for interleaved")
     args = parser.parse_args()
     tokens = args.micro_batch_size * args.micro_batches * args.seq_len
     print(
@@ -145,7 +162,8 @@ def main() -> None:
         ranks = launch_local(_worker, args.pp, args, schedule)
         results = [ranks[r] for r in sorted(ranks)]
         step_s = max(r["step_s"] for r in results)
-        predicted = _predicted_bubble(args, schedule, [r["costs"] for r in results])
+        costs = {s: c for r in results for s, c in r["costs"].items()}
+        predicted = _predicted_bubble(args, schedule, costs)
         peaks = {s: p for r in results for s, p in r["in_flight"].items()}
         rss = ", ".join(f"{r['rss_mib']:.0f}" for r in results)
         print(
