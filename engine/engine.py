@@ -7,6 +7,7 @@ reducers sum gradients; the engine wires them together for one step and reports 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.actions import Action, ActionKind
+from engine.clipping import clip_gradients, global_grad_norm, global_parameter_order
 from engine.grad_sync import (
     BucketedAllReduce,
     new_tie_groups,
@@ -24,8 +26,11 @@ from engine.grad_sync import (
     tied_parameters,
 )
 from engine.mesh import Mesh
+from engine.optim import OptimizerSpec
+from engine.options import EngineOptions
 from engine.p2p import StageExchange
 from engine.passes import add_communication
+from engine.precision import LossScaler
 from engine.reference import LossFn, split_micro_batches
 from engine.runtime import ActionTiming, execute
 from engine.schedules import Schedule, inference, make_schedule
@@ -59,6 +64,12 @@ class StepStats:
     """Every action's start and end on this rank, in seconds from the step's start."""
     phases: tuple[tuple[str, float, float], ...] = ()
     """Work outside the schedule (DP all-reduce, tied-weight sum, optimizer), same clock."""
+    grad_norm: float = 0.0
+    """Global gradient norm before clipping (the same on every rank)."""
+    skipped: bool = False
+    """True when a non-finite loss or gradient made every rank skip the optimizer step."""
+    loss_scale: float = 1.0
+    """fp16's loss scale used in this step (1 otherwise)."""
 
 
 class PipelineEngine:
@@ -74,10 +85,12 @@ class PipelineEngine:
         schedule: str = "1f1b",
         stages_per_rank: int = 1,
         seed: int = 0,
-        optimizer: OptimizerFactory | None = None,
+        optimizer: OptimizerFactory | OptimizerSpec | None = None,
         loss_fn: LossFn = lm_loss,
         timeout_s: float = 300.0,
+        options: EngineOptions | None = None,
     ) -> None:
+        self.options = options or EngineOptions()
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches = mesh, micro_batches
         self.schedule = add_communication(
@@ -100,6 +113,8 @@ class PipelineEngine:
                 seed=seed,
                 device=mesh.device,
                 loss_fn=loss_fn,
+                precision=self.options.precision,
+                recompute=self.options.recompute,
             )
             for s in self.schedule.stages_of(mesh.pp_rank)
         }
@@ -121,8 +136,25 @@ class PipelineEngine:
         )
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
-        self.optimizer = optimizer(self.module) if optimizer else None
+        self.optimizer = self._build_optimizer(optimizer)
         self._last_rank = rank_of_stage[partition.num_stages - 1]
+        self._order = global_parameter_order(specs)
+        self.scaler = LossScaler() if self.options.precision == "fp16" else None
+        self.skipped_steps = 0
+
+    def _build_optimizer(
+        self, optimizer: OptimizerFactory | OptimizerSpec | None
+    ) -> torch.optim.Optimizer | None:
+        if optimizer is None:
+            return None
+        if isinstance(optimizer, OptimizerSpec):
+            zero_group = self.mesh.dp_group if self.options.zero and self.mesh.dp > 1 else None
+            return optimizer.build(self.module, zero_group=zero_group)
+        if self.options.zero:
+            raise ValueError(
+                "ZeRO-1 shards the optimizer, so it needs an OptimizerSpec, not a factory"
+            )
+        return optimizer(self.module)
 
     def _init_ties(
         self, specs: Sequence[LayerSpec], partition: Partition, timeout_s: float
@@ -172,11 +204,36 @@ class PipelineEngine:
                 dist.all_reduce(param.grad, group=self._tie_groups[key])
         if self._tie_groups:
             phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
-        if self.optimizer is not None:
-            opt_start = time.perf_counter()
+        opt_start = time.perf_counter()
+        norm, skipped = self._finish_gradients(stats.loss)
+        if self.optimizer is not None and not skipped:
             self.optimizer.step()
-            phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
-        return replace(stats, phases=tuple(phases))
+        phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
+        scale = self.scaler.scale if self.scaler else 1.0
+        if self.scaler is not None:
+            self.scaler.update(not skipped)
+        return replace(
+            stats, phases=tuple(phases), grad_norm=norm, skipped=skipped, loss_scale=scale
+        )
+
+    def _finish_gradients(self, loss: float) -> tuple[float, bool]:
+        """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks."""
+        params = list(self.module.parameters())
+        if self.scaler is not None:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / self.scaler.scale)
+        named = [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
+        total = global_grad_norm(
+            named, self._order, group=self.mesh.pp_group, distributed=self.mesh.pp > 1
+        )
+        norm = float(total)
+        skipped = not (math.isfinite(norm) and math.isfinite(loss))
+        if skipped:
+            self.skipped_steps += 1
+        elif self.options.clip_grad_norm > 0:
+            clip_gradients(params, total, self.options.clip_grad_norm)
+        return norm, skipped
 
     def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """Forward-only loss of a batch, on every rank."""
@@ -300,11 +357,13 @@ class _Step:
         stage = self.engine.stages[s]
         inputs = (self.inputs[k],) if stage.is_first else self.activations.pop((s, k))
         divisor = self.engine.micro_batches * self.engine.mesh.dp
+        scaler = self.engine.scaler
         outputs = stage.forward(
             k,
             inputs,
             targets=self.targets[k] if stage.is_last else None,
             loss_divisor=divisor,
+            loss_scale=scaler.scale if scaler is not None else 1.0,
             training=self.training,
         )
         if stage.is_last:

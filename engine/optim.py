@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["LR_SCHEDULES", "OPTIMIZERS", "build_optimizer", "lr_factor"]
@@ -48,6 +51,55 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=False)
     raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """An optimizer by name and hyper-parameters, buildable plain or sharded (ZeRO-1)."""
+
+    name: str = "adamw"
+    """`adamw` or `sgd`."""
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay on matrices."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's betas."""
+    momentum: float = 0.0
+    """SGD's momentum."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}"
+            )
+
+    def build(
+        self, module: nn.Module, *, zero_group: dist.ProcessGroup | None = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer; with `zero_group`, torch's ZeroRedundancyOptimizer sharding its
+        state over that group (each replica keeps 1/dp of the moments, then broadcasts the
+        parameters it updated)."""
+        if zero_group is None:
+            return build_optimizer(
+                module,
+                name=self.name,
+                lr=self.lr,
+                weight_decay=self.weight_decay,
+                betas=self.betas,
+                momentum=self.momentum,
+            )
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
+
+        groups = _param_groups(module.named_parameters(), self.weight_decay)
+        if self.name == "adamw":
+            kwargs: dict[str, Any] = {"betas": self.betas, "foreach": False}
+            cls: type[torch.optim.Optimizer] = torch.optim.AdamW
+        else:
+            kwargs, cls = {"momentum": self.momentum, "foreach": False}, torch.optim.SGD
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=cls, process_group=zero_group, lr=self.lr, **kwargs
+        )
 
 
 def lr_factor(

@@ -7,11 +7,14 @@ step can reproduce it bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from engine.clipping import clip_gradients, global_grad_norm
+from engine.precision import LossScaler, autocast
 from models import lm_loss
 
 __all__ = ["LossFn", "accumulate_gradients", "reference_step", "split_micro_batches"]
@@ -40,19 +43,24 @@ def accumulate_gradients(
     *,
     micro_batches: int,
     loss_fn: LossFn = lm_loss,
+    precision: str = "fp32",
+    loss_scale: float = 1.0,
 ) -> torch.Tensor:
     """Forward and backward each micro-batch in order; returns the mean loss (detached).
 
     Gradients accumulate into `.grad` (set them to None first for a fresh step).
     """
     losses = []
+    device = next(model.parameters()).device
     for x, y in zip(
         split_micro_batches(inputs, micro_batches),
         split_micro_batches(targets, micro_batches),
         strict=True,
     ):
-        loss = loss_fn(model(x), y)
-        (loss / micro_batches).backward()
+        with autocast(precision, device):
+            loss = loss_fn(model(x), y)
+        root = loss / micro_batches
+        (root if loss_scale == 1.0 else root * loss_scale).backward()
         losses.append(loss.detach())
     return torch.stack(losses).mean()
 
@@ -65,11 +73,38 @@ def reference_step(
     *,
     micro_batches: int,
     loss_fn: LossFn = lm_loss,
+    clip_grad_norm: float = 0.0,
+    precision: str = "fp32",
+    scaler: LossScaler | None = None,
 ) -> float:
-    """One optimizer step over a global batch with gradient accumulation; returns the loss."""
+    """One optimizer step over a global batch with gradient accumulation; returns the loss.
+
+    Clipping, the non-finite skip and fp16 loss scaling follow the same rules, through the
+    same functions, as the pipeline engine.
+    """
     optimizer.zero_grad(set_to_none=True)
+    scale = scaler.scale if scaler is not None else 1.0
     loss = accumulate_gradients(
-        model, inputs, targets, micro_batches=micro_batches, loss_fn=loss_fn
+        model,
+        inputs,
+        targets,
+        micro_batches=micro_batches,
+        loss_fn=loss_fn,
+        precision=precision,
+        loss_scale=scale,
     )
-    optimizer.step()
+    params = list(model.parameters())
+    if scale != 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(1.0 / scale)
+    named = list(model.named_parameters())
+    total = global_grad_norm(named, {name: i for i, (name, _) in enumerate(named)})
+    finite = math.isfinite(float(total)) and math.isfinite(float(loss))
+    if finite:
+        if clip_grad_norm > 0:
+            clip_gradients(params, total, clip_grad_norm)
+        optimizer.step()
+    if scaler is not None:
+        scaler.update(finite)
     return float(loss)

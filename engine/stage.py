@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from engine.options import recompute_groups
+from engine.precision import autocast, compute_dtype
 from engine.reference import LossFn
 from models import LayerSpec, build_layers, lm_loss
 
@@ -48,11 +51,19 @@ class PipelineStage:
         seed: int,
         device: torch.device | str = "cpu",
         loss_fn: LossFn = lm_loss,
+        precision: str = "fp32",
+        recompute: str = "none",
     ) -> None:
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
         self.module = build_layers(specs, layers, seed=seed, device=device)
         self.loss_fn = loss_fn
+        self.precision, self.device = precision, torch.device(device)
+        modules = list(self.module.layers.values())
+        self._runs = [
+            (nn.Sequential(*(modules[i] for i in run)), again)
+            for run, again in recompute_groups(len(modules), recompute)
+        ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, _PendingWeightGrad] = {}
         self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
@@ -113,6 +124,7 @@ class PipelineStage:
         *,
         targets: torch.Tensor | None = None,
         loss_divisor: int = 1,
+        loss_scale: float = 1.0,
         training: bool = True,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage on one micro-batch; the last stage returns its (unscaled) loss.
@@ -122,9 +134,9 @@ class PipelineStage:
         """
         capture: list[tuple[nn.Module, torch.Tensor]] = []
         self._capture = capture if training and self._hooks_on else None
-        with torch.set_grad_enabled(training):
+        with torch.set_grad_enabled(training), autocast(self.precision, self.device):
             try:
-                out = self.module(*inputs)
+                out = self._run_layers(inputs[0], training)
             except (RuntimeError, ValueError) as error:
                 raise StageError(self._shape_message(micro_batch, inputs, error)) from error
             finally:
@@ -133,14 +145,25 @@ class PipelineStage:
                 if targets is None:
                     raise StageError(f"stage {self.stage} is last but got no targets")
                 loss = self.loss_fn(out, targets)
-                outputs: tuple[torch.Tensor, ...] = (loss / loss_divisor,) if training else ()
+                root = (
+                    loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
+                )
+                outputs: tuple[torch.Tensor, ...] = (root,) if training else ()
                 result: tuple[torch.Tensor, ...] = (loss.detach(),)
             else:
-                outputs = result = out if isinstance(out, tuple) else (out,)
+                dtype = compute_dtype(self.precision)
+                out = out.to(dtype) if out.is_floating_point() else out
+                outputs = result = (out,)
         if training:
             self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture)
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return result
+
+    def _run_layers(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """The stage's layers in order; recomputed runs keep only their input for backward."""
+        for run, again in self._runs:
+            x = checkpoint(run, x, use_reentrant=False) if again and training else run(x)
+        return x
 
     def _pop(self, micro_batch: int) -> _InFlight:
         state = self._in_flight.pop(micro_batch, None)

@@ -7,7 +7,6 @@ seed, the same global batches and the same micro-batch size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,9 @@ import torch
 
 from engine.engine import PipelineEngine
 from engine.mesh import init_mesh
-from engine.optim import build_optimizer
+from engine.optim import OptimizerSpec
+from engine.options import EngineOptions
+from engine.precision import LossScaler
 from engine.reference import reference_step
 from models import GPTConfig, build_layers, layer_specs, lm_loss
 from partitioners import partition_model
@@ -46,6 +47,11 @@ class Case:
     partition: str
     optimizer: str = "adamw"
     stages_per_rank: int = 1
+    clip: float = 0.0
+    precision: str = "fp32"
+    recompute: str = "none"
+    zero: int = 0
+    nan_at_step: int = -1
     micro_batch_size: int = 2
 
     @property
@@ -57,6 +63,11 @@ class Case:
             f"{self.model}-pp{self.pp}-dp{self.dp}-{self.schedule}-m{self.micro_batches}-"
             f"{self.partition.replace(':', '=').replace(',', '.')}-{self.optimizer}"
             + (f"-v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+            + (f"-clip{self.clip}" if self.clip else "")
+            + (f"-{self.precision}" if self.precision != "fp32" else "")
+            + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
+            + ("-zero1" if self.zero else "")
+            + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
         )
 
 
@@ -70,17 +81,27 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _optimizer(case: Case) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+def _optimizer(case: Case) -> OptimizerSpec:
     """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
     normalises gradients that are mathematically zero (attention's key bias) and turns their
     last-bit noise into lr-sized steps."""
+    return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9)
 
-    def build(module: torch.nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(
-            module, name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9
-        )
 
-    return build
+def _poison(engine: PipelineEngine, case: Case, step: int) -> None:
+    """Make stage 0's output NaN in the chosen step (test of the global skip)."""
+    if 0 not in engine.stages or step != case.nan_at_step:
+        return
+    first = next(iter(engine.stages[0].module.layers.values()))
+    handle = first.register_forward_hook(lambda _m, _i, out: out * float("nan"))
+    engine._nan_hook = handle  # type: ignore[attr-defined]
+
+
+def _unpoison(engine: PipelineEngine) -> None:
+    handle = getattr(engine, "_nan_hook", None)
+    if handle is not None:
+        handle.remove()
+        engine._nan_hook = None  # type: ignore[attr-defined]
 
 
 def run_case(case: Case) -> dict[str, Any]:
@@ -99,15 +120,25 @@ def run_case(case: Case) -> dict[str, Any]:
         seed=7,
         optimizer=_optimizer(case),
         timeout_s=60,
+        options=EngineOptions(
+            clip_grad_norm=case.clip,
+            precision=case.precision,
+            recompute=case.recompute,
+            zero=case.zero,
+        ),
     )
     rows = case.global_batch // case.dp
-    losses, peaks, pending, bubbles = [], [], [], []
-    for inputs, targets in batches(case):
+    losses, peaks, pending, bubbles, norms, skipped = [], [], [], [], [], []
+    for step, (inputs, targets) in enumerate(batches(case)):
         local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+        _poison(engine, case, step)
         stats = engine.train_step(
             inputs[local] if engine.is_first else None,
             targets[local] if engine.is_last else None,
         )
+        _unpoison(engine)
+        norms.append(stats.grad_norm)
+        skipped.append(stats.skipped)
         losses.append(stats.loss)
         peaks.append(stats.in_flight_peak)
         pending.append(stats.pending_w_peak)
@@ -124,7 +155,22 @@ def run_case(case: Case) -> dict[str, Any]:
         "bubbles": bubbles,
         "params": {n.split(".", 1)[1]: p for n, p in params.items()},
         "dp_rank": mesh.dp_rank,
+        "grad_norms": norms,
+        "skipped": skipped,
+        "optimizer_state_bytes": _state_bytes(engine.optimizer),
     }
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
+    if inner is None:
+        return 0
+    return sum(
+        t.numel() * t.element_size()
+        for state in inner.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict[str, Any]]:
@@ -136,9 +182,19 @@ def reference_run(case: Case) -> dict[str, Any]:
     """The same steps in one process: m·dp micro-batches of the same size."""
     torch.set_num_threads(1)
     model = build_layers(layer_specs(MODELS[case.model]), seed=7)
-    optimizer = _optimizer(case)(model)
+    optimizer = _optimizer(case).build(model)
+    scaler = LossScaler() if case.precision == "fp16" else None
     losses = [
-        reference_step(model, optimizer, x, y, micro_batches=case.micro_batches * case.dp)
+        reference_step(
+            model,
+            optimizer,
+            x,
+            y,
+            micro_batches=case.micro_batches * case.dp,
+            clip_grad_norm=case.clip,
+            precision=case.precision,
+            scaler=scaler,
+        )
         for x, y in batches(case)
     ]
     x, y = batches(case)[0]

@@ -1,0 +1,64 @@
+"""Mixed precision: autocast compute, fp32 master weights, and fp16's dynamic loss scale.
+
+Parameters and their gradients stay fp32 (autocast casts inside each op), so gradient
+accumulation over micro-batches and the optimizer run in fp32; only activations, and the
+tensors that cross stages, are in the compute dtype. fp16's loss scale is decided from the
+global gradient norm, which every rank computes identically, so every rank skips or steps
+together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PRECISIONS", "LossScaler", "autocast", "compute_dtype"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype activations are computed and exchanged in."""
+    try:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    except KeyError:
+        raise ValueError(
+            f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}"
+        ) from None
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device: torch.device) -> Iterator[None]:
+    """Autocast to the compute dtype (a no-op for fp32)."""
+    dtype = compute_dtype(precision)
+    if dtype is torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scale for fp16 (mutable: it grows and backs off), as in AMP's GradScaler."""
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    _good_steps: int = 0
+
+    def update(self, finite: bool) -> None:
+        """After a step: back off on overflow (the step was skipped), grow after a good run."""
+        if not finite:
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self._good_steps = 0
