@@ -1,0 +1,170 @@
+"""DeepSpeed JSON configs: the keys that apply to meshpipe, checked the way DeepSpeed checks them.
+
+A training script written for DeepSpeed's launcher passes `--deepspeed_config ds.json`;
+`from_deepspeed` turns the file into `TrainConfig` fields. Keys meshpipe does not support are
+rejected by name instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEEPSPEED_SCHEDULERS", "deepspeed_lr", "deepspeed_overrides"]
+
+DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+_IGNORED = {"wall_clock_breakdown", "steps_per_print", "prescale_gradients"}
+_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+
+
+def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
+    """train_batch_size = micro × accumulation × dp; any two determine the third."""
+    total = cfg.get("train_batch_size")
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    accumulation = cfg.get("gradient_accumulation_steps")
+    if total is not None and micro is not None and accumulation is None:
+        accumulation = total // (micro * dp)
+    elif total is not None and accumulation is not None and micro is None:
+        micro = total // (accumulation * dp)
+    elif micro is not None and total is None:
+        accumulation = accumulation or 1
+        total = micro * accumulation * dp
+    if total is None or micro is None or accumulation is None:
+        raise ValueError(
+            "the DeepSpeed config needs train_batch_size or train_micro_batch_size_per_gpu "
+            "(with gradient_accumulation_steps)"
+        )
+    if total != micro * accumulation * dp:
+        raise ValueError(
+            f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
+            f"gradient_accumulation_steps {accumulation} × data-parallel size {dp}: "
+            "make them consistent, as DeepSpeed requires"
+        )
+    return {"global_batch": total, "micro_batches": accumulation}
+
+
+def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
+    kind = str(section.get("type", "")).lower()
+    if kind not in _OPTIMIZERS:
+        raise ValueError(
+            f"optimizer type {section.get('type')!r} is not supported: use Adam, AdamW or SGD"
+        )
+    params = dict(section.get("params", {}))
+    fields: dict[str, Any] = {"optimizer": _OPTIMIZERS[kind]}
+    if "lr" in params:
+        fields["lr"] = float(params.pop("lr"))
+    if "weight_decay" in params:
+        fields["weight_decay"] = float(params.pop("weight_decay"))
+    if "betas" in params:
+        fields["betas"] = tuple(float(b) for b in params.pop("betas"))
+    if "momentum" in params:
+        fields["momentum"] = float(params.pop("momentum"))
+    params.pop("eps", None)
+    params.pop("adam_w_mode", None)
+    params.pop("torch_adam", None)
+    if params:
+        raise ValueError(f"optimizer params {sorted(params)} are not supported by meshpipe")
+    return fields
+
+
+def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
+    kind = section.get("type")
+    if kind not in DEEPSPEED_SCHEDULERS:
+        raise ValueError(
+            f"scheduler type {kind!r} is not supported: use {', '.join(DEEPSPEED_SCHEDULERS)}"
+        )
+    params = {k: v for k, v in dict(section.get("params", {})).items()}
+    return {"lr_schedule": f"deepspeed:{kind}", "lr_schedule_args": json.dumps(params)}
+
+
+def _precision_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
+    fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
+    if bf16 and fp16:
+        raise ValueError("the DeepSpeed config enables both bf16 and fp16: choose one")
+    return {"precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
+
+
+def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
+    unsupported = [
+        k
+        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+        if section.get(k)
+    ]
+    if unsupported:
+        raise ValueError(f"activation_checkpointing options {unsupported} are not supported")
+    return {"recompute": "every:1"}
+
+
+def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
+    """`TrainConfig` fields from a DeepSpeed config (a path or a parsed dict)."""
+    cfg = dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+    fields: dict[str, Any] = _batch_fields(cfg, dp)
+    handlers = {
+        "optimizer": _optimizer_fields,
+        "scheduler": _scheduler_fields,
+        "activation_checkpointing": _recompute_fields,
+    }
+    for key, handler in handlers.items():
+        if key in cfg:
+            fields.update(handler(cfg[key]))
+    fields.update(_precision_fields(cfg))
+    if "gradient_clipping" in cfg:
+        fields["clip_grad_norm"] = float(cfg["gradient_clipping"])
+    if "seed" in cfg:
+        fields["seed"] = int(cfg["seed"])
+    stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
+    if stage > 1:
+        raise ValueError(f"zero_optimization.stage={stage}: meshpipe supports ZeRO stage 0 or 1")
+    fields["zero"] = stage
+    if "partition_method" in cfg.get("pipeline", {}):
+        fields["partition"] = str(cfg["pipeline"]["partition_method"])
+    known = {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "optimizer", "scheduler", "gradient_clipping", "bf16", "fp16", "zero_optimization",
+        "pipeline", "activation_checkpointing", "seed", *_IGNORED,
+    }  # fmt: skip
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(
+            f"DeepSpeed config keys {unknown} are not supported by meshpipe: remove them "
+            f"(supported: {', '.join(sorted(known))})"
+        )
+    return fields
+
+
+def deepspeed_lr(step: int, kind: str, params: Mapping[str, Any], base_lr: float) -> float:
+    """The learning rate DeepSpeed's scheduler gives training step `step` (0-based).
+
+    DeepSpeed steps its scheduler after each optimizer step, so step k runs at the scheduler's
+    iteration k - 1, and step 0 at its initial value.
+    """
+    it = step - 1
+    warmup = max(2, int(params.get("warmup_num_steps", 1000)))
+    log_rate = params.get("warmup_type", "log") == "log"
+    ramp = (math.log(it + 1) / math.log(warmup) if log_rate else it / warmup) if it >= 0 else 0.0
+    if kind == "WarmupCosineLR":
+        if it < 0:
+            return 0.0
+        if it < warmup:
+            low = float(params.get("warmup_min_ratio", 0.0))
+            return base_lr * (low + ramp * (1.0 - low))
+        total = max(1, int(params["total_num_steps"]) - warmup)
+        progress = min(1.0, (it - warmup + 1) / total)
+        floor = float(params.get("cos_min_ratio", 0.0001))
+        return base_lr * max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
+    low = float(params.get("warmup_min_lr", 0.0))
+    high = float(params.get("warmup_max_lr", 0.001))
+    if it < 0:
+        return low
+    if it < warmup:
+        gamma = ramp
+    elif kind == "WarmupDecayLR":
+        total = int(params["total_num_steps"])
+        gamma = max(0.0, (total - it) / max(1.0, total - warmup))
+    else:
+        gamma = 1.0
+    return low + (high - low) * gamma

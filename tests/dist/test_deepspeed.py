@@ -1,0 +1,151 @@
+"""DeepSpeed interop: its JSON config drives meshpipe, and the loss curve matches DeepSpeed's
+own PipelineEngine on the same model, weights, data and config (CPU, gloo, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.deepspeed_config import deepspeed_lr, deepspeed_overrides
+from tests.dist.harness import run_ranks
+
+DS_CONFIG: dict[str, Any] = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.0, "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3},
+    },
+    "gradient_clipping": 1.0,
+    "steps_per_print": 1000,
+    "seed": 7,
+}
+STEPS = 4
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, (8, 17), generator=generator)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _deepspeed_losses(rank: int, world_size: int) -> list[float]:
+    import deepspeed
+
+    from engine.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
+    from models import layer_specs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    module = deepspeed_pipeline(layer_specs("llama-tiny"), num_stages=2, seed=7)
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=DS_CONFIG, model_parameters=params)
+    batches = micro_batch_iterator(_batches(), 4)
+    return [float(engine.train_batch(batches)) for _ in range(STEPS)]
+
+
+def _meshpipe_losses(rank: int, world_size: int) -> list[float]:
+    from engine.engine import PipelineEngine
+    from engine.mesh import init_mesh
+    from engine.optim import OptimizerSpec
+    from engine.options import EngineOptions
+    from models import layer_specs
+    from partitioners import partition_model
+
+    fields = deepspeed_overrides(DS_CONFIG, dp=1)
+    specs = layer_specs("llama-tiny")
+    engine = PipelineEngine(
+        specs,
+        init_mesh(2, 1, timeout_s=60),
+        partition=partition_model(specs, method="uniform", num_stages=2),
+        micro_batches=fields["micro_batches"],
+        seed=fields["seed"],
+        optimizer=OptimizerSpec(lr=fields["lr"], betas=fields["betas"]),
+        options=EngineOptions(clip_grad_norm=fields["clip_grad_norm"]),
+    )
+    assert engine.optimizer is not None
+    schedule = json.loads(fields["lr_schedule_args"])
+    losses = []
+    for step, (inputs, targets) in enumerate(_batches()):
+        for group in engine.optimizer.param_groups:
+            group["lr"] = deepspeed_lr(step, "WarmupLR", schedule, fields["lr"])
+        losses.append(engine.train_step(inputs, targets).loss)
+    return losses
+
+
+def test_same_json_gives_deepspeeds_loss_curve() -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install .[deepspeed])")
+    theirs = run_ranks(_deepspeed_losses, 2, timeout_s=300)
+    ours = run_ranks(_meshpipe_losses, 2, timeout_s=300)
+    assert ours[0] == ours[1]
+    assert ours[0] == pytest.approx(theirs[1], rel=1e-5)
+
+
+def test_deepspeed_schedulers_are_reproduced_step_by_step() -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    from deepspeed.runtime import lr_schedules
+
+    cases = {
+        "WarmupLR": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10},
+        "WarmupDecayLR": {
+            "warmup_max_lr": 3e-3,
+            "warmup_num_steps": 5,
+            "total_num_steps": 30,
+            "warmup_type": "linear",
+        },
+        "WarmupCosineLR": {"warmup_min_ratio": 0.1, "warmup_num_steps": 5, "total_num_steps": 30},
+    }
+    for kind, params in cases.items():
+        param = torch.nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([param], lr=2e-3)
+        scheduler = getattr(lr_schedules, kind)(optimizer, **params)
+        for step in range(40):
+            expected = optimizer.param_groups[0]["lr"]
+            assert deepspeed_lr(step, kind, params, 2e-3) == pytest.approx(expected, abs=1e-15)
+            scheduler.step()
+
+
+def test_batch_sizes_must_agree_as_deepspeed_requires() -> None:
+    bad = {**DS_CONFIG, "train_batch_size": 10}
+    with pytest.raises(ValueError, match=r"train_batch_size 10 != .* 2 × .* 4 × data-parallel size 1"):
+        deepspeed_overrides(bad, dp=1)
+
+
+def test_missing_batch_size_is_derived_from_the_other_two() -> None:
+    config = {k: v for k, v in DS_CONFIG.items() if k != "gradient_accumulation_steps"}
+    assert deepspeed_overrides(config, dp=2)["micro_batches"] == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("zero_optimization", {"stage": 3}, "ZeRO stage 0 or 1"),
+        ("amp", {"enabled": True}, r"keys \['amp'\] are not supported"),
+        ("optimizer", {"type": "Lamb"}, "optimizer type 'Lamb' is not supported"),
+        ("scheduler", {"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
+        ("activation_checkpointing", {"cpu_checkpointing": True}, "cpu_checkpointing"),
+    ],
+)
+def test_unsupported_keys_are_rejected_by_name(key: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        deepspeed_overrides({**DS_CONFIG, key: value}, dp=1)
+
+
+def test_config_maps_to_train_fields(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**DS_CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}))
+    fields = deepspeed_overrides(path, dp=1)
+    assert fields["precision"] == "bf16" and fields["zero"] == 1
+    assert fields["clip_grad_norm"] == 1.0 and fields["lr_schedule"] == "deepspeed:WarmupLR"
+    assert (fields["global_batch"], fields["micro_batches"], fields["optimizer"]) == (8, 4, "adamw")
