@@ -17,6 +17,9 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from engine.checkpoint_cli import COMMANDS as CHECKPOINT_COMMANDS
+from engine.checkpoint_cli import add_commands as add_checkpoint_commands
+from engine.checkpoint_cli import run_command as run_checkpoint_command
 from engine.config import TrainConfig
 from engine.data import prepare
 from engine.schedule_cli import add_schedule_parser, run_schedule
@@ -40,6 +43,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
+        if str(field.type) == "bool":
+            help_text = f"{docs.get(field.name, '')} (default: off)"
+            parser.add_argument(flag, dest=field.name, action="store_true", help=help_text)
+            continue
         kind: Any = {"int": int, "float": float}.get(str(field.type), str)
         parser.add_argument(
             flag,
@@ -77,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("source", help="a text file or a folder of them")
     prep.add_argument("--out", required=True, help="output prefix (writes OUT.bin and OUT.json)")
     prep.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
+    add_checkpoint_commands(commands)
     return parser
 
 
@@ -89,7 +97,9 @@ def _run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     ranks = config.pp * config.dp
     if ranks > 1 and not is_launched():
-        result = launch_local(train_worker, ranks, config, not args.no_progress)[0]
+        progress = not args.no_progress
+        restarts = config.max_restarts
+        result = launch_local(train_worker, ranks, config, progress, max_restarts=restarts)[0]
     else:
         if is_launched() and launcher_world_size() != ranks:
             raise ValueError(
@@ -142,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_plan(args)
         if args.command == "schedule":
             return run_schedule(args)
+        if args.command in CHECKPOINT_COMMANDS:
+            return run_checkpoint_command(args)
         return _run_data(args)
     except ValueError as error:
         parser.exit(2, f"meshpipe: error: {error}\n")

@@ -61,6 +61,20 @@ class TrainConfig:
     """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
     timeout: float = 300.0
     """Seconds any collective or p2p call may wait before failing (dead or stalled peer)."""
+    checkpoint_dir: str | None = None
+    """Folder of checkpoints (`step-NNNNNNNN` and a `latest` pointer); None saves none."""
+    save_every: int = 0
+    """Save a checkpoint every N steps; the last step is always saved (0: only the last)."""
+    keep: int = 0
+    """Keep only the newest N checkpoints (0 keeps all)."""
+    resume: bool = False
+    """Continue from the checkpoint `latest` names in --checkpoint-dir, if there is one."""
+    resume_fallback: bool = False
+    """If `latest` fails to load, use the previous complete checkpoint (said on stderr)."""
+    init_from: str | None = None
+    """Start from the weights of a checkpoint or a Hugging Face folder (fresh optimizer)."""
+    max_restarts: int = 0
+    """Local launcher: restart all ranks up to N times when one dies (needs --resume)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "micro_batches", "seq_len"):
@@ -94,6 +108,7 @@ class TrainConfig:
             self.schedule in SCHEDULES,
             f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
         )
+        self._check_checkpointing()
         num_layers = len(layer_specs(self.model))
         _require(
             self.pp <= num_layers,
@@ -105,6 +120,29 @@ class TrainConfig:
             self.seq_len <= context,
             f"seq_len={self.seq_len} is longer than {self.model}'s context of {context} tokens: "
             f"use --seq-len {context} or less",
+        )
+
+    def _check_checkpointing(self) -> None:
+        for name in ("save_every", "keep", "max_restarts"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{name}={value} must be >= 0")
+        for flag, used in (
+            ("--save-every", self.save_every > 0),
+            ("--keep", self.keep > 0),
+            ("--resume", self.resume),
+        ):
+            _require(
+                self.checkpoint_dir is not None or not used,
+                f"{flag} needs a --checkpoint-dir to save into or resume from",
+            )
+        _require(
+            self.resume or not self.resume_fallback,
+            "--resume-fallback only applies with --resume: add --resume",
+        )
+        _require(
+            self.resume or self.max_restarts == 0,
+            f"--max-restarts {self.max_restarts} restarts would start over from step 0: "
+            "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,4 +47,9 @@ def launch_local(
         monitor_interval=0.2,
         start_method="spawn",
     )
+    if max_restarts > 0:
+        # The agent's shared TCPStore keeps the previous attempt's keys, so a restarted rank
+        # may dial a dead peer's gloo address (pytorch/pytorch#135712): give each attempt a
+        # store of its own, hosted by its rank 0.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return elastic_launch(config, entrypoint)(*args)

@@ -1,28 +1,60 @@
 """The training loop behind `meshpipe train`: one process or a pp × dp mesh of them.
 
 Every rank runs this loop. Only the first stage reads inputs and only the last reads targets;
-global rank 0 shows the progress bar and writes the metrics.
+global rank 0 shows the progress bar and writes the metrics. With --checkpoint-dir the loop
+saves every --save-every steps and after the last one; with --resume it first continues from
+the checkpoint `latest` names, so ranks restarted by --max-restarts pick up where they died.
+
+Test-only fault injection: with `MESHPIPE_TEST_KILL_AT_STEP=S` in the environment, global rank
+`MESHPIPE_TEST_KILL_RANK` (default: the last) SIGKILLs itself as step S begins, on the
+launcher's first attempt only (`TORCHELASTIC_RESTART_COUNT` unset or 0), so the restart tests
+watch a real crash. Nothing else reads these variables; never set them outside tests.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
+from engine.checkpoint import (
+    TrainerState,
+    has_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
 from engine.engine import PipelineEngine, StepStats
+from engine.hf_interop import open_weights
 from engine.mesh import Mesh, init_mesh
 from engine.metrics import MetricsLog
 from engine.optim import build_optimizer, lr_factor
-from models import get_config, layer_specs
+from models import LayerSpec, get_config, layer_specs
 from partitioners import partition_model
 
-__all__ = ["TrainResult", "open_dataset", "train", "train_worker"]
+__all__ = [
+    "KILL_AT_STEP_ENV",
+    "KILL_RANK_ENV",
+    "TrainResult",
+    "open_dataset",
+    "train",
+    "train_worker",
+]
+
+KILL_AT_STEP_ENV = "MESHPIPE_TEST_KILL_AT_STEP"
+KILL_RANK_ENV = "MESHPIPE_TEST_KILL_RANK"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,10 +67,13 @@ class TrainResult:
     """Throughput over the whole run after the first step."""
     bubbles: tuple[float, ...] = ()
     """Measured pipeline bubble of every step."""
+    first_step: int = 0
+    """Step this process started at (> 0 after resuming); `losses[0]` is that step's."""
 
     @property
     def final_loss(self) -> float:
-        return self.losses[-1]
+        """Loss of the last step run here (NaN when a resumed run had no steps left)."""
+        return self.losses[-1] if self.losses else math.nan
 
 
 def open_dataset(config: TrainConfig) -> TokenDataset:
@@ -61,8 +96,7 @@ def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def _build_engine(config: TrainConfig, mesh: Mesh) -> PipelineEngine:
-    specs = layer_specs(config.model)
+def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
     partition = partition_model(
         specs,
         method=config.partition,
@@ -84,22 +118,105 @@ def _build_engine(config: TrainConfig, mesh: Mesh) -> PipelineEngine:
     )
 
 
-def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
-    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
-    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout)
-    _set_threads(config, mesh)
-    dataset = open_dataset(config)
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """The pieces of a run that the loop, the checkpoints and resume all touch."""
+
+    config: TrainConfig
+    engine: PipelineEngine
+    specs: list[LayerSpec]
+    loader: BatchLoader
+    scheduler: LambdaLR
+
+    def step(self, step: int) -> tuple[StepStats, float, float]:
+        """Train one step; returns its stats, the learning rate it used and its seconds."""
+        engine = self.engine
+        assert engine.optimizer is not None
+        needs_data = engine.is_first or engine.is_last
+        inputs, targets = self.loader.batch_at(step) if needs_data else (None, None)
+        lr = float(engine.optimizer.param_groups[0]["lr"])
+        start = time.perf_counter()
+        stats = engine.train_step(inputs, targets)
+        self.scheduler.step()
+        return stats, lr, time.perf_counter() - start
+
+    def save(self, done: int) -> None:
+        """Checkpoint after `done` steps, when the config asks for it (collective)."""
+        config = self.config
+        every = config.save_every > 0 and done % config.save_every == 0
+        if config.checkpoint_dir is None or not (every or done == config.steps):
+            return
+        state = TrainerState(
+            step=done,
+            loader={**self.loader.state_dict(), "position": done},
+            scheduler=self.scheduler.state_dict(),
+            config=config.to_dict(),
+        )
+        save_checkpoint(
+            self.engine, self.specs, config.checkpoint_dir, state=state, keep=config.keep
+        )
+
+    def restore(self) -> int:
+        """Resume from `latest` or start from --init-from weights; returns the first step."""
+        config, engine = self.config, self.engine
+        root = config.checkpoint_dir
+        if config.resume and root is not None and has_checkpoint(root):
+            where, state = load_checkpoint(
+                engine, self.specs, root, fallback=config.resume_fallback
+            )
+            self.scheduler.load_state_dict(state.scheduler)
+            self.loader.load_state_dict(state.loader)
+            _say(engine.mesh, f"resumed from step {state.step} ({where})")
+            return state.step
+        if config.init_from is not None:
+            source = open_weights(config.init_from, get_config(config.model))
+            load_model_weights(engine, self.specs, source)
+            _say(engine.mesh, f"initialised from {config.init_from}")
+        return 0
+
+
+def _say(mesh: Mesh, message: str) -> None:
+    if mesh.rank == 0:
+        print(f"meshpipe: {message}", file=sys.stderr, flush=True)
+
+
+def _test_fault(step: int, mesh: Mesh) -> None:
+    """The test-only crash of the module docstring: SIGKILL, so nothing is cleaned up."""
+    at = os.environ.get(KILL_AT_STEP_ENV)
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if mesh.rank == int(os.environ.get(KILL_RANK_ENV, mesh.world_size - 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
+    """Metrics of the steps before `start`, replayed into the log when a run resumes."""
+    if path is None or start == 0 or not Path(path).is_file():
+        return []
+    kept = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash
+        if isinstance(record, dict) and record.get("step", start) < start:
+            kept.append(record)
+    return kept
+
+
+def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
     loader = BatchLoader(
-        dataset,
+        open_dataset(config),
         seq_len=config.seq_len,
         global_batch=config.global_batch,
         seed=config.seed,
         dp_rank=mesh.dp_rank,
         dp_size=config.dp,
     )
-    engine = _build_engine(config, mesh)
+    specs = layer_specs(config.model)
+    engine = _build_engine(config, mesh, specs)
     assert engine.optimizer is not None
-    schedule = torch.optim.lr_scheduler.LambdaLR(
+    scheduler = LambdaLR(
         engine.optimizer,
         lambda step: lr_factor(
             step,
@@ -109,35 +226,45 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             min_ratio=config.min_lr_ratio,
         ),
     )
+    return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
+
+
+def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
+    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout)
+    _set_threads(config, mesh)
+    run = _open_run(config, mesh)
+    first = run.restore()
     tokens_per_step = config.global_batch * config.seq_len
     stats: list[StepStats] = []
     wall: list[float] = []
-    leader = mesh.rank == 0
-    path = config.metrics_file if leader else None
-    with MetricsLog(total_steps=config.steps, path=path, progress=progress and leader) as log:
-        for step in range(config.steps):
-            needs_data = engine.is_first or engine.is_last
-            inputs, targets = loader.batch_at(step) if needs_data else (None, None)
-            lr = engine.optimizer.param_groups[0]["lr"]
-            start = time.perf_counter()
-            result = engine.train_step(inputs, targets)
-            schedule.step()
-            wall.append(time.perf_counter() - start)
+    path = config.metrics_file if mesh.rank == 0 else None
+    show = progress and mesh.rank == 0
+    kept = _kept_records(path, first)
+    with MetricsLog(total_steps=config.steps, path=path, progress=show) as log:
+        for record in kept:
+            log.record(**record)
+        for step in range(first, config.steps):
+            _test_fault(step, mesh)
+            result, lr, seconds = run.step(step)
+            wall.append(seconds)
             stats.append(result)
             log.record(
                 step=step,
                 loss=result.loss,
                 lr=lr,
-                step_s=wall[-1],
-                tokens_per_s=tokens_per_step / wall[-1],
+                step_s=seconds,
+                tokens_per_s=tokens_per_step / seconds,
                 bubble=result.bubble,
             )
+            run.save(step + 1)
     timed = sum(wall[1:])
     steady = tokens_per_step * (len(wall) - 1) / timed if timed else 0.0
     return TrainResult(
         losses=tuple(s.loss for s in stats),
         tokens_per_s=steady,
         bubbles=tuple(s.bubble for s in stats),
+        first_step=first,
     )
 
 

@@ -1,0 +1,184 @@
+"""Parameters and optimizer state under stored names: what a stage writes and reads back.
+
+A stage's parameters are named globally (`layers.{i}.…`). A weight tied across layers is
+stored once, under its lowest layer's name, and a stage holding another copy reads it from
+there. Optimizer state is stored per parameter (`{name}.exp_avg`, …), never by the optimizer's
+positional index, so it follows its parameter into any layout. No torch.distributed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from engine.checkpoint_files import CheckpointError, canonical_name, expected_names
+from models import LayerSpec
+
+__all__ = [
+    "TensorSource",
+    "check_names",
+    "load_module_weights",
+    "optimizer_state",
+    "read_module_weights",
+    "read_optimizer_state",
+    "stored_parameters",
+]
+
+
+class TensorSource(Protocol):
+    """Tensors under stored names: a checkpoint's index, or a Hugging Face folder renamed."""
+
+    @property
+    def names(self) -> frozenset[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def where(self, name: str) -> str:
+        """The file `name` is read from (for error messages)."""
+        ...
+
+
+def stored_parameters(module: nn.Module, specs: Sequence[LayerSpec]) -> dict[str, torch.Tensor]:
+    """The parameters this module stores: all but tied copies owned by a lower layer."""
+    return {
+        name: param.detach()
+        for name, param in module.named_parameters()
+        if canonical_name(specs, name) == name
+    }
+
+
+def check_names(source: TensorSource, specs: Sequence[LayerSpec]) -> None:
+    """The source holds exactly the model's stored names: nothing missing, nothing foreign."""
+    want = expected_names(specs)
+    missing, foreign = sorted(want - source.names), sorted(source.names - want)
+    if missing:
+        raise CheckpointError(
+            f"{source.where(missing[0])} lacks {len(missing)} of the model's tensors, e.g. "
+            f"{missing[:3]}: the checkpoint is incomplete or of another model"
+        )
+    if foreign:
+        raise CheckpointError(
+            f"{source.where(foreign[0])} holds {len(foreign)} tensors the model lacks, e.g. "
+            f"{foreign[:3]}: it was saved from another model"
+        )
+
+
+def read_module_weights(
+    module: nn.Module, specs: Sequence[LayerSpec], source: TensorSource, *, exact_dtype: bool
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Each parameter of `module` with its stored tensor, shape-checked; nothing is copied."""
+    pairs = []
+    for name, param in module.named_parameters():
+        stored = canonical_name(specs, name)
+        tensor = source.get(stored)
+        if tensor.shape != param.shape:
+            raise CheckpointError(
+                f"{source.where(stored)}: tensor {stored!r} has shape {tuple(tensor.shape)} but "
+                f"the model's {name!r} has {tuple(param.shape)}: vocabulary or width differ"
+            )
+        if exact_dtype and tensor.dtype != param.dtype:
+            raise CheckpointError(
+                f"{source.where(stored)}: tensor {stored!r} is {tensor.dtype}, the model's "
+                f"{name!r} is {param.dtype}"
+            )
+        pairs.append((param, tensor))
+    return pairs
+
+
+def load_module_weights(
+    module: nn.Module, specs: Sequence[LayerSpec], source: TensorSource
+) -> None:
+    """Check, then copy every parameter of `module` from `source` (one process)."""
+    check_names(source, specs)
+    pairs = read_module_weights(module, specs, source, exact_dtype=False)
+    with torch.no_grad():
+        for param, tensor in pairs:
+            param.copy_(tensor)
+
+
+def _optimized(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, module: nn.Module, specs: Sequence[LayerSpec]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`module`'s share of the optimizer: tensors `{param}.{key}` and JSON metadata
+    (optimizer class, hyper-parameters per group, state keys per parameter)."""
+    optimized = {id(p) for p in _optimized(optimizer)}
+    tensors: dict[str, torch.Tensor] = {}
+    state_keys: dict[str, list[str]] = {}
+    for name, param in module.named_parameters():
+        if canonical_name(specs, name) != name or id(param) not in optimized:
+            continue
+        state_keys[name] = []
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"optimizer state {name}.{key} is a {type(value).__name__}: "
+                    "only tensor state can be saved"
+                )
+            tensors[f"{name}.{key}"] = value
+            state_keys[name].append(key)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    meta = {"optimizer": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys}
+    return tensors, meta
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], where: str) -> None:
+    saved, ours = meta.get("optimizer"), type(optimizer).__name__
+    if saved != ours:
+        raise CheckpointError(f"{where} holds {saved} state but the run uses {ours}")
+    groups = meta.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where} has {len(groups) if isinstance(groups, list) else 'no'} parameter groups; "
+            f"the run's {ours} has {len(optimizer.param_groups)}"
+        )
+
+
+def _from_json(group: dict[str, Any]) -> dict[str, Any]:
+    """JSON turned tuples (Adam's betas) into lists; give them back."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
+
+
+def read_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    modules: Iterable[nn.Module],
+    specs: Sequence[LayerSpec],
+    source: Any,
+) -> dict[str, Any]:
+    """A `state_dict` for `optimizer` holding the stored state of the modules' parameters.
+
+    `source` is a `TensorReader` of the optimizer index (its metadata carries the groups).
+    """
+    meta, where = source.metadata, str(source.index_path)
+    _check_optimizer(optimizer, meta, where)
+    index = {id(p): i for i, p in enumerate(_optimized(optimizer))}
+    state_keys: dict[str, list[str]] = meta.get("state_keys", {})
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in index:
+                continue
+            stored = canonical_name(specs, name)
+            if stored not in state_keys:
+                raise CheckpointError(f"{where} holds no optimizer state for {stored!r}")
+            entry = {key: source.get(f"{stored}.{key}") for key in state_keys[stored]}
+            for key, tensor in entry.items():
+                if tensor.dim() and tensor.shape != param.shape:
+                    raise CheckpointError(
+                        f"{source.where(f'{stored}.{key}')}: tensor {stored}.{key} has shape "
+                        f"{tuple(tensor.shape)} but {name!r} has {tuple(param.shape)}"
+                    )
+            if entry:
+                state[index[id(param)]] = entry
+    current = optimizer.state_dict()["param_groups"]
+    groups = [
+        {**_from_json(saved), "params": cur["params"]}
+        for saved, cur in zip(meta["param_groups"], current, strict=True)
+    ]
+    return {"state": state, "param_groups": groups}

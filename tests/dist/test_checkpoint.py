@@ -1,0 +1,214 @@
+"""Checkpoints on a mesh: resume bit for bit, reshard across layouts, fail together, and survive a
+killed rank under the local launcher."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from engine.checkpoint_files import MODEL_INDEX, TensorReader
+from engine.cli import main
+from engine.config import TrainConfig
+from engine.data import prepare
+from engine.engine import PipelineEngine
+from engine.mesh import init_mesh
+from engine.optim import build_optimizer
+from engine.train import KILL_AT_STEP_ENV, train
+from models import layer_specs
+from partitioners import partition_model
+from tests.dist.harness import RanksFailed, run_ranks
+
+RUN = {
+    "steps": 6,
+    "global_batch": 8,
+    "micro_batches": 2,
+    "seq_len": 32,
+    "warmup_steps": 2,
+    "threads": 1,
+    "save_every": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "text.txt").write_text(
+        "a stage keeps its layers; a checkpoint keeps them all\n" * 300
+    )
+    return str(prepare(folder / "text.txt", folder / "tokens").bin_path)
+
+
+def _train(rank: int, world_size: int, config: TrainConfig) -> tuple[float, ...]:
+    return train(config, progress=False).losses
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        out.update({f"{shard.name}:{k}": v for k, v in load_file(shard).items()})
+    return out
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt-tiny"])
+def test_pp2_resume_equals_the_uninterrupted_run_bit_for_bit(
+    tmp_path: Path, tokens: str, model: str
+) -> None:
+    full = TrainConfig(**RUN, model=model, pp=2, data=tokens, checkpoint_dir=str(tmp_path / "a"))
+    losses = run_ranks(_train, 2, full)[0]
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
+    (tmp_path / "b" / "latest").write_text("step-00000003\n")
+    resumed = TrainConfig(
+        **RUN, model=model, pp=2, data=tokens, resume=True, checkpoint_dir=str(tmp_path / "b")
+    )
+    assert run_ranks(_train, 2, resumed) == [losses[3:], losses[3:]]
+    before = _tensors(tmp_path / "a" / "step-00000006")
+    after = _tensors(tmp_path / "b" / "step-00000006")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _engine(
+    pp: int, dp: int, model: str, schedule: str = "1f1b", v: int = 1, *, seed: int
+) -> PipelineEngine:
+    specs = layer_specs(model)
+    partition = partition_model(specs, method="uniform", num_stages=pp * v, seq_len=16)
+    return PipelineEngine(
+        specs,
+        init_mesh(pp, dp, timeout_s=60),
+        partition=partition,
+        micro_batches=2 * pp,
+        schedule=schedule,
+        stages_per_rank=v,
+        seed=seed,
+        optimizer=lambda module: build_optimizer(module, lr=1e-2),
+        timeout_s=60,
+    )
+
+
+def _params(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+    return {
+        name: param.detach().clone()
+        for stage in engine.stages.values()
+        for name, param in stage.module.named_parameters()
+    }
+
+
+def _save_after_a_step(
+    rank: int, world_size: int, root: str, pp: int, dp: int, model: str, schedule: str, v: int
+) -> dict[str, torch.Tensor]:
+    engine = _engine(pp, dp, model, schedule, v, seed=1)
+    tokens = torch.randint(0, 256, (4 * pp, 17), generator=torch.Generator().manual_seed(0))
+    rows = slice(engine.mesh.dp_rank * 2 * pp, (engine.mesh.dp_rank + 1) * 2 * pp)
+    x, y = tokens[rows, :-1], tokens[rows, 1:]
+    engine.train_step(x if engine.is_first else None, y if engine.is_last else None)
+    save_checkpoint(engine, layer_specs(model), root, state=TrainerState(step=1))
+    return _params(engine)
+
+
+def _load(rank: int, world_size: int, root: str, pp: int, model: str) -> dict[str, torch.Tensor]:
+    engine = _engine(pp, 1, model, seed=2)
+    load_checkpoint(engine, layer_specs(model), root)
+    return _params(engine)
+
+
+def _merged(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {name: t for params in per_rank for name, t in params.items()}
+
+
+def test_a_pp2_dp2_checkpoint_loads_into_three_stages(tmp_path: Path) -> None:
+    saved = _merged(run_ranks(_save_after_a_step, 4, str(tmp_path), 2, 2, "llama-tiny", "1f1b", 1))
+    loaded = _merged(run_ranks(_load, 3, str(tmp_path), 3, "llama-tiny"))
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def test_ranks_holding_two_stages_save_what_one_process_loads(tmp_path: Path) -> None:
+    saved = _merged(
+        run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "gpt-tiny", "interleaved_1f1b", 2)
+    )
+    reader = TensorReader(tmp_path / "step-00000001", MODEL_INDEX)
+    # Stage 3 holds only the head, a tied copy stored with the embedding: it writes no shard.
+    assert set(reader.weight_map.values()) == {f"model-stage00{s}.safetensors" for s in range(3)}
+    loaded = _load(0, 1, str(tmp_path), 1, "gpt-tiny")  # one stack: the head shares wte
+    assert loaded.keys() == saved.keys() - {"layers.6.weight"}
+    assert all(torch.equal(saved[n], loaded[n]) for n in loaded)
+
+
+def test_a_corrupt_shard_fails_every_rank_with_its_name(tmp_path: Path) -> None:
+    run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "llama-tiny", "1f1b", 1)
+    shard = tmp_path / "step-00000001" / "model-stage001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_load, 2, str(tmp_path), 2, "llama-tiny", timeout_s=60)
+    report = str(failed.value)
+    assert "--- rank 0 ---" in report and "--- rank 1 ---" in report
+    assert report.count("rank 1: ") >= 2 and "model-stage001.safetensors: sha256" in report
+
+
+def _uninterrupted(data: str, root: Path) -> tuple[float, ...]:
+    """The reference in one process: llama's pp=2 steps equal pp=1 steps bit for bit."""
+    config = TrainConfig(
+        model="llama-tiny",
+        steps=8,
+        global_batch=8,
+        micro_batches=2,
+        seq_len=32,
+        threads=1,
+        data=data,
+        checkpoint_dir=str(root),
+    )
+    return train(config, progress=False).losses
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path, tokens: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KILL_AT_STEP_ENV, "5")
+    argv = [
+        "train",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "8",
+        "--global-batch",
+        "8",
+        "--micro-batches",
+        "2",
+        "--seq-len",
+        "32",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--data",
+        tokens,
+        "--pp",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "killed"),
+        "--save-every",
+        "2",
+        "--resume",
+        "--max-restarts",
+        "1",
+    ]
+    assert main(argv) == 0
+    out = capfd.readouterr()
+    assert "resumed from step 4" in out.err
+    monkeypatch.delenv(KILL_AT_STEP_ENV)
+    losses = _uninterrupted(tokens, tmp_path / "reference")
+    assert f"final loss {losses[-1]:.4f}" in out.out
+    reference = load_file(tmp_path / "reference" / "step-00000008" / "model-stage000.safetensors")
+    killed: dict[str, Any] = {}
+    for stage in (0, 1):
+        path = tmp_path / "killed" / "step-00000008" / f"model-stage{stage:03d}.safetensors"
+        killed.update(load_file(path))
+    assert killed.keys() == reference.keys()
+    assert all(torch.equal(killed[k], reference[k]) for k in reference)

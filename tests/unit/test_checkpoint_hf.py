@@ -1,0 +1,312 @@
+"""Hugging Face interchange and text generation from checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint_files import CheckpointError, expected_names
+from engine.cli import main
+from engine.config import TrainConfig
+from engine.generate import generate, generate_text, load_model
+from engine.hf_interop import HFSource, export_hf, import_hf
+from engine.train import train
+from engine.weights import stored_parameters
+from models import build_layers, layer_specs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A few trained steps of each family, so no weight is still at its initial value."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for model in ("gpt-tiny", "llama-tiny"):
+        config = TrainConfig(
+            model=model,
+            steps=2,
+            global_batch=4,
+            micro_batches=2,
+            seq_len=32,
+            threads=1,
+            checkpoint_dir=str(root / model),
+        )
+        train(config, progress=False)
+        out[model] = root / model
+    return out
+
+
+def _ours(checkpoint: Path) -> dict[str, torch.Tensor]:
+    model, _ = load_model(checkpoint)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_gpt_exports_under_gpt2_names_with_conv1d_layouts(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["gpt-tiny"], tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    ours = _ours(checkpoints["gpt-tiny"])
+    q, k, v = (ours[f"layers.1.attn.{x}_proj.weight"] for x in "qkv")
+    assert torch.equal(hf["transformer.h.0.attn.c_attn.weight"], torch.cat([q, k, v]).T)
+    assert torch.equal(hf["transformer.h.0.mlp.c_fc.weight"], ours["layers.1.mlp.fc.weight"].T)
+    assert torch.equal(hf["transformer.wte.weight"], ours["layers.0.wte.weight"])
+    assert "lm_head.weight" not in hf
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        "GPT2LMHeadModel"
+    ]
+
+
+def test_llama_exports_under_llama_for_causal_lm_names(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["llama-tiny"], tmp_path)
+    hf = load_file(tmp_path / "model.safetensors")
+    ours = _ours(checkpoints["llama-tiny"])
+    assert torch.equal(hf["model.embed_tokens.weight"], ours["layers.0.embed_tokens.weight"])
+    assert torch.equal(
+        hf["model.layers.3.self_attn.k_proj.weight"], ours["layers.4.self_attn.k_proj.weight"]
+    )
+    assert torch.equal(hf["model.norm.weight"], ours["layers.5.norm.weight"])
+    assert torch.equal(hf["lm_head.weight"], ours["layers.6.lm_head.weight"])
+    assert len(hf) == len(ours)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_export_then_import_gives_back_every_tensor(
+    checkpoints: dict[str, Path], tmp_path: Path, model: str
+) -> None:
+    export_hf(checkpoints[model], tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    before, after = _ours(checkpoints[model]), _ours(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_gpt2_files_saved_from_the_base_model_import_too(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The Hub's gpt2 stores `h.0.…`, `wte.weight` without the `transformer.` prefix."""
+    export_hf(checkpoints["gpt-tiny"], tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file(
+        {k.removeprefix("transformer."): v for k, v in tensors.items()},
+        tmp_path / "hf" / "model.safetensors",
+    )
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    before, after = _ours(checkpoints["gpt-tiny"]), _ours(tmp_path / "back")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_export_does_not_write_into_a_folder_in_use(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"an older export")
+    with pytest.raises(CheckpointError, match="is not empty"):
+        export_hf(checkpoints["gpt-tiny"], tmp_path)
+
+
+def test_a_large_export_is_sharded_with_an_index(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["llama-tiny"], tmp_path, max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    source = HFSource(tmp_path)
+    assert source.names == expected_names(layer_specs("llama-tiny"))
+
+
+def test_import_refuses_an_architecture_it_cannot_represent(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(CheckpointError, match="model_type 'bert'"):
+        import_hf(tmp_path, tmp_path / "out")
+
+
+def test_init_from_an_hf_folder_of_another_shape_is_refused(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["gpt-tiny"], tmp_path)
+    config = TrainConfig(
+        model="gpt-small",
+        steps=1,
+        global_batch=4,
+        micro_batches=2,
+        seq_len=32,
+        init_from=str(tmp_path),
+    )
+    with pytest.raises(CheckpointError, match="pick the matching --model"):
+        train(config, progress=False)
+
+
+def test_init_from_an_export_equals_init_from_its_checkpoint(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["gpt-tiny"], tmp_path)
+    base = {
+        "model": "gpt-tiny",
+        "steps": 2,
+        "global_batch": 4,
+        "micro_batches": 2,
+        "seq_len": 32,
+        "threads": 1,
+    }
+    via_hf = train(TrainConfig(**base, init_from=str(tmp_path)), progress=False).losses
+    direct = train(TrainConfig(**base, init_from=str(checkpoints["gpt-tiny"])), progress=False)
+    fresh = train(TrainConfig(**base), progress=False).losses
+    assert via_hf == direct.losses != fresh
+
+
+def test_the_cli_exports_and_imports(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(checkpoints["llama-tiny"]),
+                "--out",
+                str(tmp_path / "hf"),
+            ]
+        )
+        == 0
+    )
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")]) == 0
+    assert (tmp_path / "ck" / "trainer.json").is_file()
+    assert "wrote checkpoint" in capsys.readouterr().out
+
+
+def test_import_does_not_overwrite_a_folder(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    export_hf(checkpoints["llama-tiny"], tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ck")
+    with pytest.raises(SystemExit):
+        main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "ck")])
+    assert "is not empty" in capsys.readouterr().err
+
+
+# Logits equal transformers' own models (optional dependency).
+
+
+def _hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).float()
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_an_exported_model_gives_our_logits_in_transformers(
+    checkpoints: dict[str, Path], tmp_path: Path, model: str
+) -> None:
+    export_hf(checkpoints[model], tmp_path)
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    theirs = _hf_logits(tmp_path, tokens)
+    ours, _ = load_model(checkpoints[model])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_saved_by_transformers_imports_with_its_logits(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500.0,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ck")
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    ours, _ = load_model(tmp_path / "ck")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(tokens), _hf_logits(tmp_path / "hf", tokens), rtol=1e-4, atol=1e-4
+        )
+
+
+# Generation.
+
+
+def _tiny_model() -> Any:
+    specs = layer_specs("gpt-tiny")
+    return build_layers(specs, seed=3).eval()
+
+
+def test_greedy_generation_extends_the_prompt_deterministically() -> None:
+    model, prompt = _tiny_model(), torch.tensor([104, 105])
+    first = generate(model, prompt, max_new_tokens=5, context=128)
+    assert first.shape == (7,) and torch.equal(first[:2], prompt)
+    assert torch.equal(first, generate(model, prompt, max_new_tokens=5, context=128))
+
+
+def test_sampling_with_top_k_one_is_greedy() -> None:
+    model, prompt = _tiny_model(), torch.tensor([104, 105])
+    greedy = generate(model, prompt, max_new_tokens=5, context=128)
+    sampled = generate(model, prompt, max_new_tokens=5, context=128, temperature=1.5, top_k=1)
+    assert torch.equal(sampled, greedy)
+
+
+def test_sampling_is_reproducible_by_seed() -> None:
+    model, prompt = _tiny_model(), torch.tensor([104])
+    draws = [
+        generate(model, prompt, max_new_tokens=8, context=128, temperature=1.0, seed=s)
+        for s in (1, 1, 2)
+    ]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_generation_slides_its_window_past_the_context() -> None:
+    out = generate(_tiny_model(), torch.tensor([104]), max_new_tokens=10, context=4)
+    assert out.shape == (11,)
+
+
+def test_generate_refuses_an_empty_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(_tiny_model(), torch.tensor([], dtype=torch.long), max_new_tokens=1, context=8)
+
+
+def test_the_cli_generates_text_from_a_checkpoint(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(checkpoints["gpt-tiny"]),
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--seed",
+        "3",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("def ")
+    expected = generate_text(
+        checkpoints["gpt-tiny"], "def ", max_new_tokens=12, temperature=0.8, top_k=20, seed=3
+    )
+    assert printed == expected + "\n"
+
+
+def test_stored_parameters_skip_a_tied_copy_owned_by_a_lower_layer() -> None:
+    specs = layer_specs("gpt-tiny")
+    head = build_layers(specs, [5, 6], seed=0)
+    assert "layers.6.weight" not in stored_parameters(head, specs)

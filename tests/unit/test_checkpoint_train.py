@@ -1,0 +1,215 @@
+"""The training loop with checkpoints in one process: save, resume exactly, start from weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.cli import build_parser, main
+from engine.config import TrainConfig
+from engine.data import BatchLoader, load_tokens, prepare
+from engine.generate import load_model
+from engine.train import train
+from models import lm_loss
+
+torch.set_num_threads(1)
+
+RUN = {
+    "model": "llama-tiny",
+    "steps": 6,
+    "global_batch": 4,
+    "micro_batches": 2,
+    "seq_len": 32,
+    "warmup_steps": 2,
+    "threads": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "text.txt").write_text("checkpoints keep long runs alive across failures\n" * 200)
+    return str(prepare(folder / "text.txt", folder / "tokens").bin_path)
+
+
+def _copy_step(source: Path, step: int, dest: Path) -> None:
+    """What a run interrupted after `step` leaves behind: that checkpoint, named latest."""
+    name = f"step-{step:08d}"
+    shutil.copytree(source / name, dest / name)
+    (dest / "latest").write_text(name + "\n")
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        out.update({f"{shard.name}:{k}": v for k, v in load_file(shard).items()})
+    return out
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[str, Any]:
+    """An uninterrupted run saving at step 3 and 6, and a run resumed from its step 3."""
+    root = tmp_path_factory.mktemp("runs")
+    full = train(
+        TrainConfig(
+            **RUN,
+            data=tokens,
+            checkpoint_dir=str(root / "full"),
+            save_every=3,
+            metrics_file=str(root / "full.jsonl"),
+        ),
+        progress=False,
+    )
+    _copy_step(root / "full", 3, root / "resumed")
+    shutil.copy(root / "full.jsonl", root / "resumed.jsonl")
+    resumed = train(
+        TrainConfig(
+            **RUN,
+            data=tokens,
+            checkpoint_dir=str(root / "resumed"),
+            save_every=3,
+            resume=True,
+            metrics_file=str(root / "resumed.jsonl"),
+        ),
+        progress=False,
+    )
+    return {"root": root, "full": full, "resumed": resumed}
+
+
+def test_a_resumed_run_continues_with_the_same_losses(runs: dict[str, Any]) -> None:
+    assert runs["resumed"].first_step == 3
+    assert runs["resumed"].losses == runs["full"].losses[3:]
+
+
+def test_a_resumed_run_ends_with_the_same_weights_and_optimizer_state(
+    runs: dict[str, Any],
+) -> None:
+    full = _tensors(runs["root"] / "full" / "step-00000006")
+    resumed = _tensors(runs["root"] / "resumed" / "step-00000006")
+    assert full.keys() == resumed.keys()
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_a_resumed_run_resumes_the_learning_rate_schedule(runs: dict[str, Any]) -> None:
+    full = _records(runs["root"] / "full.jsonl")
+    resumed = _records(runs["root"] / "resumed.jsonl")
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
+
+
+def test_a_resumed_run_keeps_the_earlier_metrics_once(runs: dict[str, Any]) -> None:
+    resumed = _records(runs["root"] / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    assert [r["loss"] for r in resumed] == list(runs["full"].losses)
+
+
+def test_resume_without_a_checkpoint_starts_from_step_zero(tmp_path: Path, tokens: str) -> None:
+    config = TrainConfig(
+        **{**RUN, "steps": 2}, data=tokens, checkpoint_dir=str(tmp_path), resume=True
+    )
+    assert train(config, progress=False).first_step == 0
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"
+
+
+def test_resuming_a_finished_run_runs_no_step(runs: dict[str, Any], tokens: str) -> None:
+    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(runs["root"] / "full"), resume=True)
+    result = train(config, progress=False)
+    assert (result.first_step, result.losses) == (6, ())
+
+
+def test_init_from_starts_from_the_checkpoint_weights(runs: dict[str, Any], tokens: str) -> None:
+    source = runs["root"] / "full" / "step-00000003"
+    config = TrainConfig(**{**RUN, "steps": 1}, data=tokens, init_from=str(source))
+    first_loss = train(config, progress=False).losses[0]
+    model, _ = load_model(source)
+    loader = BatchLoader(load_tokens(tokens), seq_len=32, global_batch=4, seed=0)
+    inputs, targets = loader.batch_at(0)
+    with torch.no_grad():
+        halves = [
+            lm_loss(model(x), y) for x, y in zip(inputs.split(2), targets.split(2), strict=True)
+        ]
+    assert first_loss == pytest.approx(float(torch.stack(halves).mean()), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"resume": True}, "--resume needs a --checkpoint-dir"),
+        ({"save_every": 5}, "--save-every needs a --checkpoint-dir"),
+        ({"keep": 2}, "--keep needs a --checkpoint-dir"),
+        ({"checkpoint_dir": "d", "resume_fallback": True}, "only applies with --resume"),
+        ({"checkpoint_dir": "d", "max_restarts": 2}, "would start over from step 0"),
+        ({"checkpoint_dir": "d", "save_every": -1}, "save_every=-1 must be >= 0"),
+    ],
+)
+def test_checkpoint_options_are_checked_before_any_compute(
+    fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**fields)
+
+
+def test_checkpoint_flags_reach_the_config() -> None:
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--checkpoint-dir",
+            "ck",
+            "--save-every",
+            "2",
+            "--keep",
+            "3",
+            "--resume",
+            "--resume-fallback",
+            "--max-restarts",
+            "1",
+            "--init-from",
+            "hf",
+        ]
+    )
+    assert (args.checkpoint_dir, args.save_every, args.keep) == ("ck", 2, 3)
+    assert (args.resume, args.resume_fallback, args.max_restarts, args.init_from) == (
+        True,
+        True,
+        1,
+        "hf",
+    )
+    assert build_parser().parse_args(["train"]).resume is False
+
+
+def test_cli_resume_says_where_it_resumed_from(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _copy_step(runs["root"] / "full", 3, tmp_path)
+    argv = [
+        "train",
+        "--model",
+        "llama-tiny",
+        "--steps",
+        "4",
+        "--global-batch",
+        "4",
+        "--micro-batches",
+        "2",
+        "--seq-len",
+        "32",
+        "--warmup-steps",
+        "2",
+        "--data",
+        tokens,
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--resume",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert "resumed from step 3" in capsys.readouterr().err
