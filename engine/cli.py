@@ -22,6 +22,7 @@ from engine.checkpoint_cli import add_commands as add_checkpoint_commands
 from engine.checkpoint_cli import run_command as run_checkpoint_command
 from engine.config import TrainConfig
 from engine.data import prepare
+from engine.metrics import plot_metrics
 from engine.schedule_cli import add_schedule_parser, run_schedule
 
 __all__ = ["build_parser", "main"]
@@ -68,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )
+    train.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        default=None,
+        help="a DeepSpeed JSON: its batch, optimizer, scheduler, precision, clipping, ZeRO, "
+        "partition, recompute and seed keys override the flags above",
+    )
+    plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
+    plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")
+    plot.add_argument("--out", required=True, help="PNG to write")
     plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
     plan.add_argument("--model", default="gpt-tiny", help="a registered model name")
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
@@ -94,7 +105,11 @@ def _run_train(args: argparse.Namespace) -> int:
     from engine.train import train_worker
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    fields = {k: v for k, v in vars(args).items() if k in names}
+    if args.deepspeed_config:
+        config = TrainConfig.from_deepspeed(args.deepspeed_config, **fields)
+    else:
+        config = TrainConfig(**fields)
     ranks = config.pp * config.dp
     if ranks > 1 and not is_launched():
         progress = not args.no_progress
@@ -152,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_plan(args)
         if args.command == "schedule":
             return run_schedule(args)
+        if args.command == "plot":
+            plot_metrics(args.metrics, args.out)
+            print(f"wrote {args.out}")
+            return 0
         if args.command in CHECKPOINT_COMMANDS:
             return run_checkpoint_command(args)
         return _run_data(args)

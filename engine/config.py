@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.optim import LR_SCHEDULES, OPTIMIZERS
+from engine.deepspeed_config import DEEPSPEED_SCHEDULERS, deepspeed_overrides
+from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
+from engine.options import EngineOptions
 from engine.schedules import SCHEDULES
 from models import get_config, layer_specs
 
@@ -61,6 +63,26 @@ class TrainConfig:
     """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
     timeout: float = 300.0
     """Seconds any collective or p2p call may wait before failing (dead or stalled peer)."""
+    stages_per_rank: int = 1
+    """Stages per pipeline rank (v > 1 with interleaved_1f1b or looped_bfs)."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast, fp32 master weights and grads) or fp16 (plus loss scaling)."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    recompute: str = "none"
+    """Activation recomputation per stage: none, full or every:N layers."""
+    zero: int = 0
+    """1 shards the optimizer state over the data-parallel replicas (ZeRO-1)."""
+    betas: str = "0.9,0.95"
+    """AdamW's betas, comma-separated."""
+    momentum: float = 0.0
+    """SGD's momentum."""
+    lr_schedule_args: str = "{}"
+    """JSON parameters of a deepspeed:<Type> lr schedule (WarmupLR, WarmupDecayLR, …)."""
+    trace: str | None = None
+    """Write the measured per-rank timeline of the run as a Chrome/Perfetto trace (JSON)."""
+    log_every: int = 0
+    """Also print a log line every N steps (loss, tokens/s, bubble); 0 prints none."""
     checkpoint_dir: str | None = None
     """Folder of checkpoints (`step-NNNNNNNN` and a `latest` pointer); None saves none."""
     save_every: int = 0
@@ -88,10 +110,19 @@ class TrainConfig:
         _require(self.lr > 0, f"lr={self.lr} must be positive")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
         _require(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
+        deepspeed_schedules = [f"deepspeed:{k}" for k in DEEPSPEED_SCHEDULERS]
         _require(
-            self.lr_schedule in LR_SCHEDULES,
-            f"unknown lr schedule {self.lr_schedule!r}: choose one of {', '.join(LR_SCHEDULES)}",
+            self.lr_schedule in (*LR_SCHEDULES, *deepspeed_schedules),
+            f"unknown lr schedule {self.lr_schedule!r}: choose one of "
+            f"{', '.join((*LR_SCHEDULES, *deepspeed_schedules))}",
         )
+        EngineOptions(
+            precision=self.precision,
+            clip_grad_norm=self.clip_grad_norm,
+            recompute=self.recompute,
+            zero=self.zero,
+        )
+        self.optimizer_spec()
         _require(
             self.optimizer in OPTIMIZERS,
             f"unknown optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}",
@@ -110,10 +141,11 @@ class TrainConfig:
         )
         self._check_checkpointing()
         num_layers = len(layer_specs(self.model))
+        stages = self.pp * self.stages_per_rank
         _require(
-            self.pp <= num_layers,
-            f"cannot split {self.model}'s {num_layers} layers into {self.pp} stages: "
-            f"use --pp {num_layers} or less",
+            stages <= num_layers,
+            f"cannot split {self.model}'s {num_layers} layers into {stages} stages: "
+            f"use fewer pipeline ranks or stages per rank (at most {num_layers} stages)",
         )
         context = get_config(self.model).max_seq_len
         _require(
@@ -144,6 +176,39 @@ class TrainConfig:
             f"--max-restarts {self.max_restarts} restarts would start over from step 0: "
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",
         )
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        """The optimizer these fields describe (validated)."""
+        try:
+            betas = tuple(float(b) for b in self.betas.split(","))
+        except ValueError:
+            betas = ()
+        _require(len(betas) == 2, f"betas={self.betas!r}: give two numbers such as 0.9,0.95")
+        return OptimizerSpec(
+            name=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            betas=(betas[0], betas[1]),
+            momentum=self.momentum,
+        )
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(
+            precision=self.precision,
+            clip_grad_norm=self.clip_grad_norm,
+            recompute=self.recompute,
+            zero=self.zero,
+        )
+
+    @staticmethod
+    def from_deepspeed(path: str, **fields: Any) -> TrainConfig:
+        """A config whose batch, optimizer, schedule, precision, clipping, ZeRO, partition,
+        recompute and seed come from a DeepSpeed JSON; `fields` give the rest (model, pp, dp…)
+        and must not contradict the JSON."""
+        overrides = deepspeed_overrides(path, dp=int(fields.get("dp", 1)))
+        if isinstance(overrides.get("betas"), tuple):
+            overrides["betas"] = ",".join(str(b) for b in overrides["betas"])
+        return TrainConfig(**{**fields, **overrides})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

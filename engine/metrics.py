@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["MetricsLog"]
+__all__ = ["MetricsLog", "plot_metrics"]
 
 
 class MetricsLog:
@@ -57,3 +57,31 @@ class MetricsLog:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def plot_metrics(path: str | Path, out: str | Path) -> None:
+    """Loss (and, when present, tokens/s) per step from a metrics file, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ValueError("plotting needs matplotlib: pip install 'meshpipe[plot]'") from error
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read metrics file {path}: {error}") from error
+    records = [json.loads(line) for line in lines if line.strip()]
+    if not records:
+        raise ValueError(f"metrics file {path} has no records: train with --metrics-file first")
+    steps = [r["step"] + 1 for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in records], color="#4C72B0", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{Path(path).name}: final loss {records[-1]['loss']:.3f}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,13 @@ from engine.checkpoint import (
 )
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
+from engine.deepspeed_config import deepspeed_lr
 from engine.engine import PipelineEngine, StepStats
 from engine.hf_interop import open_weights
 from engine.mesh import Mesh, init_mesh
 from engine.metrics import MetricsLog
-from engine.optim import build_optimizer, lr_factor
+from engine.optim import lr_factor
+from engine.trace import TraceRecorder
 from models import LayerSpec, get_config, layer_specs
 from partitioners import partition_model
 
@@ -100,7 +103,7 @@ def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> Pi
     partition = partition_model(
         specs,
         method=config.partition,
-        num_stages=config.pp,
+        num_stages=config.pp * config.stages_per_rank,
         batch_size=config.global_batch // (config.dp * config.micro_batches),
         seq_len=config.seq_len,
     )
@@ -110,11 +113,26 @@ def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> Pi
         partition=partition,
         micro_batches=config.micro_batches,
         schedule=config.schedule,
+        stages_per_rank=config.stages_per_rank,
         seed=config.seed,
-        optimizer=lambda module: build_optimizer(
-            module, name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay
-        ),
+        optimizer=config.optimizer_spec(),
         timeout_s=config.timeout,
+        options=config.engine_options(),
+    )
+
+
+def _lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr per step: ours, or a DeepSpeed scheduler's exact values."""
+    if config.lr_schedule.startswith("deepspeed:"):
+        kind = config.lr_schedule.split(":", 1)[1]
+        params = json.loads(config.lr_schedule_args)
+        return lambda step: deepspeed_lr(step, kind, params, config.lr) / config.lr
+    return lambda step: lr_factor(
+        step,
+        schedule=config.lr_schedule,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.steps,
+        min_ratio=config.min_lr_ratio,
     )
 
 
@@ -175,6 +193,14 @@ class _Run:
         return 0
 
 
+def _log_line(record: dict[str, Any], skipped: int) -> str:
+    return (
+        f"step {record['step'] + 1}: loss {record['loss']:.4f}, "
+        f"{record['tokens_per_s']:,.0f} tokens/s, bubble {record['bubble']:.1%}, "
+        f"grad norm {record['grad_norm']:.3g}, lr {record['lr']:.3g}, skipped {skipped}"
+    )
+
+
 def _say(mesh: Mesh, message: str) -> None:
     if mesh.rank == 0:
         print(f"meshpipe: {message}", file=sys.stderr, flush=True)
@@ -216,16 +242,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
     specs = layer_specs(config.model)
     engine = _build_engine(config, mesh, specs)
     assert engine.optimizer is not None
-    scheduler = LambdaLR(
-        engine.optimizer,
-        lambda step: lr_factor(
-            step,
-            schedule=config.lr_schedule,
-            warmup_steps=config.warmup_steps,
-            total_steps=config.steps,
-            min_ratio=config.min_lr_ratio,
-        ),
-    )
+    scheduler = LambdaLR(engine.optimizer, _lr_lambda(config))
     return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
 
 
@@ -241,23 +258,35 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     path = config.metrics_file if mesh.rank == 0 else None
     show = progress and mesh.rank == 0
     kept = _kept_records(path, first)
+    trace = TraceRecorder() if config.trace else None
     with MetricsLog(total_steps=config.steps, path=path, progress=show) as log:
         for record in kept:
             log.record(**record)
         for step in range(first, config.steps):
             _test_fault(step, mesh)
+            started = time.perf_counter()
             result, lr, seconds = run.step(step)
+            if trace is not None:
+                trace.record(step, started, result)
             wall.append(seconds)
             stats.append(result)
-            log.record(
-                step=step,
-                loss=result.loss,
-                lr=lr,
-                step_s=seconds,
-                tokens_per_s=tokens_per_step / seconds,
-                bubble=result.bubble,
-            )
+            record = {
+                "step": step,
+                "loss": result.loss,
+                "lr": lr,
+                "step_s": seconds,
+                "tokens_per_s": tokens_per_step / seconds,
+                "bubble": result.bubble,
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+            }
+            log.record(**record)
+            if config.log_every and (step + 1) % config.log_every == 0:
+                _say(mesh, _log_line(record, run.engine.skipped_steps))
             run.save(step + 1)
+    if trace is not None and config.trace is not None:
+        trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
+        _say(mesh, f"wrote trace {config.trace}")
     timed = sum(wall[1:])
     steady = tokens_per_step * (len(wall) - 1) / timed if timed else 0.0
     return TrainResult(
