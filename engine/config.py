@@ -43,6 +43,8 @@ class TrainConfig:
     """Steps of linear warmup from lr/warmup_steps to lr."""
     optimizer: str = "adamw"
     """`adamw` or `sgd`."""
+    optimizer_impl: str = "fused"
+    """Optimizer kernel: fused (torch), per_tensor (torch) or deepspeed_cpu (AdamW only)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms and biases)."""
     seed: int = 0
@@ -190,6 +192,7 @@ class TrainConfig:
             weight_decay=self.weight_decay,
             betas=(betas[0], betas[1]),
             momentum=self.momentum,
+            impl=self.optimizer_impl,
         )
 
     def engine_options(self) -> EngineOptions:

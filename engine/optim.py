@@ -15,9 +15,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["LR_SCHEDULES", "OPTIMIZERS", "build_optimizer", "lr_factor"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "OptimizerSpec",
+    "build_optimizer",
+    "lr_factor",
+]
 
 OPTIMIZERS = ("adamw", "sgd")
+IMPLEMENTATIONS = ("fused", "per_tensor", "deepspeed_cpu")
+"""How the update runs: torch's fused CPU/CUDA kernel (default), torch's per-tensor loop, or
+DeepSpeed's CPU Adam (AdamW only; fastest on CPU, see docs/BENCHMARKS.md)."""
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -35,6 +45,36 @@ def _param_groups(
     ]
 
 
+def _optimizer_class(
+    name: str, impl: str, betas: tuple[float, float], momentum: float
+) -> tuple[Any, dict[str, Any]]:
+    """The class and keyword arguments of an optimizer implementation.
+
+    Every implementation updates each tensor on its own, so a stage's optimizer and a
+    single-process one produce the same bits for the same implementation.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown optimizer implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}"
+        )
+    split = {"fused": {"fused": True}, "per_tensor": {"foreach": False}}
+    if name == "sgd":
+        if impl == "deepspeed_cpu":
+            raise ValueError("deepspeed_cpu implements AdamW only: use fused or per_tensor")
+        return torch.optim.SGD, {"momentum": momentum, **split[impl]}
+    if impl == "deepspeed_cpu":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except ImportError as error:
+            raise ValueError(
+                "deepspeed_cpu needs deepspeed: pip install 'meshpipe[deepspeed]'"
+            ) from error
+        return DeepSpeedCPUAdam, {"betas": betas, "adamw_mode": True}
+    return torch.optim.AdamW, {"betas": betas, **split[impl]}
+
+
 def build_optimizer(
     module: nn.Module,
     *,
@@ -43,14 +83,11 @@ def build_optimizer(
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.95),
     momentum: float = 0.0,
+    impl: str = "fused",
 ) -> torch.optim.Optimizer:
     """An optimizer over `module`'s parameters, with decay on matrices only."""
-    groups = _param_groups(module.named_parameters(), weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, foreach=False)
-    raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
+    cls, kwargs = _optimizer_class(name, impl, betas, momentum)
+    return cls(_param_groups(module.named_parameters(), weight_decay), lr=lr, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,11 +104,18 @@ class OptimizerSpec:
     """Adam's betas."""
     momentum: float = 0.0
     """SGD's momentum."""
+    impl: str = "fused"
+    """One of `IMPLEMENTATIONS`."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown optimizer implementation {self.impl!r}: choose one of "
+                f"{', '.join(IMPLEMENTATIONS)}"
             )
 
     def build(
@@ -88,15 +132,12 @@ class OptimizerSpec:
                 weight_decay=self.weight_decay,
                 betas=self.betas,
                 momentum=self.momentum,
+                impl=self.impl,
             )
         from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
 
+        cls, kwargs = _optimizer_class(self.name, self.impl, self.betas, self.momentum)
         groups = _param_groups(module.named_parameters(), self.weight_decay)
-        if self.name == "adamw":
-            kwargs: dict[str, Any] = {"betas": self.betas, "foreach": False}
-            cls: type[torch.optim.Optimizer] = torch.optim.AdamW
-        else:
-            kwargs, cls = {"momentum": self.momentum, "foreach": False}, torch.optim.SGD
         return ZeroRedundancyOptimizer(
             groups, optimizer_class=cls, process_group=zero_group, lr=self.lr, **kwargs
         )
