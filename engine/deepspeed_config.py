@@ -99,6 +99,16 @@ def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
     return {"recompute": "every:1"}
 
 
+def _default_clipping() -> float:
+    """DeepSpeed clips at 1.0 when a config says nothing (its GRADIENT_CLIPPING_DEFAULT); the
+    installed version's default wins, so an omitted key means the same in both engines."""
+    try:
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    except ImportError:
+        return 1.0
+    return float(GRADIENT_CLIPPING_DEFAULT)
+
+
 def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
     """`TrainConfig` fields from a DeepSpeed config (a path or a parsed dict)."""
     cfg = dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
@@ -112,8 +122,7 @@ def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> d
         if key in cfg:
             fields.update(handler(cfg[key]))
     fields.update(_precision_fields(cfg))
-    if "gradient_clipping" in cfg:
-        fields["clip_grad_norm"] = float(cfg["gradient_clipping"])
+    fields["clip_grad_norm"] = float(cfg.get("gradient_clipping", _default_clipping()))
     if "seed" in cfg:
         fields["seed"] = int(cfg["seed"])
     stage = int(cfg.get("zero_optimization", {}).get("stage", 0))

@@ -17,10 +17,7 @@ DS_CONFIG: dict[str, Any] = {
     "train_batch_size": 8,
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 4,
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.0, "torch_adam": True},
-    },
+    "optimizer": {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}},
     "scheduler": {
         "type": "WarmupLR",
         "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3},
@@ -71,7 +68,7 @@ def _meshpipe_losses(rank: int, world_size: int) -> list[float]:
         partition=partition_model(specs, method="uniform", num_stages=2),
         micro_batches=fields["micro_batches"],
         seed=fields["seed"],
-        optimizer=OptimizerSpec(lr=fields["lr"], betas=fields["betas"]),
+        optimizer=OptimizerSpec(name="sgd", lr=fields["lr"], momentum=fields["momentum"]),
         options=EngineOptions(clip_grad_norm=fields["clip_grad_norm"]),
     )
     assert engine.optimizer is not None
@@ -148,4 +145,9 @@ def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     fields = deepspeed_overrides(path, dp=1)
     assert fields["precision"] == "bf16" and fields["zero"] == 1
     assert fields["clip_grad_norm"] == 1.0 and fields["lr_schedule"] == "deepspeed:WarmupLR"
-    assert (fields["global_batch"], fields["micro_batches"], fields["optimizer"]) == (8, 4, "adamw")
+    assert (fields["global_batch"], fields["micro_batches"], fields["optimizer"]) == (8, 4, "sgd")
+
+
+def test_an_omitted_gradient_clipping_means_deepspeeds_default() -> None:
+    config = {k: v for k, v in DS_CONFIG.items() if k != "gradient_clipping"}
+    assert deepspeed_overrides(config, dp=1)["clip_grad_norm"] == 1.0

@@ -1,0 +1,362 @@
+"""meshpipe against the pipeline engines users would otherwise pick, side by side in one run.
+
+Every system trains the same GPT decoder from the same initial weights (saved once, loaded by
+each) on the same batches with the same AdamW, each in its own processes with one intra-op
+thread per rank, and reports the median step time, tokens/s, peak RSS per rank, the bubble
+where it can be measured, and whether its losses match the single-process reference.
+Installs nothing: systems that are not installed are listed as skipped.
+
+    python scripts/bench_peers.py --model bench --steps 10
+    python scripts/bench_peers.py --model bench-large --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.data import BatchLoader, default_corpus, load_tokens  # noqa: E402
+from models import GPTConfig, build_layers, lm_loss  # noqa: E402
+from models.gpt import gpt_layers  # noqa: E402
+
+MODELS = {
+    "bench": GPTConfig(
+        vocab_size=256, n_layer=8, n_head=8, d_model=256, max_seq_len=128, tie_embeddings=False
+    ),
+    "bench-large": GPTConfig(
+        vocab_size=256, n_layer=12, n_head=8, d_model=384, max_seq_len=128, tie_embeddings=False
+    ),
+}
+GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
+MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+                   "ScheduleInterleavedZeroBubble")  # fmt: skip
+
+
+# --- shared inputs ---------------------------------------------------------------------------
+
+
+def _prepare(work: Path, model: str, steps: int) -> None:
+    """Weights and batches, written once, read by every system."""
+    specs = gpt_layers(MODELS[model])
+    state = build_layers(specs, seed=0).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(work / "weights.safetensors"))
+    loader = BatchLoader(
+        load_tokens(default_corpus().bin_path), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, seed=0
+    )
+    torch.save([loader.batch_at(step) for step in range(steps)], work / "batches.pt")
+
+
+def _load_into(module: torch.nn.Module, work: Path, rename: Any = None) -> None:
+    """Copy the saved weights into `module` (names mapped by `rename` to `layers.{i}.…`)."""
+    with safe_open(str(work / "weights.safetensors"), framework="pt") as tensors, torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(tensors.get_tensor(rename(name) if rename else name))
+
+
+def _boundaries(model: str, stages: int) -> list[int]:
+    """DeepSpeed's `parameters` partition (its own function when installed), for everyone."""
+    counts = [spec.num_parameters() for spec in gpt_layers(MODELS[model])]
+    try:
+        from deepspeed.runtime.utils import partition_balanced
+
+        return [int(b) for b in partition_balanced(weights=counts, num_parts=stages)]
+    except ImportError:
+        from partitioners import by_parameters
+
+        return list(by_parameters(counts, stages).boundaries)
+
+
+def _report(work: Path, system: str, rank: int, walls: list[float], losses: list[float],
+            bubbles: list[float] | None = None) -> None:  # fmt: skip
+    warm = int(os.environ.get("BENCH_WARMUP", "2"))
+    result = {
+        "step_s": statistics.median(walls[warm:]),
+        "losses": losses,
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "bubble": statistics.median(bubbles[warm:]) if bubbles else None,
+    }
+    (work / f"{system}.rank{rank}.json").write_text(json.dumps(result))
+
+
+# --- workers: one per system, run inside that system's processes ------------------------------
+
+
+def _meshpipe(work: Path, model: str, schedule: str) -> None:
+    from engine.engine import PipelineEngine
+    from engine.mesh import init_mesh
+    from engine.optim import OptimizerSpec
+    from partitioners import Partition
+
+    mesh = init_mesh(2, 1, timeout_s=600)
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    specs = gpt_layers(MODELS[model])
+    engine = PipelineEngine(
+        specs, mesh, partition=Partition(boundaries=tuple(_boundaries(model, 2 * v))),
+        micro_batches=MICRO_BATCHES, schedule=schedule, stages_per_rank=v,
+        optimizer=OptimizerSpec(lr=LR), timeout_s=600,
+    )  # fmt: skip
+    _load_into(engine.module, work, lambda n: n.split(".", 1)[1])
+    walls, losses, bubbles = [], [], []
+    for x, y in torch.load(work / "batches.pt"):
+        start = time.perf_counter()
+        stats = engine.train_step(x, y)
+        walls.append(time.perf_counter() - start)
+        losses.append(stats.loss)
+        bubbles.append(stats.bubble)
+    _report(work, f"meshpipe-{schedule}", mesh.rank, walls, losses, bubbles)
+
+
+def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    v = 1 if schedule in ("ScheduleGPipe", "Schedule1F1B") else 2
+    bounds = _boundaries(model, 2 * v)
+    specs = gpt_layers(MODELS[model])
+    stages, modules = [], []
+    for s in (rank, rank + 2)[:v]:
+        module = build_layers(specs, range(bounds[s], bounds[s + 1]), seed=0)
+        _load_into(module, work)
+        modules.append(module)
+        stages.append(pipelining.PipelineStage(module, s, 2 * v, torch.device("cpu")))
+    cls = getattr(pipelining, schedule)
+    runner = cls(stages[0] if v == 1 else stages, MICRO_BATCHES, loss_fn=lm_loss)
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    walls, losses = [], []
+    for x, y in torch.load(work / "batches.pt"):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        mb_losses: list[torch.Tensor] = []
+        _torch_step(runner, rank, x, y, mb_losses)
+        optimizer.step()
+        walls.append(time.perf_counter() - start)
+        losses.append(float(torch.stack(mb_losses).mean()) if mb_losses else float("nan"))
+    _report(work, f"torch-{schedule}", rank, walls, losses)
+    dist.destroy_process_group()
+
+
+def _torch_step(runner: Any, rank: int, x: Any, y: Any, losses: list[torch.Tensor]) -> None:
+    """Rank 0 holds stage 0 (feeds inputs); rank 1 holds the last stage (targets, losses)."""
+    if rank == 0:
+        runner.step(x)
+    else:
+        runner.step(target=y, losses=losses)
+
+
+def _deepspeed(work: Path, model: str) -> None:
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from engine.deepspeed_peer import MeshpipeLayer, micro_batch_iterator
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    specs = gpt_layers(MODELS[model])
+    module = PipelineModule(
+        layers=[LayerSpec(MeshpipeLayer, specs, i, 0) for i in range(len(specs))],
+        num_stages=2, loss_fn=lm_loss, partition_method="parameters",
+    )  # fmt: skip
+    _load_into(module, work, lambda n: f"layers.{n.split('.')[0]}.{n.split('.', 2)[2]}")
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // MICRO_BATCHES,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95],
+                                                  "weight_decay": 0.0, "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
+    }  # fmt: skip
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
+    batches = torch.load(work / "batches.pt")
+    stream = micro_batch_iterator(batches, MICRO_BATCHES)
+    walls, losses = [], []
+    for _ in batches:
+        start = time.perf_counter()
+        losses.append(float(engine.train_batch(stream)))
+        walls.append(time.perf_counter() - start)
+    _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, losses)
+
+
+def _fairscale(work: Path, model: str) -> None:
+    from fairscale.nn import Pipe
+
+    torch.set_num_threads(1)
+    specs = gpt_layers(MODELS[model])
+    sequential = torch.nn.Sequential(*build_layers(specs, seed=0).layers.values())
+    _load_into(sequential, work, lambda n: f"layers.{n}")
+    bounds = _boundaries(model, 2)
+    pipe = Pipe(sequential, balance=[bounds[1], bounds[2] - bounds[1]], devices=["cpu", "cpu"],
+                chunks=MICRO_BATCHES, checkpoint="never")  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        pipe.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True
+    )
+    walls, losses = [], []
+    for x, y in torch.load(work / "batches.pt"):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(pipe(x), y)
+        loss.backward()
+        optimizer.step()
+        walls.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    _report(work, "fairscale-Pipe", 0, walls, losses)
+
+
+def _single(work: Path, model: str, threads: int) -> None:
+    from engine.optim import build_optimizer
+    from engine.reference import reference_step
+
+    torch.set_num_threads(threads)
+    model_ = build_layers(gpt_layers(MODELS[model]), seed=0)
+    _load_into(model_, work)
+    optimizer = build_optimizer(model_, lr=LR)
+    walls, losses = [], []
+    for x, y in torch.load(work / "batches.pt"):
+        start = time.perf_counter()
+        losses.append(reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES))
+        walls.append(time.perf_counter() - start)
+    _report(work, f"single-{threads}t", 0, walls, losses)
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+
+def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
+    """How each installed system is launched (its own launcher, its own processes)."""
+    me = [str(Path(__file__).resolve()), "--work", str(work), "--model", args.model]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(29700)]  # fmt: skip
+    out: dict[str, list[str]] = {
+        "single-1t": [sys.executable, *me, "--worker", "single", "--threads", "1"],
+        "single-2t": [sys.executable, *me, "--worker", "single", "--threads", "2"],
+    }
+    for schedule in MESHPIPE_SCHEDULES:
+        out[f"meshpipe-{schedule}"] = [
+            *torchrun,
+            *me,
+            "--worker",
+            "meshpipe",
+            "--schedule",
+            schedule,
+        ]
+    for schedule in TORCH_SCHEDULES:
+        out[f"torch-{schedule}"] = [*torchrun, *me, "--worker", "torch", "--schedule", schedule]
+    deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
+    if deepspeed:
+        out["deepspeed-PipelineEngine"] = [deepspeed, "--num_gpus", "2", "--master_port",
+                                           "29701", *me, "--worker", "deepspeed"]  # fmt: skip
+    try:
+        import fairscale  # noqa: F401
+
+        out["fairscale-Pipe"] = [sys.executable, *me, "--worker", "fairscale"]
+    except ImportError:
+        pass
+    return out
+
+
+def _run(
+    name: str, command: list[str], work: Path, warmup: int
+) -> tuple[list[dict[str, Any]], str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "BENCH_WARMUP": str(warmup)}  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    results = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.rank*.json"))]
+    if done.returncode != 0 or not results:
+        return [], (done.stderr or done.stdout).strip().splitlines()[-1][:120]
+    return results, ""
+
+
+def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
+         reference: list[float]) -> str:  # fmt: skip
+    step = max(r["step_s"] for r in results)
+    losses = next(r["losses"] for r in reversed(results) if r["losses"][0] == r["losses"][0])
+    match = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference, strict=True))
+    bubble = results[0]["bubble"]
+    rss = ", ".join(f"{r['rss_mib']:.0f}" for r in results)
+    return (
+        f"| {name} | {step:.3f} | {tokens / step:,.0f} | {best / (tokens / step):.2f} | {rss} "
+        f"| {'–' if bubble is None else f'{bubble:.1%}'} | {'yes' if match else 'NO'} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="bench", choices=sorted(MODELS))
+    parser.add_argument("--steps", type=int, default=10, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--systems", default="", help="comma-separated subset of system names")
+    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        work = Path(args.work)
+        workers = {
+            "meshpipe": lambda: _meshpipe(work, args.model, args.schedule),
+            "torch": lambda: _torch_pipelining(work, args.model, args.schedule),
+            "deepspeed": lambda: _deepspeed(work, args.model),
+            "fairscale": lambda: _fairscale(work, args.model),
+            "single": lambda: _single(work, args.model, args.threads),
+        }
+        workers[args.worker]()
+        return
+    work = Path(args.work or ROOT / "runs" / "bench_peers" / args.model)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    _prepare(work, args.model, args.warmup + args.steps)
+    commands = _commands(args, work)
+    wanted = [s for s in args.systems.split(",") if s] or list(commands)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in wanted:
+        results[name], why = _run(name, commands[name], work, args.warmup)
+        if why:
+            print(f"{name}: failed: {why}", file=sys.stderr)
+    tokens = GLOBAL_BATCH * SEQ_LEN
+    ok = {n: r for n, r in results.items() if r}
+    meshpipe_best = max(
+        (tokens / max(x["step_s"] for x in r) for n, r in ok.items() if n.startswith("meshpipe")),
+        default=1.0,
+    )
+    reference = ok["single-1t"][0]["losses"] if "single-1t" in ok else []
+    size = sum(spec.num_parameters() for spec in gpt_layers(MODELS[args.model])) / 1e6
+    print(
+        f"model {args.model} ({size:.1f}M), global batch {GLOBAL_BATCH} = {MICRO_BATCHES} × "
+        f"{GLOBAL_BATCH // MICRO_BATCHES}, seq {SEQ_LEN}, {args.steps} steps after "
+        f"{args.warmup}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n"
+    )
+    print(
+        "| system | s/step (median) | tokens/s | meshpipe best ÷ this | peak RSS per rank (MiB) "
+        "| bubble | losses match reference |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in wanted:
+        if ok.get(name):
+            print(_row(name, ok[name], tokens, meshpipe_best, reference))
+        else:
+            print(f"| {name} | failed or not installed | | | | | |")
+
+
+if __name__ == "__main__":
+    main()
