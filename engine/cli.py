@@ -22,6 +22,7 @@ from engine.checkpoint_cli import add_commands as add_checkpoint_commands
 from engine.checkpoint_cli import run_command as run_checkpoint_command
 from engine.config import TrainConfig
 from engine.data import prepare
+from engine.memory_report import add_memory_parser, run_memory
 from engine.metrics import plot_metrics
 from engine.schedule_cli import add_schedule_parser, run_schedule
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     add_schedule_parser(commands)
+    add_memory_parser(commands)
     data = commands.add_parser("data", help="prepare token files")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     prep = data_commands.add_parser("prepare", help="turn text files into a token file")
@@ -171,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_metrics(args.metrics, args.out)
             print(f"wrote {args.out}")
             return 0
+        if args.command == "memory":
+            return run_memory(args)
         if args.command in CHECKPOINT_COMMANDS:
             return run_checkpoint_command(args)
         return _run_data(args)

@@ -83,10 +83,12 @@ class PipelineStage:
             return
         owners = [m for m in self.module.modules() if list(m.parameters(recurse=False))]
         uses = [id(p) for m in owners for p in m.parameters(recurse=False)]
-        if len(uses) != len(set(uses)):
+        recomputed = any(again for _, again in self._runs)
+        if len(uses) != len(set(uses)) or recomputed:
             # A parameter used by two modules of this stage (a tie held in one stage): the
             # gradient at one module's output reaches it through the other too, so W cannot
-            # be taken per module. Such a stage runs its whole backward at I; W is empty.
+            # be taken per module. With recomputation, every per-module W would re-run the
+            # checkpointed forward. Such a stage runs its whole backward at I; W is empty.
             self._fused_weight_grads = True
             return
         for module in owners:

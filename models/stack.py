@@ -52,9 +52,12 @@ def build_layers(
                 f"use indices in [0, {len(specs)})"
             )
     layers: dict[int, nn.Module] = {}
+    on_meta = torch.device(device).type == "meta"
     for i in chosen:
-        module = specs[i].build("meta").to_empty(device=device)
-        init_layer(module, specs[i], seed=seed, index=i)
+        module = specs[i].build("meta")
+        if not on_meta:  # meta layers have shapes only: nothing to draw, nothing to allocate
+            module = module.to_empty(device=device)
+            init_layer(module, specs[i], seed=seed, index=i)
         layers[i] = module
     _share_tied(specs, layers)
     return LayerStack(layers)

@@ -1,0 +1,187 @@
+"""What to change when a layout does not fit: alternatives, each one re-estimated.
+
+Candidates: recompute the forward (on every stage, or only on those over), ZeRO-1, a
+memory-balanced partition (boundaries chosen against per-layer memory, each stage weighted by its
+in-flight micro-batches), more pipeline stages, smaller micro-batches. Every candidate runs
+through `estimate_memory`, so a suggestion is what the estimator predicts, not a rule of thumb.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate, pairwise
+
+from engine.actions import ActionKind
+from engine.memory import MemoryConfig, MemoryReport, cached_trace, estimate_memory, resolve
+from engine.memory_replay import build_stage, in_flight, stage_actions
+from engine.memory_states import param_info
+from engine.memory_tracker import round_up
+from engine.schedules import make_schedule
+from partitioners import Partition
+
+__all__ = ["Suggestion", "layer_memory", "memory_balanced", "suggest"]
+
+_MAX_TRIES = 3
+"""Pipeline sizes verified by a full estimate before giving up on more stages."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suggestion:
+    """One alternative layout and what the estimator predicts for it."""
+
+    change: str
+    """The flags that differ from the command that was run."""
+    report: MemoryReport
+    note: str = ""
+    """A caveat, such as an engine feature the change needs."""
+
+
+def layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer: bytes of its weights, gradients and AdamW states, and bytes one of its
+    forwards keeps until the backward (traced alone, less the input it received)."""
+    alone = replace(config, pp=1, stages_per_rank=1, partition="uniform", recompute_stages=None)
+    return _layer_memory(alone)
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    layout = resolve(config)
+    shape, last = layout.shape(config, 0), len(layout.specs) - 1
+    size = 4 if shape.precision == "fp32" else 2
+    boundary = shape.micro_batch_size * shape.seq_len * shape.hidden * size
+    received = round_up(boundary, layout.block)
+    states, kept = [], []
+    for i, spec in enumerate(layout.specs):
+        params = param_info(build_stage((spec,)))
+        states.append(sum(4 * round_up(4 * p.numel, layout.block) for p in params))
+        kinds = frozenset({ActionKind.F, ActionKind.B})
+        trace = cached_trace((spec,), i == 0, i == last, kinds, shape, config.device)
+        kept.append(trace.first[ActionKind.F].net - (0 if i == 0 else received))
+    return tuple(states), tuple(kept)
+
+
+def memory_balanced(
+    states: Sequence[int], kept: Sequence[int], weights: Sequence[int]
+) -> Partition:
+    """Contiguous stages minimising the largest `sum(states) + weights[s] · sum(kept)`.
+
+    Stages weigh their layers differently (1F1B's stage s holds P - s micro-batches), which
+    `partitioners.balanced` cannot express; an exact dynamic program over (stages, layers
+    covered) can, in O(S·L²). Ties go to the earliest boundary.
+    """
+    num_layers, num_stages = len(states), len(weights)
+    if len(kept) != num_layers or not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"{num_layers} states, {len(kept)} kept sizes and {num_stages} stage weights: give "
+            "one state and one kept size per layer and at most one stage per layer"
+        )
+    ps, pk = list(accumulate(states, initial=0)), list(accumulate(kept, initial=0))
+    best: dict[tuple[int, int], tuple[int, int]] = {(0, 0): (0, 0)}
+    for s in range(1, num_stages + 1):
+        for end in range(s, num_layers - (num_stages - s) + 1):
+            best[s, end] = min(
+                (max(best[s - 1, a][0], ps[end] - ps[a] + weights[s - 1] * (pk[end] - pk[a])), a)
+                for a in range(s - 1, end)
+                if (s - 1, a) in best
+            )
+    bounds = [num_layers]
+    for s in range(num_stages, 0, -1):
+        bounds.append(best[s, bounds[-1]][1])
+    return Partition(boundaries=tuple(reversed(bounds)))
+
+
+def _balanced_for(config: MemoryConfig, pp: int) -> tuple[Partition, int]:
+    """The memory-balanced partition for `pp` stages and its layer-level predicted maximum."""
+    schedule = make_schedule(config.schedule, num_ranks=pp, micro_batches=config.micro_batches)
+    weights = [in_flight(stage_actions(schedule, s)) for s in range(pp)]
+    states, kept = layer_memory(config)
+    partition = memory_balanced(states, kept, weights)
+    loads = [
+        sum(states[a:b]) + weights[s] * sum(kept[a:b])
+        for s, (a, b) in enumerate(pairwise(partition.boundaries))
+    ]
+    return partition, max(loads)
+
+
+def _layout_flags(partition: Partition) -> str:
+    return "boundaries:" + ",".join(map(str, partition.boundaries))
+
+
+def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
+    """The fewest pipeline stages whose memory-balanced layout the estimator says fits.
+
+    The per-layer sums leave out transients and the step's tail, so each estimate that
+    misses scales the sums up for the pipeline sizes tried after it.
+    """
+    factor, tries = 1.0, 0
+    for pp in range(config.pp + 1, len(resolve(config).specs) + 1):
+        partition, load = _balanced_for(config, pp)
+        if load * factor > device_memory:
+            continue
+        flags = _layout_flags(partition)
+        report = estimate_memory(replace(config, pp=pp, partition=flags))
+        tries += 1
+        if report.peak <= device_memory or tries == _MAX_TRIES:
+            note = f"{pp} GPUs per pipeline instead of {config.pp}"
+            return Suggestion(change=f"--pp {pp} --partition {flags}", report=report, note=note)
+        factor = max(factor, report.peak / load)
+    return None
+
+
+_Candidate = tuple[str, MemoryConfig, str]
+
+
+def _recompute(config: MemoryConfig, stages: Sequence[int]) -> list[_Candidate]:
+    if config.recompute == "full" and config.recompute_stages is None:
+        return []
+    found = [("--recompute full", replace(config, recompute="full", recompute_stages=None), "")]
+    if len(stages) < config.num_stages:
+        only = replace(config, recompute="full", recompute_stages=tuple(stages))
+        note = "the engine applies one recompute policy to every stage today"
+        found.append(
+            (f"--recompute full --recompute-stages {','.join(map(str, stages))}", only, note)
+        )
+    return found
+
+
+def _candidates(
+    config: MemoryConfig, report: MemoryReport, over: Sequence[int]
+) -> list[_Candidate]:
+    found = _recompute(config, sorted(s.stage for s in report.stages if s.rank in over))
+    if config.dp > 1 and not config.zero:
+        found.append(("--zero 1", replace(config, zero=1), ""))
+    if config.stages_per_rank == 1 and config.pp > 1:
+        partition, _ = _balanced_for(config, config.pp)
+        if partition != report.partition:
+            flags = _layout_flags(partition)
+            found.append(
+                (f"--partition {flags}", replace(config, partition=flags), "memory-balanced")
+            )
+    if config.micro_batch_size % 2 == 0:
+        mbs, m = config.micro_batch_size // 2, 2 * config.micro_batches
+        smaller = replace(config, micro_batch_size=mbs, micro_batches=m)
+        found.append(
+            (f"--micro-batch-size {mbs} --micro-batches {m}", smaller, "same global batch")
+        )
+    return found
+
+
+def suggest(config: MemoryConfig, report: MemoryReport, device_memory: int) -> list[Suggestion]:
+    """Alternatives for a layout whose peak exceeds `device_memory` on some rank, estimated."""
+    over = report.ranks_over(device_memory)
+    if not over:
+        return []
+    found = [
+        Suggestion(change=change, report=estimate_memory(candidate), note=note)
+        for change, candidate, note in _candidates(config, report, over)
+    ]
+    if config.stages_per_rank == 1:
+        full = replace(config, recompute="full", recompute_stages=None)
+        variants = [("", config), ("--recompute full ", full)]
+        for prefix, variant in variants[: 1 if full == config else 2]:
+            more = _more_stages(variant, device_memory)
+            if more is not None:
+                found.append(replace(more, change=prefix + more.change))
+    return found
