@@ -310,6 +310,30 @@ def _check_layout(
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
 
 
+def _next_receives(row: Sequence[Action]) -> dict[Action, Action]:
+    """Each receive's successor on the same edge (same kind and stage), in row order."""
+    last: dict[tuple[ActionKind, int], Action] = {}
+    following: dict[Action, Action] = {}
+    for action in row:
+        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            edge = (action.kind, action.stage)
+            if edge in last:
+                following[last[edge]] = action
+            last[edge] = action
+    return following
+
+
+def _first_receives(row: Sequence[Action]) -> list[Action]:
+    seen: set[tuple[ActionKind, int]] = set()
+    firsts = []
+    for action in row:
+        edge = (action.kind, action.stage)
+        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B) and edge not in seen:
+            seen.add(edge)
+            firsts.append(action)
+    return firsts
+
+
 class _Step:
     """Per-step state of one rank: micro-batches, tensors waiting to be sent, losses."""
 
@@ -339,6 +363,10 @@ class _Step:
         self.losses: list[torch.Tensor] = []
         row = engine.schedule.rows[engine.mesh.pp_rank]
         self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in row)
+        schedule = engine.schedule if training else engine.eval_schedule
+        self._next_recv = _next_receives(schedule.rows[engine.mesh.pp_rank])
+        for first in _first_receives(schedule.rows[engine.mesh.pp_rank]):
+            engine.exchange.post_ahead(first, training=training)
 
     def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
         return {
@@ -402,6 +430,10 @@ class _Step:
         self.engine.exchange.send(action, tensors, training=self.training)
 
     def recv(self, action: Action) -> None:
-        tensors = self.engine.exchange.recv(action, training=self.training)
+        exchange = self.engine.exchange
+        tensors = exchange.recv(action, training=self.training)
+        following = self._next_recv.get(action)
+        if following is not None:
+            exchange.post_ahead(following, training=self.training)
         box = self.activations if action.kind is ActionKind.RECV_F else self.gradients
         box[(action.stage, action.micro_batch)] = tensors

@@ -102,6 +102,7 @@ class StageExchange:
         self._sent: dict[tuple[int, int, bool], tuple[TensorMeta, ...]] = {}
         self._received: dict[tuple[int, int, bool], tuple[TensorMeta, ...]] = {}
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...], Action]] = []
+        self._posted: dict[Action, tuple[tuple[torch.Tensor, ...], list[dist.Work]]] = {}
 
     def _tag(self, src: int, dst: int) -> int:
         return 2 * min(src, dst) + (0 if dst > src else 1)
@@ -130,6 +131,23 @@ class StageExchange:
         for tensor in payload:
             self._pending.append((self._isend(tensor, peer, tag), payload, action))
 
+    def post_ahead(self, action: Action, *, training: bool) -> None:
+        """Post the receive of `action` now, so its data lands while this rank computes.
+
+        Only once the edge's header is known (from the second step on); `recv` then just
+        waits. Receives on one edge are posted in the order the peer sends them.
+        """
+        src, dst, _ = _edge(action)
+        key = (src, dst, training)
+        if key not in self._received or action in self._posted:
+            return
+        tag, peer = self._tag(src, dst), self._rank_of[src]
+        tensors = tuple(
+            torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in self._received[key]
+        )
+        works = [self._irecv(t, peer, tag) for t in tensors]
+        self._posted[action] = (tensors, works)
+
     def recv(self, action: Action, *, training: bool) -> tuple[torch.Tensor, ...]:
         """Receive the tensors of `action` (RECV_F or RECV_B), waiting at most the timeout."""
         src, dst, what = _edge(action)
@@ -139,10 +157,8 @@ class StageExchange:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
             self._wait(dist.irecv(header, src=peer, group=self._group, tag=tag), action, what)
             self._received[key] = _decode(header.cpu())
-        tensors = tuple(
-            torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in self._received[key]
-        )
-        works = [dist.irecv(t, src=peer, group=self._group, tag=tag) for t in tensors]
+        self.post_ahead(action, training=training)
+        tensors, works = self._posted.pop(action)
         for work in works:
             self._wait(work, action, what)
         grads = [m.requires_grad and training for m in self._received[key]]
@@ -153,6 +169,11 @@ class StageExchange:
         pending, self._pending = self._pending, []
         for work, _, action in pending:
             self._wait(work, action, "data")
+
+    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = dist.irecv(tensor, src=peer, group=self._group, tag=tag)
+        assert work is not None
+        return work
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         work = dist.isend(tensor, dst=peer, group=self._group, tag=tag)
