@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -24,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from engine.atomic import atomic_write_text, fsync_dir, fsync_file
 from models import GPTConfig, LayerSpec, LlamaConfig, ModelConfig
 
 __all__ = [
@@ -87,41 +86,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same folder, fsync, rename, fsync the folder: never half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def write_shard(directory: Path, file: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
     """Write `tensors` as one safetensors file, fsync it, and return its record."""
     path = directory / file
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     save_file(cpu, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
+    fsync_file(path)
     size = sum(t.numel() * t.element_size() for t in cpu.values())
     return ShardRecord(file=file, sha256=sha256_file(path), size=size, names=tuple(sorted(cpu)))
 

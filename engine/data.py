@@ -11,8 +11,7 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -20,6 +19,8 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from engine.atomic import atomic_write
 
 __all__ = [
     "VOCAB_SIZE",
@@ -89,21 +90,6 @@ def _split_prefix(path: str | Path) -> tuple[Path, Path]:
     return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
-    """Write a temp file in the same folder, fsync, rename: readers never see half a file."""
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            result = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return result
-
-
 def _collect_files(
     source: Path, suffixes: Iterable[str], excluded_dirs: frozenset[str] = frozenset()
 ) -> list[Path]:
@@ -147,7 +133,7 @@ def _write_token_file(
         raise ValueError(f"max_bytes={max_bytes} must be >= 1; pass None for no cap")
     bin_path, json_path = _split_prefix(out)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    num_tokens, used = _atomic_write(bin_path, lambda f: _concat(files, f, max_bytes))
+    num_tokens, used = atomic_write(bin_path, lambda f: _concat(files, f, max_bytes))
     if num_tokens == 0:
         bin_path.unlink()
         raise ValueError(f"source {str(origin)!r} holds no bytes; give it some text")
@@ -160,7 +146,7 @@ def _write_token_file(
         "num_tokens": num_tokens,
         "sources": used,
     }
-    _atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
+    atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
     return _info(bin_path, json_path, header)
 
 
