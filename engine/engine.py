@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.actions import Action, ActionKind
+from engine.actions import ActionKind
 from engine.clipping import clip_gradients, global_grad_norm, global_parameter_order
 from engine.grad_sync import (
     BucketedAllReduce,
@@ -31,10 +31,11 @@ from engine.options import EngineOptions
 from engine.p2p import StageExchange
 from engine.passes import add_communication
 from engine.precision import LossScaler
-from engine.reference import LossFn, split_micro_batches
+from engine.reference import LossFn
 from engine.runtime import ActionTiming, execute
 from engine.schedules import Schedule, inference, make_schedule
 from engine.stage import PipelineStage
+from engine.step import StepRun
 from engine.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
@@ -250,7 +251,7 @@ class PipelineEngine:
         training: bool,
         origin: float,
     ) -> StepStats:
-        step = _Step(self, inputs, targets, training=training)
+        step = StepRun(self, inputs, targets, training=training)
         for stage in self.stages.values():
             stage.reset_peak()
         timings = execute(schedule, self.mesh.pp_rank, step.handlers(), origin=origin)
@@ -308,132 +309,3 @@ def _check_layout(
         )
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches} must be at least 1")
-
-
-def _next_receives(row: Sequence[Action]) -> dict[Action, Action]:
-    """Each receive's successor on the same edge (same kind and stage), in row order."""
-    last: dict[tuple[ActionKind, int], Action] = {}
-    following: dict[Action, Action] = {}
-    for action in row:
-        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-            edge = (action.kind, action.stage)
-            if edge in last:
-                following[last[edge]] = action
-            last[edge] = action
-    return following
-
-
-def _first_receives(row: Sequence[Action]) -> list[Action]:
-    seen: set[tuple[ActionKind, int]] = set()
-    firsts = []
-    for action in row:
-        edge = (action.kind, action.stage)
-        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B) and edge not in seen:
-            seen.add(edge)
-            firsts.append(action)
-    return firsts
-
-
-class _Step:
-    """Per-step state of one rank: micro-batches, tensors waiting to be sent, losses."""
-
-    def __init__(
-        self,
-        engine: PipelineEngine,
-        inputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        *,
-        training: bool,
-    ) -> None:
-        m = engine.micro_batches
-        if engine.is_first and inputs is None:
-            raise ValueError("the first pipeline stage needs the batch's inputs")
-        if engine.is_last and targets is None:
-            raise ValueError("the last pipeline stage needs the batch's targets")
-        self.engine, self.training = engine, training
-        self.inputs = (
-            split_micro_batches(inputs, m) if engine.is_first and inputs is not None else ()
-        )
-        self.targets = (
-            split_micro_batches(targets, m) if engine.is_last and targets is not None else ()
-        )
-        self.activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.outbox: dict[tuple[ActionKind, int, int], tuple[torch.Tensor, ...]] = {}
-        self.losses: list[torch.Tensor] = []
-        row = engine.schedule.rows[engine.mesh.pp_rank]
-        self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in row)
-        schedule = engine.schedule if training else engine.eval_schedule
-        self._next_recv = _next_receives(schedule.rows[engine.mesh.pp_rank])
-        for first in _first_receives(schedule.rows[engine.mesh.pp_rank]):
-            engine.exchange.post_ahead(first, training=training)
-
-    def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
-        return {
-            ActionKind.F: self.forward,
-            ActionKind.B: self.backward,
-            ActionKind.I: self.backward,
-            ActionKind.W: self.weight_grad,
-            ActionKind.SEND_F: self.send,
-            ActionKind.SEND_B: self.send,
-            ActionKind.RECV_F: self.recv,
-            ActionKind.RECV_B: self.recv,
-        }
-
-    def forward(self, action: Action) -> None:
-        s, k = action.stage, action.micro_batch
-        stage = self.engine.stages[s]
-        inputs = (self.inputs[k],) if stage.is_first else self.activations.pop((s, k))
-        divisor = self.engine.micro_batches * self.engine.mesh.dp
-        scaler = self.engine.scaler
-        outputs = stage.forward(
-            k,
-            inputs,
-            targets=self.targets[k] if stage.is_last else None,
-            loss_divisor=divisor,
-            loss_scale=scaler.scale if scaler is not None else 1.0,
-            training=self.training,
-        )
-        if stage.is_last:
-            self.losses.append(outputs[0])
-        elif s + 1 in self.engine.stages:
-            self.activations[(s + 1, k)] = tuple(o.detach().requires_grad_() for o in outputs)
-        else:
-            self.outbox[(ActionKind.SEND_F, s, k)] = outputs
-
-    def backward(self, action: Action) -> None:
-        s, k = action.stage, action.micro_batch
-        stage = self.engine.stages[s]
-        grads = () if stage.is_last else self.gradients.pop((s, k))
-        if action.kind is ActionKind.I:
-            input_grads = stage.backward_input(k, grads)
-        else:
-            input_grads = stage.backward(k, grads)
-            self._gradient_done()
-        if s > 0 and s - 1 in self.engine.stages:
-            self.gradients[(s - 1, k)] = input_grads
-        elif s > 0:
-            self.outbox[(ActionKind.SEND_B, s, k)] = input_grads
-
-    def weight_grad(self, action: Action) -> None:
-        self.engine.stages[action.stage].backward_weight(action.micro_batch)
-        self._gradient_done()
-
-    def _gradient_done(self) -> None:
-        """After the rank's last B or W of the step, its gradients are final: reduce them."""
-        self._grads_left -= 1
-        if self._grads_left == 0 and self.engine.mesh.dp > 1:
-            self.engine._dp_reduce.start()
-
-    def send(self, action: Action) -> None:
-        tensors = self.outbox.pop((action.kind, action.stage, action.micro_batch))
-        self.engine.exchange.send(action, tensors, training=self.training)
-
-    def recv(self, action: Action) -> None:
-        exchange = self.engine.exchange
-        tensors = exchange.recv(action, training=self.training)
-        following = self._next_recv.get(action)
-        if following is not None:
-            exchange.post_ahead(following, training=self.training)
-        box = self.activations if action.kind is ActionKind.RECV_F else self.gradients
-        box[(action.stage, action.micro_batch)] = tensors
