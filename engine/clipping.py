@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,17 +18,7 @@ from torch import nn
 
 from models import LayerSpec
 
-__all__ = ["GradNorm", "clip_gradients", "global_grad_norm", "global_parameter_order"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GradNorm:
-    """The model's gradient norm before clipping, identical on every rank."""
-
-    norm: float
-    """L2 norm over all parameters (tied weights once)."""
-    finite: bool
-    """False when any gradient holds inf or NaN: the step must be skipped everywhere."""
+__all__ = ["clip_gradients", "global_grad_norm", "global_parameter_order"]
 
 
 def global_parameter_order(specs: Sequence[LayerSpec]) -> dict[str, int]:
