@@ -30,12 +30,14 @@ class StageError(RuntimeError):
 class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
-    weight_nodes: list[tuple[nn.Module, torch.Tensor]]
+    weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+    """(module, its input, its output) of every parameter-owning module, in forward order."""
 
 
 @dataclass
 class _PendingWeightGrad:
-    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]
+    """(module, input, output, gradient at the output) waiting for their W."""
 
 
 class PipelineStage:
@@ -66,7 +68,7 @@ class PipelineStage:
         ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, _PendingWeightGrad] = {}
-        self._capture: list[tuple[nn.Module, torch.Tensor]] | None = None
+        self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] | None = None
         self._hooks_on = False
         self._fused_weight_grads = False
         self.peak_in_flight = 0
@@ -95,9 +97,11 @@ class PipelineStage:
             module.register_forward_hook(self._record_output)
         self._hooks_on = True
 
-    def _record_output(self, module: nn.Module, _: object, output: torch.Tensor) -> None:
+    def _record_output(
+        self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+    ) -> None:
         if self._capture is not None and output.requires_grad:
-            self._capture.append((module, output))
+            self._capture.append((module, inputs[0], output))
 
     @property
     def is_first(self) -> bool:
@@ -134,7 +138,7 @@ class PipelineStage:
         In training the last stage keeps `loss / loss_divisor` for the backward (the number of
         micro-batches, exactly as the reference divides), other stages keep their outputs.
         """
-        capture: list[tuple[nn.Module, torch.Tensor]] = []
+        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._capture = capture if training and self._hooks_on else None
         with torch.set_grad_enabled(training), autocast(self.precision, self.device):
             try:
@@ -208,15 +212,15 @@ class PipelineStage:
         state = self._pop(micro_batch)
         roots, grads = self._roots(state, output_grads)
         wanted = [x for x in state.inputs if x.requires_grad]
-        nodes = [out for _, out in state.weight_nodes]
+        nodes = [out for _, _, out in state.weight_nodes]
         found = torch.autograd.grad(
             roots, wanted + nodes, grad_outputs=grads, retain_graph=True, allow_unused=True
         )
         input_grads, node_grads = found[: len(wanted)], found[len(wanted) :]
         self._pending_w[micro_batch] = _PendingWeightGrad(
             [
-                (m, out, g)
-                for (m, out), g in zip(state.weight_nodes, node_grads, strict=True)
+                (m, x, out, g)
+                for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
                 if g is not None
             ]
         )
@@ -235,9 +239,13 @@ class PipelineStage:
                 f"stage {self.stage} has no input-gradient state for micro-batch {micro_batch}: "
                 "the schedule runs its W before its I or twice"
             )
-        for module, out, grad in reversed(pending.nodes):
+        for module, x, out, grad in reversed(pending.nodes):
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            for param, value in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+            if isinstance(module, nn.Linear) and self.precision == "fp32":
+                values = _linear_weight_grads(module, x, grad)
+            else:
+                values = list(torch.autograd.grad(out, params, grad))
+            for param, value in zip(params, values, strict=True):
                 if param.grad is None:
                     param.grad = value
                 else:
@@ -254,3 +262,18 @@ class PipelineStage:
             f"{shapes}: {error}. If the shapes disagree with what layer {first} expects, the "
             "layer list's stages disagree on the activation shape at this boundary"
         )
+
+
+def _linear_weight_grads(
+    module: nn.Linear, x: torch.Tensor, grad: torch.Tensor
+) -> list[torch.Tensor]:
+    """A Linear's weight (and bias) gradient as the GEMM autograd runs: gᵀ·x (and Σ g).
+
+    The same kernels on the same operands as autograd's AddmmBackward, so the same bits,
+    without an autograd call per module (the W pass's main overhead).
+    """
+    g2d = grad.reshape(-1, module.out_features)
+    values = [g2d.t().mm(x.detach().reshape(-1, module.in_features))]
+    if module.bias is not None and module.bias.requires_grad:
+        values.append(g2d.sum(0))
+    return values
