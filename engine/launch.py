@@ -8,13 +8,14 @@ as cluster runs.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-__all__ = ["is_launched", "launch_local"]
+__all__ = ["free_port", "is_launched", "launch_local"]
 
 T = TypeVar("T")
 
@@ -24,9 +25,8 @@ def is_launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous or a test's master)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -42,7 +42,7 @@ def launch_local(
         nproc_per_node=nproc,
         run_id=f"meshpipe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",

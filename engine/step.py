@@ -6,7 +6,8 @@ the losses — and turns each action into a call on a stage or on the exchange.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,28 +21,23 @@ if TYPE_CHECKING:
 __all__ = ["StepRun"]
 
 
-def _next_receives(row: Sequence[Action]) -> dict[Action, Action]:
-    """Each receive's successor on the same edge (same kind and stage), in row order."""
+@functools.lru_cache(maxsize=16)
+def _receive_plan(row: tuple[Action, ...]) -> tuple[tuple[Action, ...], dict[Action, Action]]:
+    """A row's first receive on each edge (same kind and stage) and each receive's successor on
+    its edge; a schedule's rows never change, so this is worked out once per row, not per step."""
     last: dict[tuple[ActionKind, int], Action] = {}
+    firsts: list[Action] = []
     following: dict[Action, Action] = {}
     for action in row:
-        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-            edge = (action.kind, action.stage)
-            if edge in last:
-                following[last[edge]] = action
-            last[edge] = action
-    return following
-
-
-def _first_receives(row: Sequence[Action]) -> list[Action]:
-    seen: set[tuple[ActionKind, int]] = set()
-    firsts = []
-    for action in row:
+        if action.kind not in (ActionKind.RECV_F, ActionKind.RECV_B):
+            continue
         edge = (action.kind, action.stage)
-        if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B) and edge not in seen:
-            seen.add(edge)
+        if edge in last:
+            following[last[edge]] = action
+        else:
             firsts.append(action)
-    return firsts
+        last[edge] = action
+    return tuple(firsts), following
 
 
 class StepRun:
@@ -74,8 +70,8 @@ class StepRun:
         row = engine.schedule.rows[engine.mesh.pp_rank]
         self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in row)
         schedule = engine.schedule if training else engine.eval_schedule
-        self._next_recv = _next_receives(schedule.rows[engine.mesh.pp_rank])
-        for first in _first_receives(schedule.rows[engine.mesh.pp_rank]):
+        firsts, self._next_recv = _receive_plan(schedule.rows[engine.mesh.pp_rank])
+        for first in firsts:
             engine.exchange.post_ahead(first, training=training)
 
     def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:

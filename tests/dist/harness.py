@@ -11,7 +11,6 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -19,17 +18,13 @@ from typing import Any
 
 import torch
 
+from engine.launch import free_port
+
 __all__ = ["free_port", "run_ranks", "RanksFailed"]
 
 
 class RanksFailed(AssertionError):
     """At least one rank raised or the group timed out."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(
