@@ -23,9 +23,10 @@ from engine.schedules import (
     zb_h1,
     zb_h2,
 )
+from engine.simulate import ActionCosts, simulate, steady_state_bubble
 from engine.timeline import load_schedule, save_schedule
 from engine.train import TrainResult, train
-from engine.validate import ActionCosts, simulate, steady_state_bubble, validate
+from engine.validate import validate
 
 __all__ = [
     "Action",

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.simulate import ActionCosts
 from engine.stage import PipelineStage
-from engine.validate import ActionCosts
 from models import LayerSpec
 from partitioners import Partition
 

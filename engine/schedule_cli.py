@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from engine.schedules import SCHEDULES, Schedule, format_schedule, make_schedule
+from engine.simulate import ActionCosts, simulate, steady_state_bubble
 from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
-from engine.validate import ActionCosts, simulate, steady_state_bubble
 
 __all__ = ["add_schedule_parser", "parse_costs", "run_schedule"]
 

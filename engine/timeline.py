@@ -13,7 +13,8 @@ from typing import Any
 
 from engine.actions import Action, ActionKind, format_actions, parse_actions
 from engine.schedules import Schedule
-from engine.validate import SimResult, TimedAction, validate
+from engine.simulate import SimResult, TimedAction
+from engine.validate import validate
 
 __all__ = ["KIND_COLOURS", "chrome_trace", "load_schedule", "plot_timeline", "save_schedule"]
 

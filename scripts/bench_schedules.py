@@ -26,7 +26,7 @@ from engine.mesh import init_mesh
 from engine.optim import build_optimizer
 from engine.reference import reference_step
 from engine.schedules import VIRTUAL_SCHEDULES, make_schedule
-from engine.validate import ActionCosts, simulate
+from engine.simulate import ActionCosts, simulate
 from models import build_layers, layer_specs
 from partitioners import partition_model
 

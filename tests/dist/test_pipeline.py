@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.schedules import make_schedule
-from engine.validate import simulate
+from engine.simulate import simulate
 from tests.dist.cases import Case, reference_run, run_cases
 from tests.dist.harness import run_ranks
 

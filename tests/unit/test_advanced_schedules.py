@@ -15,7 +15,8 @@ from engine.schedules import (
     zb_h1,
     zb_h2,
 )
-from engine.validate import ActionCosts, simulate, steady_state_bubble, validate
+from engine.simulate import ActionCosts, simulate, steady_state_bubble
+from engine.validate import validate
 
 UNIT = ActionCosts(forward=1, backward=2, input_grad=1, weight_grad=1)
 

@@ -27,7 +27,7 @@ from engine.memory_states import (
     zero_shards,
 )
 from engine.memory_tracker import MemoryTracker, fake_device
-from engine.validate import simulate
+from engine.simulate import simulate
 
 torch.set_num_threads(1)
 # bf16 autocast meets fp32 norm weights: torch warns that RMSNorm takes its composite path.

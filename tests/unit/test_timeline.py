@@ -11,8 +11,9 @@ from engine.actions import format_actions
 from engine.cli import main
 from engine.passes import add_communication
 from engine.schedules import interleaved_1f1b, make_schedule, zb_h1
+from engine.simulate import simulate
 from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
-from engine.validate import ScheduleError, simulate
+from engine.validate import ScheduleError
 
 
 @pytest.mark.parametrize("fmt", ["csv", "text"])

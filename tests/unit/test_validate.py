@@ -10,7 +10,8 @@ import pytest
 from engine.actions import format_actions
 from engine.passes import add_communication
 from engine.schedules import Schedule, gpipe, one_f_one_b, parse_schedule
-from engine.validate import ActionCosts, ScheduleError, simulate, validate
+from engine.simulate import ActionCosts, simulate
+from engine.validate import ScheduleError, validate
 
 Generator = Callable[[int, int], Schedule]
 GENERATORS = [gpipe, one_f_one_b]
