@@ -7,10 +7,11 @@ reducers sum gradients; the engine wires them together for one step and reports 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -29,13 +30,14 @@ from engine.mesh import Mesh
 from engine.optim import OptimizerSpec
 from engine.options import EngineOptions
 from engine.p2p import StageExchange
-from engine.passes import add_communication
+from engine.passes import add_communication, forward_only
 from engine.precision import LossScaler
 from engine.reference import LossFn
 from engine.runtime import ActionTiming, execute
-from engine.schedules import Schedule, inference, make_schedule
+from engine.schedules import Schedule, make_schedule
 from engine.stage import PipelineStage
 from engine.step import StepRun
+from engine.step_report import StepReports
 from engine.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
@@ -47,7 +49,12 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 @dataclass(frozen=True, kw_only=True)
 class StepStats:
-    """What one step measured on this rank."""
+    """What one step measured on this rank.
+
+    `bubble` and `grad_norm` need every pipeline rank's figures, which arrive without a
+    barrier: reading them right after the step waits until every peer has finished it; the
+    engine has them anyway by the end of the next step.
+    """
 
     loss: float
     """Mean loss over the global batch (the same on every rank)."""
@@ -55,8 +62,6 @@ class StepStats:
     """Seconds the schedule took on this rank."""
     busy_s: float
     """Seconds of compute (F, B, I, W) on this rank."""
-    bubble: float
-    """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
     in_flight_peak: dict[int, int]
     """Peak micro-batches in flight (F done, B or I not) per stage held by this rank."""
     pending_w_peak: dict[int, int]
@@ -65,12 +70,24 @@ class StepStats:
     """Every action's start and end on this rank, in seconds from the step's start."""
     phases: tuple[tuple[str, float, float], ...] = ()
     """Work outside the schedule (DP all-reduce, tied-weight sum, optimizer), same clock."""
-    grad_norm: float = 0.0
-    """Global gradient norm before clipping (the same on every rank)."""
     skipped: bool = False
     """True when a non-finite loss or gradient made every rank skip the optimizer step."""
     loss_scale: float = 1.0
     """fp16's loss scale used in this step (1 otherwise)."""
+    pipeline_figures: Callable[[], tuple[float, float]] = field(
+        default=lambda: (0.0, 0.0), repr=False, compare=False
+    )
+    """Resolves (bubble, grad norm) from every pipeline rank's figures."""
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
+        return self.pipeline_figures()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Global gradient norm before clipping (the same on every rank)."""
+        return self.pipeline_figures()[1]
 
 
 class PipelineEngine:
@@ -94,16 +111,15 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches = mesh, micro_batches
-        self.schedule = add_communication(
-            make_schedule(
-                schedule,
-                num_ranks=mesh.pp,
-                micro_batches=micro_batches,
-                stages_per_rank=stages_per_rank,
-            )
+        compute = make_schedule(
+            schedule,
+            num_ranks=mesh.pp,
+            micro_batches=micro_batches,
+            stages_per_rank=stages_per_rank,
         )
+        self.schedule = add_communication(compute)
         validate(self.schedule)
-        self.eval_schedule = add_communication(inference(mesh.pp, micro_batches))
+        self.eval_schedule = add_communication(forward_only(compute))
         validate(self.eval_schedule)
         self.stages = {
             s: PipelineStage(
@@ -139,6 +155,20 @@ class PipelineEngine:
         self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
         self.optimizer = self._build_optimizer(optimizer)
         self._last_rank = rank_of_stage[partition.num_stages - 1]
+        self.split_units = frozenset(
+            (a.stage, a.micro_batch)
+            for a in self.schedule.rows[mesh.pp_rank]
+            if a.kind is ActionKind.I
+        )
+        self.reports = StepReports(
+            group=mesh.pp_group,
+            ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
+            me=mesh.rank,
+            last=self._last_rank,
+            device=mesh.device,
+            timeout_s=timeout_s,
+        )
+        self._previous_figures: Callable[[], tuple[float, float]] | None = None
         self._order = global_parameter_order(specs)
         self.scaler = LossScaler() if self.options.precision == "fp16" else None
         self.skipped_steps = 0
@@ -184,6 +214,14 @@ class PipelineEngine:
     def is_last(self) -> bool:
         return max(self.stages) == self.schedule.num_stages - 1
 
+    @property
+    def synchronises_steps(self) -> bool:
+        """Whether every step ends with a blocking all-reduce of the gradient norm over the
+        pipeline: clipping and fp16's loss scale need the norm, the non-finite guard needs
+        every rank's verdict. Without one, steps follow each other with no barrier."""
+        options = self.options
+        return options.clip_grad_norm > 0 or options.precision == "fp16" or options.nonfinite_guard
+
     def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
         """Forward and backward every micro-batch, reduce gradients, step the optimizer.
 
@@ -193,7 +231,9 @@ class PipelineEngine:
         for param in self.module.parameters():
             param.grad = None
         origin = time.perf_counter()
-        stats = self._run(self.schedule, inputs, targets, training=True, origin=origin)
+        timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
+        step_s = time.perf_counter() - origin
+        busy = sum(t.end - t.start for t in timings if t.action.is_compute)
         phases: list[tuple[str, float, float]] = []
         self._dp_reduce.finish()
         if self._dp_reduce.window is not None and self.mesh.dp > 1:
@@ -206,16 +246,60 @@ class PipelineEngine:
         if self._tie_groups:
             phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
         opt_start = time.perf_counter()
-        norm, skipped = self._finish_gradients(stats.loss)
+        if self.synchronises_steps:
+            norm, skipped = self._finish_gradients(loss)
+            figures = self._publish(busy, step_s, norm=norm)
+        else:
+            skipped = False
+            figures = self._publish(busy, step_s, norm=None)
         if self.optimizer is not None and not skipped:
             self.optimizer.step()
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
         scale = self.scaler.scale if self.scaler else 1.0
         if self.scaler is not None:
             self.scaler.update(not skipped)
-        return replace(
-            stats, phases=tuple(phases), grad_norm=norm, skipped=skipped, loss_scale=scale
+        if self._previous_figures is not None:
+            self._previous_figures()  # arrived during this step: frees its buffers, never waits
+        self._previous_figures = figures
+        return StepStats(
+            loss=loss,
+            step_s=step_s,
+            busy_s=busy,
+            in_flight_peak={s: stage.peak_in_flight for s, stage in self.stages.items()},
+            pending_w_peak={s: stage.peak_pending_w for s, stage in self.stages.items()},
+            timings=tuple(timings),
+            phases=tuple(phases),
+            skipped=skipped,
+            loss_scale=scale,
+            pipeline_figures=figures,
         )
+
+    def _publish(
+        self, busy: float, step_s: float, *, norm: float | None
+    ) -> Callable[[], tuple[float, float]]:
+        """Send (busy, step seconds, per-parameter gradient norms unless `norm` is known) to
+        the pipeline peers; the result resolves (bubble, global norm) once theirs arrived."""
+        named = [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
+        slots = len(self._order) if norm is None else 0
+        mine = torch.zeros(2 + slots, dtype=torch.float64)
+        mine[0], mine[1] = busy, step_s
+        if norm is None:
+            for name, param in named:
+                if name in self._order and param.grad is not None:
+                    value = torch.linalg.vector_norm(param.grad, 2.0).float()
+                    mine[2 + self._order[name]] = value.to(torch.float64)
+        gather = self.reports.publish(mine) if self.mesh.pp > 1 else lambda: mine[None]
+
+        @functools.cache
+        def figures() -> tuple[float, float]:
+            every = gather()
+            bubble = _bubble(every[:, 0].tolist(), every[:, 1].tolist())
+            if norm is not None:
+                return bubble, norm
+            total = every[:, 2:].sum(0).to(torch.float32)
+            return bubble, float(torch.linalg.vector_norm(total, 2.0))
+
+        return figures
 
     def _finish_gradients(self, loss: float) -> tuple[float, bool]:
         """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks."""
@@ -240,7 +324,7 @@ class PipelineEngine:
         """Forward-only loss of a batch, on every rank."""
         return self._run(
             self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
-        ).loss
+        )[1]
 
     def _run(
         self,
@@ -250,43 +334,28 @@ class PipelineEngine:
         *,
         training: bool,
         origin: float,
-    ) -> StepStats:
+    ) -> tuple[list[ActionTiming], float]:
+        """Run this rank's row of `schedule`; its action timings and the global mean loss."""
+        self.reports.begin_step()
         step = StepRun(self, inputs, targets, training=training)
         for stage in self.stages.values():
             stage.reset_peak()
         timings = execute(schedule, self.mesh.pp_rank, step.handlers(), origin=origin)
         self.exchange.wait_sends()
-        step_s = time.perf_counter() - origin
-        busy = sum(t.end - t.start for t in timings if t.action.is_compute)
-        return StepStats(
-            loss=self._global_loss(step.losses),
-            step_s=step_s,
-            busy_s=busy,
-            bubble=self._bubble(busy, step_s),
-            in_flight_peak={s: stage.peak_in_flight for s, stage in self.stages.items()},
-            pending_w_peak={s: stage.peak_pending_w for s, stage in self.stages.items()},
-            timings=tuple(timings),
-        )
+        return timings, self._global_loss()
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.mesh.device)
-        loss = loss.to(torch.float32)
-        if self.mesh.pp > 1:
-            dist.broadcast(loss, src=self._last_rank, group=self.mesh.pp_group)
+    def _global_loss(self) -> float:
+        loss = self.reports.loss().clone()
         if self.mesh.dp > 1:
             dist.all_reduce(loss, group=self.mesh.dp_group)
             loss /= self.mesh.dp
         return float(loss)
 
-    def _bubble(self, busy: float, step_s: float) -> float:
-        if self.mesh.pp == 1:
-            return 1.0 - busy / step_s if step_s > 0 else 0.0
-        mine = torch.tensor([busy, step_s], dtype=torch.float64, device=self.mesh.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.mesh.pp)]
-        dist.all_gather(gathered, mine, group=self.mesh.pp_group)
-        total_busy = sum(float(g[0]) for g in gathered)
-        slowest = max(float(g[1]) for g in gathered)
-        return 1.0 - total_busy / (self.mesh.pp * slowest)
+
+def _bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
+    """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
+    slowest = max(step_s)
+    return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0
 
 
 def _check_layout(

@@ -41,6 +41,10 @@ class EngineOptions:
     """Activation recomputation per stage: `none`, `full` or `every:N` layers."""
     zero: int = 0
     """1 shards optimizer state over the data-parallel replicas (ZeRO-1)."""
+    nonfinite_guard: bool = True
+    """Skip a step whose loss or gradients are not finite on every rank together. Costs one
+    blocking all-reduce per step when neither clipping nor fp16 needs one anyway: the next
+    step's warm-up then cannot overlap this step's drain ((P-1) forwards of bubble per step)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

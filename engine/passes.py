@@ -17,6 +17,7 @@ __all__ = [
     "add_communication",
     "communication_for",
     "counterpart",
+    "forward_only",
     "is_lowered",
     "peer_of",
     "peer_stage",
@@ -104,3 +105,16 @@ def add_communication(schedule: Schedule) -> Schedule:
             lowered += [*before, action, *after]
         rows.append(tuple(lowered))
     return replace(schedule, rows=tuple(rows), lowered=True)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The compute-only schedule without its backward actions: the same placement and forward
+    order, so `eval_step` runs every stage a training step runs (virtual stages included).
+
+    Dropping actions keeps every remaining dependency and each rank's order, so a schedule
+    without deadlock stays without deadlock.
+    """
+    if is_lowered(schedule):
+        raise ValueError("forward_only takes the compute-only schedule a generator returns")
+    rows = tuple(tuple(a for a in row if a.kind is ActionKind.F) for row in schedule.rows)
+    return replace(schedule, name=f"{schedule.name}-forward", rows=rows)

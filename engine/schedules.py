@@ -23,6 +23,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
+    "zb_drain",
     "zb_h1",
     "zb_h2",
 ]
@@ -219,9 +220,15 @@ def looped_bfs(num_ranks: int, micro_batches: int, stages_per_rank: int = 2) -> 
 
 def _zero_bubble_row(rank: int, micro_batches: int, warmup: int, w_lag: int) -> list[Action]:
     """1F1B with the backward split: F/I pairs, each W `w_lag` pairs late; the late W's fill
-    the cool-down, where the rank would otherwise wait for the next input gradient."""
+    the cool-down, where the rank would otherwise wait for the next input gradient.
+
+    With no lag (the first stage, whose input gradient nobody waits for) each I would be
+    followed at once by its W: the row runs a fused B instead, which costs less than I + W.
+    """
     F, I, W = ActionKind.F, ActionKind.I, ActionKind.W  # noqa: E741 - the paper's names
     m, warmup = micro_batches, min(warmup, micro_batches)
+    if w_lag == 0:
+        return _one_f_one_b_like_row(rank, m, warmup, split=frozenset())
     row, next_w = [Action(rank, F, k) for k in range(warmup)], 0
     for j in range(m - warmup):
         row += [Action(rank, F, warmup + j), Action(rank, I, j)]
@@ -234,6 +241,23 @@ def _zero_bubble_row(rank: int, micro_batches: int, warmup: int, w_lag: int) -> 
             row.append(Action(rank, W, next_w))
             next_w += 1
     return row + [Action(rank, W, k) for k in range(next_w, m)]
+
+
+def _one_f_one_b_like_row(
+    rank: int, micro_batches: int, warmup: int, *, split: frozenset[int]
+) -> list[Action]:
+    """`warmup` forwards, then F/backward pairs, then the remaining backwards; micro-batches
+    in `split` run I instead of B, and their W's come last, in micro-batch order."""
+    m = micro_batches
+
+    def backward(k: int) -> Action:
+        return Action(rank, ActionKind.I if k in split else ActionKind.B, k)
+
+    row = [Action(rank, ActionKind.F, k) for k in range(warmup)]
+    for j in range(m - warmup):
+        row += [Action(rank, ActionKind.F, warmup + j), backward(j)]
+    row += [backward(j) for j in range(m - warmup, m)]
+    return row + [Action(rank, ActionKind.W, k) for k in sorted(split)]
 
 
 def zb_h1(num_ranks: int, micro_batches: int) -> Schedule:
@@ -260,6 +284,29 @@ def zb_h2(num_ranks: int, micro_batches: int) -> Schedule:
     return _one_stage_per_rank("zb_h2", rows, micro_batches)
 
 
+def zb_drain(num_ranks: int, micro_batches: int) -> Schedule:
+    """ZB-H2's warm-up with fused backwards, split only where a W fills the drain.
+
+    Made for steps that follow each other without a barrier (no clipping, no fp16, no
+    non-finite guard). Between a rank's last I of one step and the next step's first
+    activation, the ranks before it run their last backwards, the first stage's optimizer step
+    and the new forwards: about r·(F + B) on rank r. Only the last min(m, 3r) micro-batches of
+    rank r split their backward; their W's fill that gap. Every other backward is fused (B),
+    which costs less than I + W, and gradients still accumulate in micro-batch order. With a
+    few ranks (P = 2) it has the shortest period; with P ≥ 4 ZB-H2 fills the middle ranks
+    better (ask `meshpipe schedule` with profiled costs).
+    """
+    _check_sizes(num_ranks, micro_batches)
+    p, m = num_ranks, micro_batches
+    rows = [
+        _one_f_one_b_like_row(
+            r, m, min(m, 2 * (p - 1 - r)), split=frozenset(range(m - min(m, 3 * r), m))
+        )
+        for r in range(p)
+    ]
+    return _one_stage_per_rank("zb_drain", rows, micro_batches)
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
@@ -267,6 +314,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "looped_bfs": looped_bfs,
     "zb_h1": zb_h1,
     "zb_h2": zb_h2,
+    "zb_drain": zb_drain,
 }
 """Schedule generators by the name a config or the CLI uses."""
 

@@ -36,8 +36,9 @@ class _InFlight:
 
 @dataclass
 class _PendingWeightGrad:
-    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]
-    """(module, input, output, gradient at the output) waiting for their W."""
+    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    """(Linear, input, output, gradient at the output) waiting for their W; the output only
+    when W goes through autograd (it keeps the graph alive)."""
 
 
 class PipelineStage:
@@ -71,15 +72,18 @@ class PipelineStage:
         self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] | None = None
         self._hooks_on = False
         self._fused_weight_grads = False
+        self._eager_params: list[nn.Parameter] = []
         self.peak_in_flight = 0
         self.peak_pending_w = 0
 
     def enable_split_backward(self) -> None:
-        """Record, during forward, the output of every module that owns parameters.
+        """Prepare the split backward: I now, the weight GEMMs later in W.
 
-        The input-gradient pass (I) asks autograd for the gradients at those outputs along with
-        the stage input's; the weight-gradient pass (W) later turns each into its module's
-        parameter gradients. Every kernel runs once, as in a fused backward: no extra forward.
+        Only a GEMM's weight gradient (gᵀ·x of every `nn.Linear`) is worth deferring; forward
+        hooks record each Linear's input and output. The I pass asks autograd for the stage
+        input's gradient, each Linear output's gradient and, at once, the gradients of every
+        other parameter (norms, embeddings: cheap reductions that would otherwise need a
+        second pass over their inputs in W). Every kernel runs once, as in a fused backward.
         """
         if self._hooks_on or self._fused_weight_grads:
             return
@@ -94,7 +98,10 @@ class PipelineStage:
             self._fused_weight_grads = True
             return
         for module in owners:
-            module.register_forward_hook(self._record_output)
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(self._record_output)
+            else:
+                self._eager_params += [p for p in module.parameters(recurse=False)]
         self._hooks_on = True
 
     def _record_output(
@@ -132,14 +139,17 @@ class PipelineStage:
         loss_divisor: int = 1,
         loss_scale: float = 1.0,
         training: bool = True,
+        split: bool = True,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage on one micro-batch; the last stage returns its (unscaled) loss.
 
         In training the last stage keeps `loss / loss_divisor` for the backward (the number of
         micro-batches, exactly as the reference divides), other stages keep their outputs.
+        `split=False` says this micro-batch's backward will be a fused B, so the Linears'
+        inputs and outputs need not be recorded for a W.
         """
         capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
-        self._capture = capture if training and self._hooks_on else None
+        self._capture = capture if training and split and self._hooks_on else None
         with torch.set_grad_enabled(training), autocast(self.precision, self.device):
             try:
                 out = self._run_layers(inputs[0], training)
@@ -202,8 +212,12 @@ class PipelineStage:
     def backward_input(
         self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
     ) -> tuple[torch.Tensor, ...]:
-        """The I half: gradients of the stage input (to send upstream at once) and of every
-        parameter-owning module's output (kept for W); the graph stays alive until W."""
+        """The I half: gradients of the stage input (to send upstream at once), of every
+        Linear's output (kept for W) and of every other parameter (accumulated now).
+
+        In fp32 W computes each Linear's weight gradient itself from (input, output gradient),
+        so the graph is freed here; under autocast W goes through autograd and keeps it.
+        """
         if self._fused_weight_grads:
             input_grads = self.backward(micro_batch, output_grads)
             self._pending_w[micro_batch] = _PendingWeightGrad([])
@@ -213,13 +227,21 @@ class PipelineStage:
         roots, grads = self._roots(state, output_grads)
         wanted = [x for x in state.inputs if x.requires_grad]
         nodes = [out for _, _, out in state.weight_nodes]
+        eager = [p for p in self._eager_params if p.requires_grad]
+        manual = self.precision == "fp32"
         found = torch.autograd.grad(
-            roots, wanted + nodes, grad_outputs=grads, retain_graph=True, allow_unused=True
+            roots,
+            wanted + nodes + eager,
+            grad_outputs=grads,
+            retain_graph=not manual,
+            allow_unused=True,
         )
-        input_grads, node_grads = found[: len(wanted)], found[len(wanted) :]
+        cut = len(wanted) + len(nodes)
+        input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
+        _accumulate(eager, found[cut:])
         self._pending_w[micro_batch] = _PendingWeightGrad(
             [
-                (m, x, out, g)
+                (m, x.detach(), None, g) if manual else (m, x, out, g)
                 for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
                 if g is not None
             ]
@@ -228,10 +250,11 @@ class PipelineStage:
         return tuple(g for g in input_grads if g is not None)
 
     def backward_weight(self, micro_batch: int) -> None:
-        """The W half: each module's parameter gradients from its output's gradient.
+        """The W half: each Linear's parameter gradients from its output's gradient.
 
-        Modules go last-to-first, the order a fused backward reaches them; each autograd call
-        stops at the module's own parameters, so no gradient flows twice.
+        Modules go last-to-first, the order a fused backward reaches them; in fp32 each is the
+        very GEMM autograd would run (same operands, same bits), otherwise one autograd call
+        that stops at the module's own parameters, so no gradient flows twice.
         """
         pending = self._pending_w.pop(micro_batch, None)
         if pending is None:
@@ -241,15 +264,12 @@ class PipelineStage:
             )
         for module, x, out, grad in reversed(pending.nodes):
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if isinstance(module, nn.Linear) and self.precision == "fp32":
+            if out is None:
+                assert isinstance(module, nn.Linear), "only Linears defer their W without graph"
                 values = _linear_weight_grads(module, x, grad)
             else:
                 values = list(torch.autograd.grad(out, params, grad))
-            for param, value in zip(params, values, strict=True):
-                if param.grad is None:
-                    param.grad = value
-                else:
-                    param.grad += value
+            _accumulate(params, values)
 
     def _shape_message(
         self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception
@@ -262,6 +282,17 @@ class PipelineStage:
             f"{shapes}: {error}. If the shapes disagree with what layer {first} expects, the "
             "layer list's stages disagree on the activation shape at this boundary"
         )
+
+
+def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
+    """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would."""
+    for param, value in zip(params, values, strict=True):
+        if value is None:
+            continue
+        if param.grad is None:
+            param.grad = value
+        else:
+            param.grad += value
 
 
 def _linear_weight_grads(

@@ -99,9 +99,12 @@ class StepRun:
             loss_divisor=divisor,
             loss_scale=scaler.scale if scaler is not None else 1.0,
             training=self.training,
+            split=(s, k) in self.engine.split_units,
         )
         if stage.is_last:
             self.losses.append(outputs[0])
+            if len(self.losses) == self.engine.micro_batches:
+                self.engine.reports.send_loss(torch.stack(self.losses).mean())
         elif s + 1 in self.engine.stages:
             self.activations[(s + 1, k)] = tuple(o.detach().requires_grad_() for o in outputs)
         else:

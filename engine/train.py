@@ -158,11 +158,16 @@ class _Run:
         self.scheduler.step()
         return stats, lr, time.perf_counter() - start
 
+    def saves_at(self, done: int) -> bool:
+        """Whether a checkpoint is written after `done` steps."""
+        config = self.config
+        every = config.save_every > 0 and done % config.save_every == 0
+        return config.checkpoint_dir is not None and (every or done == config.steps)
+
     def save(self, done: int) -> None:
         """Checkpoint after `done` steps, when the config asks for it (collective)."""
         config = self.config
-        every = config.save_every > 0 and done % config.save_every == 0
-        if config.checkpoint_dir is None or not (every or done == config.steps):
+        if config.checkpoint_dir is None or not self.saves_at(done):
             return
         state = TrainerState(
             step=done,
@@ -262,14 +267,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     with MetricsLog(total_steps=config.steps, path=path, progress=show) as log:
         for record in kept:
             log.record(**record)
-        for step in range(first, config.steps):
-            _test_fault(step, mesh)
-            started = time.perf_counter()
-            result, lr, seconds = run.step(step)
-            if trace is not None:
-                trace.record(step, started, result)
-            wall.append(seconds)
-            stats.append(result)
+
+        def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
             record = {
                 "step": step,
                 "loss": result.loss,
@@ -283,7 +282,27 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             log.record(**record)
             if config.log_every and (step + 1) % config.log_every == 0:
                 _say(mesh, _log_line(record, run.engine.skipped_steps))
+
+        # A step is logged once the next one ran: its bubble and grad norm need every pipeline
+        # rank's figures, which have arrived by then without holding any rank back.
+        pending: tuple[int, StepStats, float, float] | None = None
+        for step in range(first, config.steps):
+            _test_fault(step, mesh)
+            started = time.perf_counter()
+            result, lr, seconds = run.step(step)
+            if trace is not None:
+                trace.record(step, started, result)
+            wall.append(seconds)
+            stats.append(result)
+            if pending is not None:
+                emit(*pending)
+            pending = (step, result, lr, seconds)
+            if run.saves_at(step + 1):
+                emit(*pending)
+                pending = None
             run.save(step + 1)
+        if pending is not None:
+            emit(*pending)
     if trace is not None and config.trace is not None:
         trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
         _say(mesh, f"wrote trace {config.trace}")

@@ -28,7 +28,9 @@ _USES = {  # the compute kinds a communication action feeds or is fed by
     ActionKind.RECV_B: (_B, _I),
 }
 _RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
-_ORDER_GROUPS = {_F: "F", _B: "B/I", _I: "B/I", _W: "W"}
+_ORDER_GROUPS = {_F: ("F",), _B: ("B/I", "B/W"), _I: ("B/I",), _W: ("B/W",)}
+"""Per kind, the sequences it belongs to on a stage, each in ascending micro-batch order. B/W
+are the actions that accumulate weight gradients: in the reference's micro-batch order."""
 
 
 class ScheduleError(ValueError):
@@ -108,16 +110,14 @@ def _check_rank_order(rank: int, row: list[tuple[int, Action]]) -> list[str]:
                 f"rank {rank}: {action} at index {index} comes before its {before} "
                 f"at index {first[before]}"
             )
-        group = _ORDER_GROUPS.get(action.kind)
-        if group is None:
-            continue
-        prev = last.get((s, group))
-        if prev is not None and k < prev.micro_batch:
-            problems.append(
-                f"rank {rank}: {action} at index {index} comes after {prev}: stage {s}'s "
-                f"{group} actions must run in ascending micro-batch order"
-            )
-        last[(s, group)] = action
+        for group in _ORDER_GROUPS.get(action.kind, ()):
+            prev = last.get((s, group))
+            if prev is not None and k < prev.micro_batch:
+                problems.append(
+                    f"rank {rank}: {action} at index {index} comes after {prev}: stage {s}'s "
+                    f"{group} actions must run in ascending micro-batch order"
+                )
+            last[(s, group)] = action
     return problems
 
 

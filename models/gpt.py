@@ -112,17 +112,20 @@ class GPTFinalNorm(nn.Module):
         return 5 * batch_size * seq_len * self.ln_f.normalized_shape[0]
 
 
-class GPTHead(nn.Module):
-    """Projection of hidden states onto the vocabulary (logits)."""
+class GPTHead(nn.Linear):
+    """Projection of hidden states onto the vocabulary (logits): a Linear without bias.
+
+    A Linear so that engines treat its weight gradient as the GEMM it is (the split backward
+    defers it to W); the weight is drawn by `init_layer`, not by `reset_parameters`.
+    """
 
     residual_params: tuple[str, ...] = ()
 
     def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
+        super().__init__(config.d_model, config.vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
+    def reset_parameters(self) -> None:
+        """No draw here: `init_layer` initialises every layer per (seed, layer index)."""
 
     def forward_flops(self, batch_size: int, seq_len: int) -> int:
         return 2 * batch_size * seq_len * self.weight.numel()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.clipping import global_grad_norm, global_parameter_order
 from engine.engine import PipelineEngine
 from engine.mesh import init_mesh
 from engine.optim import OptimizerSpec
@@ -53,6 +54,7 @@ class Case:
     zero: int = 0
     nan_at_step: int = -1
     micro_batch_size: int = 2
+    guard: bool = True
 
     @property
     def global_batch(self) -> int:
@@ -68,6 +70,7 @@ class Case:
             + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
             + ("-zero1" if self.zero else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
+            + ("" if self.guard else "-unguarded")
         )
 
 
@@ -125,10 +128,12 @@ def run_case(case: Case) -> dict[str, Any]:
             precision=case.precision,
             recompute=case.recompute,
             zero=case.zero,
+            nonfinite_guard=case.guard,
         ),
     )
     rows = case.global_batch // case.dp
     losses, peaks, pending, bubbles, norms, skipped = [], [], [], [], [], []
+    steps = []
     for step, (inputs, targets) in enumerate(batches(case)):
         local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         _poison(engine, case, step)
@@ -137,6 +142,8 @@ def run_case(case: Case) -> dict[str, Any]:
             targets[local] if engine.is_last else None,
         )
         _unpoison(engine)
+        steps.append(stats)
+    for stats in steps:  # read after all steps: the pipeline figures of a step arrive late
         norms.append(stats.grad_norm)
         skipped.append(stats.skipped)
         losses.append(stats.loss)
@@ -184,19 +191,23 @@ def reference_run(case: Case) -> dict[str, Any]:
     model = build_layers(layer_specs(MODELS[case.model]), seed=7)
     optimizer = _optimizer(case).build(model)
     scaler = LossScaler() if case.precision == "fp16" else None
-    losses = [
-        reference_step(
-            model,
-            optimizer,
-            x,
-            y,
-            micro_batches=case.micro_batches * case.dp,
-            clip_grad_norm=case.clip,
-            precision=case.precision,
-            scaler=scaler,
+    specs = layer_specs(MODELS[case.model])
+    order = global_parameter_order(specs)
+    losses, norms = [], []
+    for x, y in batches(case):
+        losses.append(
+            reference_step(
+                model,
+                optimizer,
+                x,
+                y,
+                micro_batches=case.micro_batches * case.dp,
+                clip_grad_norm=case.clip,
+                precision=case.precision,
+                scaler=scaler,
+            )
         )
-        for x, y in batches(case)
-    ]
+        norms.append(float(global_grad_norm(list(model.named_parameters()), order)))
     x, y = batches(case)[0]
     with torch.no_grad():
         pairs = zip(x.split(case.micro_batch_size), y.split(case.micro_batch_size), strict=True)
@@ -204,5 +215,6 @@ def reference_run(case: Case) -> dict[str, Any]:
     return {
         "losses": losses,
         "eval_loss": eval_loss,
+        "grad_norms": norms,
         "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=False).items()},
     }

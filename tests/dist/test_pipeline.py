@@ -39,6 +39,16 @@ SPLIT_AND_VIRTUAL = [
 ] + [
     Case("gpt-untied", 2, 1, "looped_bfs", m, "uniform", stages_per_rank=2) for m in (1, 3)
 ] + [Case("llama", 2, 1, schedule, 4, "uniform") for schedule in ("zb_h1", "zb_h2")]
+# Without the non-finite guard steps follow each other with no barrier (clip and fp16 off).
+UNGUARDED = [
+    Case("gpt-untied", 2, 1, "zb_drain", m, "balanced", guard=False) for m in (1, 2, 4, 8)
+] + [
+    Case("gpt-untied", 2, 1, schedule, 4, "uniform", guard=False) for schedule in ("1f1b", "zb_h2")
+] + [Case("llama", 2, 1, "zb_drain", 4, "uniform", guard=False)]
+P4_UNGUARDED = [
+    Case("gpt-untied", 4, 1, schedule, 8, "uniform", guard=False)
+    for schedule in ("zb_drain", "zb_h1")
+] + [Case("gpt-deep", 4, 1, "interleaved_1f1b", 4, "uniform", stages_per_rank=2, guard=False)]
 P4_SPLIT_AND_VIRTUAL = [
     Case("gpt-untied", 4, 1, schedule, m, "uniform")
     for schedule, m in (("zb_h1", 4), ("zb_h1", 8), ("zb_h2", 4), ("zb_h2", 8))
@@ -47,10 +57,13 @@ P4_SPLIT_AND_VIRTUAL = [
 ] + [Case("gpt-deep", 4, 1, "looped_bfs", 4, "uniform", stages_per_rank=2)]
 DP_CASES = [Case("gpt-untied", 2, 2, schedule, 2, "uniform", "sgd") for schedule in SCHEDULES]
 DP_CASES += [Case("gpt-untied", 2, 2, "zb_h1", 4, "uniform", "sgd")]
+DP_CASES += [Case("gpt-untied", 2, 2, "zb_drain", 4, "uniform", "sgd", guard=False)]
 TIED_CASES = [
     Case("gpt-tiny", 2, 1, schedule, 2, "uniform", "sgd") for schedule in ("gpipe", "1f1b", "zb_h1")
 ] + [Case("gpt-tiny", 2, 1, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2)]
-EXACT_CASES = P2_CASES + P4_CASES + SPLIT_AND_VIRTUAL + P4_SPLIT_AND_VIRTUAL
+EXACT_CASES = (
+    P2_CASES + P4_CASES + SPLIT_AND_VIRTUAL + P4_SPLIT_AND_VIRTUAL + UNGUARDED + P4_UNGUARDED
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +71,8 @@ def runs() -> dict[str, list[dict[str, Any]]]:
     """Every case's per-rank results, from one 2-rank and one 4-rank world."""
     by_case: dict[str, list[dict[str, Any]]] = {}
     worlds = (
-        (2, P2_CASES + SPLIT_AND_VIRTUAL + TIED_CASES),
-        (4, P4_CASES + P4_SPLIT_AND_VIRTUAL + DP_CASES),
+        (2, P2_CASES + SPLIT_AND_VIRTUAL + TIED_CASES + UNGUARDED),
+        (4, P4_CASES + P4_SPLIT_AND_VIRTUAL + DP_CASES + P4_UNGUARDED),
     )
     for world, cases in worlds:
         per_rank = run_ranks(run_cases, world, cases)
@@ -135,13 +148,27 @@ def test_measured_in_flight_peak_equals_the_simulator(
             assert step_pending == {s: predicted.pending_w_peak[s] for s in stages}
 
 
-@pytest.mark.parametrize("case", EXACT_CASES[:4] + DP_CASES, ids=str)
+VIRTUAL = [c for c in EXACT_CASES if c.stages_per_rank > 1]
+
+
+@pytest.mark.parametrize("case", EXACT_CASES[:4] + DP_CASES + VIRTUAL, ids=str)
 def test_eval_step_returns_the_reference_loss_on_every_rank(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:
     reference = reference_run(case)
     for rank in runs[str(case)]:
         assert rank["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("case", UNGUARDED + P4_UNGUARDED, ids=str)
+def test_unguarded_steps_report_the_guarded_runs_grad_norm_on_every_rank(
+    case: Case, runs: dict[str, list[dict[str, Any]]]
+) -> None:
+    """The norm of a barrier-free step arrives late, from every rank's per-parameter norms
+    summed by global position (adding zeros is exact): the reference's norm, bit for bit."""
+    reference = reference_run(case)
+    for rank in runs[str(case)]:
+        assert rank["grad_norms"] == reference["grad_norms"]
 
 
 def test_bubble_is_reported_between_zero_and_one(runs: dict[str, list[dict[str, Any]]]) -> None:

@@ -6,16 +6,17 @@ import itertools
 
 import pytest
 
-from engine.actions import format_actions
+from engine.actions import ActionKind, format_actions
 from engine.schedules import (
     interleaved_1f1b,
     looped_bfs,
     make_schedule,
     one_f_one_b,
+    zb_drain,
     zb_h1,
     zb_h2,
 )
-from engine.simulate import ActionCosts, simulate, steady_state_bubble
+from engine.simulate import ActionCosts, repeat, simulate, steady_state_bubble
 from engine.validate import validate
 
 UNIT = ActionCosts(forward=1, backward=2, input_grad=1, weight_grad=1)
@@ -26,17 +27,43 @@ def rows(schedule: object) -> list[str]:
 
 
 def test_zb_h1_literal_table_for_two_ranks() -> None:
+    # The first stage's W would follow its I at once (nobody waits for its input gradient):
+    # it runs a fused B instead.
     assert rows(zb_h1(2, 3)) == [
-        "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
+        "0F0 0F1 0B0 0F2 0B1 0B2",
         "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2",
     ]
 
 
 def test_zb_h2_literal_table_for_two_ranks() -> None:
     assert rows(zb_h2(2, 4)) == [
-        "0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3",
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
         "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1F3 1I3 1W1 1W2 1W3",
     ]
+
+
+def test_zb_drain_literal_table_splits_only_the_drain() -> None:
+    assert rows(zb_drain(2, 8)) == [
+        "0F0 0F1 0F2 0B0 0F3 0B1 0F4 0B2 0F5 0B3 0F6 0B4 0F7 0B5 0B6 0B7",
+        "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1F4 1B4 1F5 1I5 1F6 1I6 1F7 1I7 1W5 1W6 1W7",
+    ]
+
+
+def test_zb_drain_splits_the_last_3r_micro_batches_of_rank_r() -> None:
+    schedule = zb_drain(4, 8)
+    for rank, row in enumerate(schedule.rows):
+        split = sorted(a.micro_batch for a in row if a.kind is ActionKind.I)
+        assert split == list(range(8 - min(8, 3 * rank), 8))
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (2, 16), (3, 12)])
+def test_zb_drain_back_to_back_beats_zb_h2_when_a_split_costs_more_than_b(p: int, m: int) -> None:
+    costs = ActionCosts(forward=40, backward=66, input_grad=45, weight_grad=30)
+    period = {
+        name: simulate(repeat(s, 4), costs).step_time - simulate(repeat(s, 3), costs).step_time
+        for name, s in (("drain", zb_drain(p, m)), ("h2", zb_h2(p, m)))
+    }
+    assert period["drain"] < period["h2"]
 
 
 def test_interleaved_literal_table_places_stage_s_on_rank_s_mod_p() -> None:
@@ -55,7 +82,12 @@ def test_looped_bfs_runs_every_micro_batch_through_a_chunk_before_the_next() -> 
 @pytest.mark.parametrize(
     ("name", "ranks", "m", "v"),
     [
-        *((n, p, m, 1) for n in ("zb_h1", "zb_h2") for p in (1, 2, 3, 4) for m in range(1, 9)),
+        *(
+            (n, p, m, 1)
+            for n in ("zb_h1", "zb_h2", "zb_drain")
+            for p in (1, 2, 3, 4)
+            for m in range(1, 9)
+        ),
         *(
             (n, p, m, v)
             for n in ("interleaved_1f1b", "looped_bfs")

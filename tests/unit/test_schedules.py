@@ -101,7 +101,15 @@ def test_one_f_one_b_runs_min_of_p_minus_r_and_m_forwards_before_its_first_backw
 
 def test_schedules_registry_names_the_generators() -> None:
     assert SCHEDULES["gpipe"] is gpipe and SCHEDULES["1f1b"] is one_f_one_b
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2"}
+    assert set(SCHEDULES) == {
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "looped_bfs",
+        "zb_h1",
+        "zb_h2",
+        "zb_drain",
+    }
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -56,6 +56,10 @@ def test_validate_accepts_stages_placed_round_robin() -> None:
         (["0F1 0F0 0B0 0B1"], "rank 0: 0F0 at index 1 comes after 0F1: stage 0's F actions"),
         (["0F0 0F1 0B1 0B0"], "rank 0: 0B0 at index 3 comes after 0B1: stage 0's B/I actions"),
         (["0F0 0W0 0I0 0F1 0B1"], "rank 0: 0W0 at index 1 comes before its 0I0 at index 2"),
+        (
+            ["0F0 0F1 0I0 0B1 0W0"],
+            "rank 0: 0W0 at index 4 comes after 0B1: stage 0's B/W actions must run in ascending",
+        ),
         (["0F0 0I0 0B0 0F1 0B1"], "found B×1, I×1, W×0"),
         (["0F0 0B0 0F2 0F1 0B1"], "rank 0: 0F2 at index 2: micro-batch 2 is outside 0..1"),
         (["0F0 0B0 0F1 0B1 3F0"], "rank 0: 3F0 at index 4: stage 3 is outside 0..0"),
