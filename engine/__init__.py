@@ -20,6 +20,7 @@ from engine.schedules import (
     looped_bfs,
     make_schedule,
     one_f_one_b,
+    zb_drain,
     zb_h1,
     zb_h2,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "steady_state_bubble",
     "train",
     "validate",
+    "zb_drain",
     "zb_h1",
     "zb_h2",
 ]

@@ -45,9 +45,12 @@ MODELS = {
     ),
 }
 GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
-MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2")
+MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_drain",
+                      "zb_drain+guard")  # fmt: skip
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-                   "ScheduleInterleavedZeroBubble")  # fmt: skip
+                   "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                   "ScheduleDualPipeV")  # fmt: skip
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 # --- shared inputs ---------------------------------------------------------------------------
@@ -100,27 +103,32 @@ def _report(work: Path, system: str, rank: int, walls: list[float], losses: list
 
 
 def _meshpipe(work: Path, model: str, schedule: str) -> None:
+    """meshpipe with the peers' semantics (no clipping, no non-finite guard, so steps follow
+    each other without a barrier); `NAME+guard` keeps the guard and its per-step barrier."""
     from engine.engine import PipelineEngine
     from engine.mesh import init_mesh
     from engine.optim import OptimizerSpec
+    from engine.options import EngineOptions
     from partitioners import Partition
 
     mesh = init_mesh(2, 1, timeout_s=600)
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    name, _, guard = schedule.partition("+")
+    v = 2 if name == "interleaved_1f1b" else 1
     specs = gpt_layers(MODELS[model])
     engine = PipelineEngine(
         specs, mesh, partition=Partition(boundaries=tuple(_boundaries(model, 2 * v))),
-        micro_batches=MICRO_BATCHES, schedule=schedule, stages_per_rank=v,
+        micro_batches=MICRO_BATCHES, schedule=name, stages_per_rank=v,
         optimizer=OptimizerSpec(lr=LR), timeout_s=600,
+        options=EngineOptions(nonfinite_guard=guard == "guard"),
     )  # fmt: skip
     _load_into(engine.module, work, lambda n: n.split(".", 1)[1])
-    walls, losses, bubbles = [], [], []
+    walls, steps = [], []
     for x, y in torch.load(work / "batches.pt"):
         start = time.perf_counter()
-        stats = engine.train_step(x, y)
+        steps.append(engine.train_step(x, y))
         walls.append(time.perf_counter() - start)
-        losses.append(stats.loss)
-        bubbles.append(stats.bubble)
+    losses = [s.loss for s in steps]
+    bubbles = [s.bubble for s in steps]  # read after the run: they arrive a step late
     _report(work, f"meshpipe-{schedule}", mesh.rank, walls, losses, bubbles)
 
 
@@ -134,7 +142,8 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
     bounds = _boundaries(model, 2 * v)
     specs = gpt_layers(MODELS[model])
     stages, modules = [], []
-    for s in (rank, rank + 2)[:v]:
+    placed = (rank, 3 - rank) if schedule in V_SHAPED else (rank, rank + 2)
+    for s in placed[:v]:
         module = build_layers(specs, range(bounds[s], bounds[s + 1]), seed=0)
         _load_into(module, work)
         modules.append(module)
@@ -235,7 +244,9 @@ def _single(work: Path, model: str, threads: int) -> None:
         start = time.perf_counter()
         losses.append(reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES))
         walls.append(time.perf_counter() - start)
-    _report(work, f"single-{threads}t", 0, walls, losses)
+    rank = int(os.environ.get("RANK", "0"))
+    pair = "-pair" if os.environ.get("WORLD_SIZE", "1") == "2" else ""
+    _report(work, f"single-{threads}t{pair}", rank, walls, losses)
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -249,6 +260,8 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {
         "single-1t": [sys.executable, *me, "--worker", "single", "--threads", "1"],
         "single-2t": [sys.executable, *me, "--worker", "single", "--threads", "2"],
+        # Two independent single-thread runs side by side: what two busy cores give here.
+        "single-1t-pair": [*torchrun, *me, "--worker", "single", "--threads", "1"],
     }
     for schedule in MESHPIPE_SCHEDULES:
         out[f"meshpipe-{schedule}"] = [
@@ -305,6 +318,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default="", help="comma-separated subset of system names")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every system this many times, round-robin; report the median round",
+    )  # fmt: skip
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
@@ -328,13 +345,16 @@ def main() -> None:
     _prepare(work, args.model, args.warmup + args.steps)
     commands = _commands(args, work)
     wanted = [s for s in args.systems.split(",") if s] or list(commands)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for name in wanted:
-        results[name], why = _run(name, commands[name], work, args.warmup)
-        if why:
-            print(f"{name}: failed: {why}", file=sys.stderr)
+    rounds: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in wanted}
+    for _ in range(args.rounds):
+        for name in wanted:
+            result, why = _run(name, commands[name], work, args.warmup)
+            if why:
+                print(f"{name}: failed: {why}", file=sys.stderr)
+            elif result:
+                rounds[name].append(result)
     tokens = GLOBAL_BATCH * SEQ_LEN
-    ok = {n: r for n, r in results.items() if r}
+    ok = {n: _median_round(r) for n, r in rounds.items() if r}
     meshpipe_best = max(
         (tokens / max(x["step_s"] for x in r) for n, r in ok.items() if n.startswith("meshpipe")),
         default=1.0,
@@ -356,6 +376,46 @@ def main() -> None:
             print(_row(name, ok[name], tokens, meshpipe_best, reference))
         else:
             print(f"| {name} | failed or not installed | | | | | |")
+    print()
+    print("\n".join(_verdict(ok)))
+
+
+def _median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The round whose slowest rank has the median step time (rounds sorted by it)."""
+    ordered = sorted(rounds, key=lambda ranks: max(r["step_s"] for r in ranks))
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The issue's targets, measured in this run: ratios of step times, memory per rank."""
+    step = {n: max(r["step_s"] for r in ranks) for n, ranks in ok.items()}
+    ours = {n: t for n, t in step.items() if n.startswith("meshpipe")}
+    torch_ = {n: t for n, t in step.items() if n.startswith("torch")}
+    if not ours:
+        return []
+    best = min(ours, key=ours.__getitem__)
+    lines = [f"- meshpipe's best: {best} ({step[best]:.3f} s/step)"]
+    if "deepspeed-PipelineEngine" in step:
+        lines.append(
+            f"- vs DeepSpeed PipelineEngine: {step['deepspeed-PipelineEngine'] / step[best]:.3f}×"
+        )
+        ds_rss = [r["rss_mib"] for r in ok["deepspeed-PipelineEngine"]]
+        our_rss = [r["rss_mib"] for r in ok[best]]
+        lines.append(f"- peak RSS per rank: {our_rss} MiB vs DeepSpeed's {ds_rss} MiB")
+    if torch_:
+        top = min(torch_, key=torch_.__getitem__)
+        lines.append(
+            f"- vs the best torch.distributed.pipelining ({top}): {step[top] / step[best]:.3f}×"
+        )
+    limits = (
+        ("single-1t", "physical limit (single-1t / 2)"),
+        ("single-1t-pair", "two busy cores' limit (single-1t-pair / 2)"),
+    )
+    for name, label in limits:
+        if name in step:
+            lines.append(f"- {label}: {step[name] / 2:.3f} s/step; meshpipe's best reaches "
+                         f"{step[name] / 2 / step[best]:.1%} of it")  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":
