@@ -12,6 +12,7 @@ that its peers produced after finishing k-1), so reading step k-1's figures then
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -20,8 +21,10 @@ import torch.distributed as dist
 
 __all__ = ["StepReports"]
 
-_LOSS_TAG = 1 << 20
-_FIGURES_TAG = _LOSS_TAG + 1
+_BASE_TAG = 1 << 20
+_INSTANCES = itertools.count()
+"""Each engine built in a process gets its own pair of tags (every rank builds its engines in
+the same order), so a figure a dropped engine never read cannot be taken by the next one."""
 
 
 class StepReports:
@@ -42,6 +45,8 @@ class StepReports:
         self._timeout = timedelta(seconds=timeout_s)
         self._loss: torch.Tensor | None = None
         self._loss_works: list[dist.Work] = []
+        instance = next(_INSTANCES)
+        self._loss_tag, self._figures_tag = _BASE_TAG + 2 * instance, _BASE_TAG + 2 * instance + 1
 
     @property
     def _peers(self) -> list[int]:
@@ -52,7 +57,7 @@ class StepReports:
         self._loss, self._loss_works = None, []
         if self._me != self._last and len(self._ranks) > 1:
             self._loss = torch.empty((), dtype=torch.float32, device=self._device)
-            work = dist.irecv(self._loss, src=self._last, group=self._group, tag=_LOSS_TAG)
+            work = dist.irecv(self._loss, src=self._last, group=self._group, tag=self._loss_tag)
             assert work is not None
             self._loss_works = [work]
 
@@ -60,7 +65,7 @@ class StepReports:
         """On the last stage, after its last forward: the step's mean loss to every peer."""
         self._loss = loss.detach().to(torch.float32).reshape(())
         for peer in self._peers:
-            work = dist.isend(self._loss, dst=peer, group=self._group, tag=_LOSS_TAG)
+            work = dist.isend(self._loss, dst=peer, group=self._group, tag=self._loss_tag)
             assert work is not None
             self._loss_works.append(work)
 
@@ -91,12 +96,12 @@ class StepReports:
         return resolve
 
     def _isend(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        work = dist.isend(tensor, dst=peer, group=self._group, tag=_FIGURES_TAG)
+        work = dist.isend(tensor, dst=peer, group=self._group, tag=self._figures_tag)
         assert work is not None
         return work
 
     def _irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        work = dist.irecv(tensor, src=peer, group=self._group, tag=_FIGURES_TAG)
+        work = dist.irecv(tensor, src=peer, group=self._group, tag=self._figures_tag)
         assert work is not None
         return work
 
