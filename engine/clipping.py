@@ -18,7 +18,7 @@ from torch import nn
 
 from models import LayerSpec
 
-__all__ = ["clip_gradients", "global_grad_norm", "global_parameter_order"]
+__all__ = ["clip_gradients", "global_grad_norm", "global_parameter_order", "gradient_norms"]
 
 
 def global_parameter_order(specs: Sequence[LayerSpec]) -> dict[str, int]:
@@ -39,6 +39,19 @@ def global_parameter_order(specs: Sequence[LayerSpec]) -> dict[str, int]:
     return order
 
 
+def gradient_norms(
+    named_params: Sequence[tuple[str, nn.Parameter]], order: dict[str, int]
+) -> torch.Tensor:
+    """This rank's per-parameter gradient norms at their global positions (zeros elsewhere):
+    summed over the pipeline, they give every rank the whole model's vector."""
+    device = named_params[0][1].device if named_params else torch.device("cpu")
+    norms = torch.zeros(len(order), dtype=torch.float32, device=device)
+    for name, param in named_params:
+        if name in order and param.grad is not None:
+            norms[order[name]] = torch.linalg.vector_norm(param.grad, 2.0).float()
+    return norms
+
+
 def global_grad_norm(
     named_params: Sequence[tuple[str, nn.Parameter]],
     order: dict[str, int],
@@ -51,11 +64,7 @@ def global_grad_norm(
     `named_params` are this rank's parameters under their global names; names missing from
     `order` (a tied copy counted elsewhere) are skipped.
     """
-    device = named_params[0][1].device if named_params else torch.device("cpu")
-    norms = torch.zeros(len(order), dtype=torch.float32, device=device)
-    for name, param in named_params:
-        if name in order and param.grad is not None:
-            norms[order[name]] = torch.linalg.vector_norm(param.grad, 2.0).float()
+    norms = gradient_norms(named_params, order)
     if distributed:
         dist.all_reduce(norms, group=group)
     return torch.linalg.vector_norm(norms, 2.0)

@@ -19,7 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.actions import ActionKind
-from engine.clipping import clip_gradients, global_grad_norm, global_parameter_order
+from engine.clipping import (
+    clip_gradients,
+    global_grad_norm,
+    global_parameter_order,
+    gradient_norms,
+)
 from engine.grad_sync import (
     BucketedAllReduce,
     new_tie_groups,
@@ -279,15 +284,10 @@ class PipelineEngine:
     ) -> Callable[[], tuple[float, float]]:
         """Send (busy, step seconds, per-parameter gradient norms unless `norm` is known) to
         the pipeline peers; the result resolves (bubble, global norm) once theirs arrived."""
-        named = [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
-        slots = len(self._order) if norm is None else 0
-        mine = torch.zeros(2 + slots, dtype=torch.float64)
-        mine[0], mine[1] = busy, step_s
+        mine = torch.tensor([busy, step_s], dtype=torch.float64)
         if norm is None:
-            for name, param in named:
-                if name in self._order and param.grad is not None:
-                    value = torch.linalg.vector_norm(param.grad, 2.0).float()
-                    mine[2 + self._order[name]] = value.to(torch.float64)
+            norms = gradient_norms(self._global_named_parameters(), self._order)
+            mine = torch.cat([mine, norms.cpu().to(torch.float64)])
         gather = self.reports.publish(mine) if self.mesh.pp > 1 else lambda: mine[None]
 
         @functools.cache
@@ -301,6 +301,10 @@ class PipelineEngine:
 
         return figures
 
+    def _global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their global names (`layers.{i}.…`)."""
+        return [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
+
     def _finish_gradients(self, loss: float) -> tuple[float, bool]:
         """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks."""
         params = list(self.module.parameters())
@@ -308,9 +312,11 @@ class PipelineEngine:
             for param in params:
                 if param.grad is not None:
                     param.grad.mul_(1.0 / self.scaler.scale)
-        named = [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
         total = global_grad_norm(
-            named, self._order, group=self.mesh.pp_group, distributed=self.mesh.pp > 1
+            self._global_named_parameters(),
+            self._order,
+            group=self.mesh.pp_group,
+            distributed=self.mesh.pp > 1,
         )
         norm = float(total)
         skipped = not (math.isfinite(norm) and math.isfinite(loss))

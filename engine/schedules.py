@@ -118,15 +118,6 @@ def gpipe(num_ranks: int, micro_batches: int) -> Schedule:
     return _one_stage_per_rank("gpipe", rows, micro_batches)
 
 
-def _one_f_one_b_row(rank: int, num_ranks: int, micro_batches: int) -> list[Action]:
-    warmup = min(num_ranks - rank - 1, micro_batches)
-    row = [Action(rank, ActionKind.F, k) for k in range(warmup)]
-    for k in range(micro_batches - warmup):
-        row += [Action(rank, ActionKind.F, warmup + k), Action(rank, ActionKind.B, k)]
-    row += [Action(rank, ActionKind.B, k) for k in range(micro_batches - warmup, micro_batches)]
-    return row
-
-
 def one_f_one_b(num_ranks: int, micro_batches: int) -> Schedule:
     """PipeDream-Flush: warm-up forwards, then alternate F and B, then the cool-down backwards.
 
@@ -134,7 +125,10 @@ def one_f_one_b(num_ranks: int, micro_batches: int) -> Schedule:
     same bubble.
     """
     _check_sizes(num_ranks, micro_batches)
-    rows = [_one_f_one_b_row(r, num_ranks, micro_batches) for r in range(num_ranks)]
+    rows = [
+        _one_f_one_b_row(r, micro_batches, min(num_ranks - r - 1, micro_batches))
+        for r in range(num_ranks)
+    ]
     return _one_stage_per_rank("1f1b", rows, micro_batches)
 
 
@@ -228,7 +222,7 @@ def _zero_bubble_row(rank: int, micro_batches: int, warmup: int, w_lag: int) -> 
     F, I, W = ActionKind.F, ActionKind.I, ActionKind.W  # noqa: E741 - the paper's names
     m, warmup = micro_batches, min(warmup, micro_batches)
     if w_lag == 0:
-        return _one_f_one_b_like_row(rank, m, warmup, split=frozenset())
+        return _one_f_one_b_row(rank, m, warmup)
     row, next_w = [Action(rank, F, k) for k in range(warmup)], 0
     for j in range(m - warmup):
         row += [Action(rank, F, warmup + j), Action(rank, I, j)]
@@ -243,8 +237,8 @@ def _zero_bubble_row(rank: int, micro_batches: int, warmup: int, w_lag: int) -> 
     return row + [Action(rank, W, k) for k in range(next_w, m)]
 
 
-def _one_f_one_b_like_row(
-    rank: int, micro_batches: int, warmup: int, *, split: frozenset[int]
+def _one_f_one_b_row(
+    rank: int, micro_batches: int, warmup: int, *, split: frozenset[int] = frozenset()
 ) -> list[Action]:
     """`warmup` forwards, then F/backward pairs, then the remaining backwards; micro-batches
     in `split` run I instead of B, and their W's come last, in micro-batch order."""
@@ -299,7 +293,7 @@ def zb_drain(num_ranks: int, micro_batches: int) -> Schedule:
     _check_sizes(num_ranks, micro_batches)
     p, m = num_ranks, micro_batches
     rows = [
-        _one_f_one_b_like_row(
+        _one_f_one_b_row(
             r, m, min(m, 2 * (p - 1 - r)), split=frozenset(range(m - min(m, 3 * r), m))
         )
         for r in range(p)
