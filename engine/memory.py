@@ -16,10 +16,10 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.actions import ActionKind
 from engine.memory_replay import (
     StageShape,
     StageTrace,
+    backward_styles,
     build_stage,
     compose,
     in_flight,
@@ -286,7 +286,7 @@ def cached_trace(
     specs: tuple[LayerSpec, ...],
     first: bool,
     last: bool,
-    kinds: frozenset[ActionKind],
+    styles: tuple[bool, ...],
     shape: StageShape,
     device: str,
 ) -> StageTrace:
@@ -294,19 +294,19 @@ def cached_trace(
     cuda = device == "cuda"
     block = CUDA_BLOCK if cuda else 1
     return trace_stage(
-        specs, first=first, last=last, kinds=kinds, shape=shape, cuda=cuda, block=block
+        specs, first=first, last=last, styles=styles, shape=shape, cuda=cuda, block=block
     )
 
 
 def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
     """The stage's traced step start and micro-batches, shared by stages built alike."""
-    kinds = frozenset(a.kind for a in stage_actions(layout.schedule, stage))
+    styles = backward_styles(stage_actions(layout.schedule, stage))
     last = stage == layout.partition.num_stages - 1
     return cached_trace(
         layout.stage_specs(stage),
         stage == 0,
         last,
-        kinds,
+        styles,
         layout.shape(config, stage),
         config.device,
     )
@@ -337,7 +337,7 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
             config,
             layout,
             s,
-            kept=traces[s].first[ActionKind.F].net,
+            kept=traces[s].kept_per_micro_batch,
             weight_copies=traces[s].weight_copies_per_forward,
             step_peak=_step_peak(config, layout, [s], traces),
         )

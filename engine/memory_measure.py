@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.actions import ActionKind
+from engine.actions import Action, ActionKind
 from engine.memory import (
     Layout,
     MemoryConfig,
@@ -116,16 +116,21 @@ def _allocator_peak(device: str, work: Callable[[], None]) -> int | None:
 
 
 def _runs(
-    config: MemoryConfig, layout: Layout, stages: Sequence[int], split: bool, fake: bool
+    config: MemoryConfig,
+    layout: Layout,
+    stages: Sequence[int],
+    actions: Sequence[Action],
+    fake: bool,
 ) -> dict[int, StageRun]:
-    last = layout.partition.num_stages - 1
+    """The stages' replays; each splits the micro-batches its row runs I for."""
+    last, split = layout.partition.num_stages - 1, ActionKind.I
     return {
         s: StageRun(
             _module(config, layout, s, fake),
             layout.stage_specs(s),
             first=s == 0,
             last=s == last,
-            split=split,
+            split=frozenset(a.micro_batch for a in actions if a.stage == s and a.kind is split),
             shape=layout.shape(config, s),
         )
         for s in stages
@@ -139,8 +144,7 @@ class _Step:
     def __init__(self, config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
         self.actions = [a for a in row if a.is_compute and a.stage in stages]
-        split = any(a.kind is ActionKind.I for a in self.actions)
-        self.runs = _runs(config, layout, stages, split, fake)
+        self.runs = _runs(config, layout, stages, self.actions, fake)
         self.optimizers = (
             [] if fake else [_optimizer(run, config.optimizer_impl) for run in self.runs.values()]
         )

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 
-from engine.actions import ActionKind
 from engine.memory import MemoryConfig, MemoryReport, cached_trace, estimate_memory, resolve
 from engine.memory_replay import build_stage, in_flight, stage_actions
 from engine.memory_states import param_info
@@ -56,9 +55,8 @@ def _layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...
     for i, spec in enumerate(layout.specs):
         params = param_info(build_stage((spec,)))
         states.append(sum(4 * round_up(4 * p.numel, layout.block) for p in params))
-        kinds = frozenset({ActionKind.F, ActionKind.B})
-        trace = cached_trace((spec,), i == 0, i == last, kinds, shape, config.device)
-        kept.append(trace.first[ActionKind.F].net - (0 if i == 0 else received))
+        trace = cached_trace((spec,), i == 0, i == last, (False,), shape, config.device)
+        kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
     return tuple(states), tuple(kept)
 
 

@@ -25,9 +25,11 @@ from engine.stage import PipelineStage
 from models import LayerSpec, LayerStack
 
 __all__ = [
+    "Phase",
     "StageRun",
     "StageShape",
     "StageTrace",
+    "backward_styles",
     "build_stage",
     "compose",
     "fake_parameters",
@@ -54,6 +56,11 @@ class StageShape:
     """Recompute policy of the stage, as `EngineOptions.recompute`."""
 
 
+Phase = tuple[ActionKind, bool]
+"""An action kind and whether its micro-batch's backward is split (I + W) or fused (B): a
+forward recording for a W keeps different tensors than one before a fused B."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageTrace:
     """One stage's traced step start and the first and a later run of each of its actions.
@@ -64,12 +71,18 @@ class StageTrace:
 
     begin: Span
     """The step's token batch (first stage) and targets (last stage) arriving."""
-    first: Mapping[ActionKind, Span]
-    later: Mapping[ActionKind, Span]
+    first: Mapping[Phase, Span]
+    later: Mapping[Phase, Span]
     held_per_micro_batch: int
     """Sent tensors and losses one micro-batch leaves alive until the step's end."""
     weight_copies_per_forward: int
     """Of a forward's net bytes: parameter copies autocast made and autograd keeps."""
+
+    @property
+    def kept_per_micro_batch(self) -> int:
+        """Bytes the stage's first forward keeps until its backward (where fused and split
+        micro-batches mix, a split one keeps its Linears' outputs too; the replay counts both)."""
+        return next(span.net for (kind, _), span in self.first.items() if kind is ActionKind.F)
 
 
 def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
@@ -132,7 +145,8 @@ class StageRun:
     F receives its input into a new buffer (the first stage slices the step's token batch);
     B and I receive the output gradient into a new buffer. Sends are awaited only at the
     step's end (`StageExchange.wait_sends`), so every sent tensor stays alive until then.
-    Gradients start the step as None, as `train_step` sets them.
+    Gradients start the step as None, as `train_step` sets them. `split` names the
+    micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
     """
 
     def __init__(
@@ -142,13 +156,13 @@ class StageRun:
         *,
         first: bool,
         last: bool,
-        split: bool,
+        split: frozenset[int],
         shape: StageShape,
     ) -> None:
         self.stage = _runtime_stage(module, specs, first=first, last=last, shape=shape)
         if split:
             self.stage.enable_split_backward()
-        self.shape, self.first, self.last = shape, first, last
+        self.shape, self.first, self.last, self.split = shape, first, last, split
         self.device = next(module.parameters()).device
         self.sent: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []
@@ -196,6 +210,7 @@ class StageRun:
             targets=self._micro(self._targets, k) if self.last else None,
             loss_divisor=self.shape.divisor,
             loss_scale=self._loss_scale,
+            split=k in self.split,
         )
         if self.last:
             self.losses.append(outputs[0])
@@ -216,11 +231,18 @@ class StageRun:
         return torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad)
 
 
-def _group(kinds: frozenset[ActionKind]) -> tuple[ActionKind, ...]:
-    """What one micro-batch runs on the stage: F B, or F I W (zero-bubble schedules)."""
-    if ActionKind.I in kinds:
-        return (ActionKind.F, ActionKind.I, ActionKind.W)
-    return (ActionKind.F, ActionKind.B) if ActionKind.B in kinds else (ActionKind.F,)
+def backward_styles(actions: Sequence[Action]) -> tuple[bool, ...]:
+    """A stage's backward styles in order of first appearance: `False` for fused B, `True`
+    for I + W; both where a schedule mixes them (zb_drain), none for forwards only."""
+    styles = [a.kind is ActionKind.I for a in actions if a.kind in (ActionKind.B, ActionKind.I)]
+    return tuple(dict.fromkeys(styles))
+
+
+def _group(style: bool | None) -> tuple[ActionKind, ...]:
+    """What one micro-batch of a backward style runs: F B, F I W, or F alone."""
+    if style is None:
+        return (ActionKind.F,)
+    return (ActionKind.F, ActionKind.I, ActionKind.W) if style else (ActionKind.F, ActionKind.B)
 
 
 def trace_stage(
@@ -228,32 +250,37 @@ def trace_stage(
     *,
     first: bool,
     last: bool,
-    kinds: frozenset[ActionKind],
+    styles: tuple[bool, ...],
     shape: StageShape,
     cuda: bool,
     block: int,
 ) -> StageTrace:
-    """Trace the step start and two micro-batches of a stage on fake tensors."""
-    group = _group(kinds)
+    """Trace the step start and two micro-batches of each backward style, in the stage's order.
+
+    The order matters where styles mix: the first backward of the step allocates the gradients
+    (a B all of them, an I only the non-GEMM ones) and later ones accumulate.
+    """
+    order: tuple[bool | None, ...] = styles or (None,)
+    split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
     with fake_device(cuda=cuda):
         module = build_stage(specs)
         fake_parameters(module)
-        run = StageRun(
-            module, specs, first=first, last=last, split=ActionKind.I in kinds, shape=shape
-        )
+        run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
         tracker = MemoryTracker(block=block)
         with tracker:
             begin = tracker.measure(run.begin)
-            spans: list[dict[ActionKind, Span]] = [{}, {}]
-            for k in (0, 1):
-                for kind in group:
-                    action = Action(0, kind, k)
-                    copies = tracker.weight_copies
-                    spans[k][kind] = tracker.measure(functools.partial(run.act, action))
-                    if k == 0 and kind is ActionKind.F:
-                        weight_copies = tracker.weight_copies - copies
-                if k == 0:
-                    held = run.held_bytes(block)
+            spans: list[dict[Phase, Span]] = [{}, {}]
+            for i, style in enumerate(order):
+                for j in (0, 1):
+                    for kind in _group(style):
+                        action = Action(0, kind, 2 * i + j)
+                        copies = tracker.weight_copies
+                        phase = (kind, bool(style))
+                        spans[j][phase] = tracker.measure(functools.partial(run.act, action))
+                        if i == j == 0 and kind is ActionKind.F:
+                            weight_copies = tracker.weight_copies - copies
+                    if i == j == 0:
+                        held = run.held_bytes(block)
     return StageTrace(
         begin=begin,
         first=spans[0],
@@ -289,11 +316,13 @@ def compose(
     Micro-batches allocate alike, so this equals replaying all of them (tested).
     """
     events = [traces[s].begin for s in stages]
-    seen: set[tuple[int, ActionKind]] = set()
+    split = {(a.stage, a.micro_batch) for a in actions if a.kind is ActionKind.I}
+    seen: set[tuple[int, Phase]] = set()
     for action in actions:
-        key = (action.stage, action.kind)
+        phase = (action.kind, (action.stage, action.micro_batch) in split)
+        key = (action.stage, phase)
         spans = traces[action.stage].later if key in seen else traces[action.stage].first
-        events.append(spans[action.kind])
+        events.append(spans[phase])
         seen.add(key)
     live = peak = 0
     for span in events:
