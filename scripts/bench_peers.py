@@ -157,7 +157,7 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         mb_losses: list[torch.Tensor] = []
-        _torch_step(runner, rank, x, y, mb_losses)
+        _torch_step(runner, rank, x, y, mb_losses, schedule in V_SHAPED)
         optimizer.step()
         walls.append(time.perf_counter() - start)
         losses.append(float(torch.stack(mb_losses).mean()) if mb_losses else float("nan"))
@@ -165,9 +165,14 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
     dist.destroy_process_group()
 
 
-def _torch_step(runner: Any, rank: int, x: Any, y: Any, losses: list[torch.Tensor]) -> None:
-    """Rank 0 holds stage 0 (feeds inputs); rank 1 holds the last stage (targets, losses)."""
-    if rank == 0:
+def _torch_step(
+    runner: Any, rank: int, x: Any, y: Any, losses: list[torch.Tensor], v_shaped: bool
+) -> None:
+    """Rank 0 holds stage 0 (feeds inputs); the rank with the last stage (rank 1, or rank 0
+    under V-shaped placement) gives the targets and collects the losses."""
+    if v_shaped:
+        runner.step(x, target=y, losses=losses) if rank == 0 else runner.step()
+    elif rank == 0:
         runner.step(x)
     else:
         runner.step(target=y, losses=losses)
