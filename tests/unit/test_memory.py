@@ -27,6 +27,7 @@ from engine.memory_states import (
     zero_shards,
 )
 from engine.memory_tracker import MemoryTracker, fake_device
+from engine.schedules import SCHEDULES, VIRTUAL_SCHEDULES
 from engine.simulate import simulate
 
 torch.set_num_threads(1)
@@ -160,6 +161,12 @@ def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight_per_micro_batch() -> 
     bf16, fp32 = estimate_memory(config), estimate_memory(replace(config, precision="fp32"))
     assert bf16.stages[1].weight_copies_per_micro_batch == 2 * linear
     assert fp32.stages[1].weight_copies_per_micro_batch == 0
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_registered_schedule_is_replayed_like_all_its_micro_batches(schedule: str) -> None:
+    config = _tiny(schedule=schedule, stages_per_rank=2 if schedule in VIRTUAL_SCHEDULES else 1)
+    assert estimate_memory(config) == replace(measure_memory(config, fake=True), source="predicted")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h2", "zb_drain"])
