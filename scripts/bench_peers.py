@@ -170,8 +170,10 @@ def _torch_step(
 ) -> None:
     """Rank 0 holds stage 0 (feeds inputs); the rank with the last stage (rank 1, or rank 0
     under V-shaped placement) gives the targets and collects the losses."""
-    if v_shaped:
-        runner.step(x, target=y, losses=losses) if rank == 0 else runner.step()
+    if v_shaped and rank == 0:
+        runner.step(x, target=y, losses=losses)
+    elif v_shaped:
+        runner.step()
     elif rank == 0:
         runner.step(x)
     else:
