@@ -166,12 +166,34 @@ def _candidates(
     return found
 
 
+_LIGHT_SCHEDULES = ("1f1b", "zb_h1")
+"""Schedules whose first stage holds at most P micro-batches in flight (1F1B's bound); ZB-H1
+also keeps W inputs on the later stages, in exchange for a smaller bubble."""
+
+
+def _lighter_schedules(config: MemoryConfig, report: MemoryReport) -> list[Suggestion]:
+    """The light schedules whose estimated peak is below the layout's (same stages, no extra
+    compute: the first thing to try when GPipe, ZB-H2 or zb_drain does not fit)."""
+    if config.stages_per_rank != 1:
+        return []
+    found = []
+    for name in _LIGHT_SCHEDULES:
+        if name == config.schedule:
+            continue
+        lighter = estimate_memory(replace(config, schedule=name))
+        if lighter.peak < report.peak:
+            before, after = report.stages[0].in_flight, lighter.stages[0].in_flight
+            note = f"stage 0 holds {after} micro-batches in flight instead of {before}"
+            found.append(Suggestion(change=f"--schedule {name}", report=lighter, note=note))
+    return found
+
+
 def suggest(config: MemoryConfig, report: MemoryReport, device_memory: int) -> list[Suggestion]:
     """Alternatives for a layout whose peak exceeds `device_memory` on some rank, estimated."""
     over = report.ranks_over(device_memory)
     if not over:
         return []
-    found = [
+    found = _lighter_schedules(config, report) + [
         Suggestion(change=change, report=estimate_memory(candidate), note=note)
         for change, candidate, note in _candidates(config, report, over)
     ]

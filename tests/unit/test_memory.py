@@ -251,6 +251,21 @@ def test_suggestions_are_estimated_and_one_fits() -> None:
     assert all(s.report == estimate_memory(s.report.config) for s in found)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_drain"])
+def test_a_schedule_holding_more_in_flight_is_offered_1f1b(schedule: str) -> None:
+    config = _tiny(schedule=schedule, micro_batches=8)
+    report = estimate_memory(config)
+    found = {s.change: s for s in suggest(config, report, report.peak - 1)}
+    assert found["--schedule 1f1b"].report.peak < report.peak
+    assert found["--schedule 1f1b"].report.stages[0].in_flight < report.stages[0].in_flight
+
+
+def test_1f1b_is_not_offered_itself() -> None:
+    config = _tiny(schedule="1f1b", micro_batches=8)
+    report = estimate_memory(config)
+    assert not any("--schedule 1f1b" in s.change for s in suggest(config, report, report.peak - 1))
+
+
 def test_reference_formulas_are_their_sources() -> None:
     assert deepspeed_zero2_model_states(10**9, 8) == 4 * 10**9 + 2 * 10**9
     s, b, h, a = 4096, 1, 8192, 64
