@@ -122,7 +122,8 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
         report = estimate_memory(replace(config, pp=pp, partition=flags))
         tries += 1
         if report.peak <= device_memory or tries == _MAX_TRIES:
-            note = f"{pp} GPUs per pipeline instead of {config.pp}"
+            devices = "GPUs" if config.device == "cuda" else "ranks"
+            note = f"{pp} {devices} per pipeline instead of {config.pp}"
             return Suggestion(change=f"--pp {pp} --partition {flags}", report=report, note=note)
         factor = max(factor, report.peak / load)
     return None
