@@ -43,6 +43,10 @@ MODELS = {
     "bench-large": GPTConfig(
         vocab_size=256, n_layer=12, n_head=8, d_model=384, max_seq_len=128, tie_embeddings=False
     ),
+    # Seconds per system: what the test suite runs to keep the harness itself working.
+    "tiny": GPTConfig(
+        vocab_size=256, n_layer=4, n_head=2, d_model=32, max_seq_len=128, tie_embeddings=False
+    ),
 }
 GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
 MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_drain",
@@ -263,7 +267,7 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
     """How each installed system is launched (its own launcher, its own processes)."""
     me = [str(Path(__file__).resolve()), "--work", str(work), "--model", args.model]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(29700)]  # fmt: skip
+                "--master-port", str(args.port)]  # fmt: skip
     out: dict[str, list[str]] = {
         "single-1t": [sys.executable, *me, "--worker", "single", "--threads", "1"],
         "single-2t": [sys.executable, *me, "--worker", "single", "--threads", "2"],
@@ -283,8 +287,9 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
         out[f"torch-{schedule}"] = [*torchrun, *me, "--worker", "torch", "--schedule", schedule]
     deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
     if deepspeed:
-        out["deepspeed-PipelineEngine"] = [deepspeed, "--num_gpus", "2", "--master_port",
-                                           "29701", *me, "--worker", "deepspeed"]  # fmt: skip
+        port = str(args.port + 1)
+        out["deepspeed-PipelineEngine"] = [deepspeed, "--num_gpus", "2", "--master_port", port,
+                                           *me, "--worker", "deepspeed"]  # fmt: skip
     try:
         import fairscale  # noqa: F401
 
@@ -329,6 +334,9 @@ def main() -> None:
         "--rounds", type=int, default=1,
         help="run every system this many times, round-robin; report the median round",
     )  # fmt: skip
+    parser.add_argument(
+        "--port", type=int, default=29700, help="rendezvous port (DeepSpeed's is the next one)"
+    )
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
