@@ -22,6 +22,7 @@ __all__ = [
     "format_actions",
     "parse_action",
     "parse_actions",
+    "split_units",
 ]
 
 
@@ -71,6 +72,12 @@ def parse_action(token: str) -> Action:
         )
     stage, kind, micro_batch = match.groups()
     return Action(int(stage), ActionKind(kind), int(micro_batch))
+
+
+def split_units(actions: Iterable[Action]) -> frozenset[tuple[int, int]]:
+    """The (stage, micro-batch) pairs whose backward is split: an I runs for them (their
+    forward records what W needs); every other backward is a fused B."""
+    return frozenset((a.stage, a.micro_batch) for a in actions if a.kind is ActionKind.I)
 
 
 def format_actions(actions: Iterable[Action]) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.actions import ActionKind
+from engine.actions import split_units
 from engine.clipping import (
     clip_gradients,
     global_grad_norm,
@@ -140,9 +140,9 @@ class PipelineEngine:
             )
             for s in self.schedule.stages_of(mesh.pp_rank)
         }
-        split = any(a.kind is ActionKind.I for a in self.schedule.rows[mesh.pp_rank])
+        self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
         for stage in self.stages.values():
-            if split:
+            if self.split_units:
                 stage.enable_split_backward()
         share_local_ties(specs, list(self.stages.values()))
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
@@ -160,11 +160,6 @@ class PipelineEngine:
         self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
         self.optimizer = self._build_optimizer(optimizer)
         self._last_rank = rank_of_stage[partition.num_stages - 1]
-        self.split_units = frozenset(
-            (a.stage, a.micro_batch)
-            for a in self.schedule.rows[mesh.pp_rank]
-            if a.kind is ActionKind.I
-        )
         self.reports = StepReports(
             group=mesh.pp_group,
             ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.actions import Action, ActionKind
+from engine.actions import Action, split_units
 from engine.memory import (
     Layout,
     MemoryConfig,
@@ -123,14 +123,14 @@ def _runs(
     fake: bool,
 ) -> dict[int, StageRun]:
     """The stages' replays; each splits the micro-batches its row runs I for."""
-    last, split = layout.partition.num_stages - 1, ActionKind.I
+    last, split = layout.partition.num_stages - 1, split_units(actions)
     return {
         s: StageRun(
             _module(config, layout, s, fake),
             layout.stage_specs(s),
             first=s == 0,
             last=s == last,
-            split=frozenset(a.micro_batch for a in actions if a.stage == s and a.kind is split),
+            split=frozenset(k for stage, k in split if stage == s),
             shape=layout.shape(config, s),
         )
         for s in stages

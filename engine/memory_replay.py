@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import engine.stage
-from engine.actions import Action, ActionKind
+from engine.actions import Action, ActionKind, split_units
 from engine.memory_tracker import MemoryTracker, Span, fake_device, round_up
 from engine.precision import LossScaler, compute_dtype
 from engine.schedules import Schedule
@@ -316,7 +316,7 @@ def compose(
     Micro-batches allocate alike, so this equals replaying all of them (tested).
     """
     events = [traces[s].begin for s in stages]
-    split = {(a.stage, a.micro_batch) for a in actions if a.kind is ActionKind.I}
+    split = split_units(actions)
     seen: set[tuple[int, Phase]] = set()
     for action in actions:
         phase = (action.kind, (action.stage, action.micro_batch) in split)
