@@ -61,8 +61,10 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 def _prepare(work: Path, model: str, steps: int) -> None:
-    """Weights and batches, written once, read by every system."""
+    """Weights, batches and stage boundaries, written once, read by every system."""
     specs = gpt_layers(MODELS[model])
+    boundaries = {stages: _partition(model, stages) for stages in (2, 4)}
+    (work / "boundaries.json").write_text(json.dumps(boundaries))
     state = build_layers(specs, seed=0).state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(work / "weights.safetensors"))
     loader = BatchLoader(
@@ -78,8 +80,11 @@ def _load_into(module: torch.nn.Module, work: Path, rename: Any = None) -> None:
             param.copy_(tensors.get_tensor(rename(name) if rename else name))
 
 
-def _boundaries(model: str, stages: int) -> list[int]:
-    """DeepSpeed's `parameters` partition (its own function when installed), for everyone."""
+def _partition(model: str, stages: int) -> list[int]:
+    """DeepSpeed's `parameters` partition (its own function when installed), for everyone.
+
+    Run once by the driver: importing DeepSpeed costs a process about 25 MiB of resident
+    memory, which only DeepSpeed's own workers should carry."""
     counts = [spec.num_parameters() for spec in gpt_layers(MODELS[model])]
     try:
         from deepspeed.runtime.utils import partition_balanced
@@ -89,6 +94,10 @@ def _boundaries(model: str, stages: int) -> list[int]:
         from partitioners import by_parameters
 
         return list(by_parameters(counts, stages).boundaries)
+
+
+def _boundaries(work: Path, stages: int) -> list[int]:
+    return [int(b) for b in json.loads((work / "boundaries.json").read_text())[str(stages)]]
 
 
 def _report(work: Path, system: str, rank: int, walls: list[float], losses: list[float],
@@ -120,7 +129,7 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     v = 2 if name == "interleaved_1f1b" else 1
     specs = gpt_layers(MODELS[model])
     engine = PipelineEngine(
-        specs, mesh, partition=Partition(boundaries=tuple(_boundaries(model, 2 * v))),
+        specs, mesh, partition=Partition(boundaries=tuple(_boundaries(work, 2 * v))),
         micro_batches=MICRO_BATCHES, schedule=name, stages_per_rank=v,
         optimizer=OptimizerSpec(lr=LR), timeout_s=600,
         options=EngineOptions(nonfinite_guard=guard == "guard"),
@@ -143,7 +152,7 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     v = 1 if schedule in ("ScheduleGPipe", "Schedule1F1B") else 2
-    bounds = _boundaries(model, 2 * v)
+    bounds = _boundaries(work, 2 * v)
     specs = gpt_layers(MODELS[model])
     stages, modules = [], []
     placed = (rank, 3 - rank) if schedule in V_SHAPED else (rank, rank + 2)
@@ -224,7 +233,7 @@ def _fairscale(work: Path, model: str) -> None:
     specs = gpt_layers(MODELS[model])
     sequential = torch.nn.Sequential(*build_layers(specs, seed=0).layers.values())
     _load_into(sequential, work, lambda n: f"layers.{n}")
-    bounds = _boundaries(model, 2)
+    bounds = _boundaries(work, 2)
     pipe = Pipe(sequential, balance=[bounds[1], bounds[2] - bounds[1]], devices=["cpu", "cpu"],
                 chunks=MICRO_BATCHES, checkpoint="never")  # fmt: skip
     optimizer = torch.optim.AdamW(
