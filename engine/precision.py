@@ -1,8 +1,10 @@
 """Mixed precision: autocast compute, fp32 master weights, and fp16's dynamic loss scale.
 
 Parameters and their gradients stay fp32 (autocast casts inside each op), so gradient
-accumulation over micro-batches and the optimizer run in fp32; only activations, and the
-tensors that cross stages, are in the compute dtype. fp16's loss scale is decided from the
+accumulation over micro-batches and the optimizer run in fp32; matmul outputs are in the
+compute dtype and the residual stream stays fp32, as in one process. Tensors cross stages in
+the compute dtype (half the traffic) and are widened back to fp32 on arrival, so a boundary
+costs one rounding and nothing downstream. fp16's loss scale is decided from the
 global gradient norm, which every rank computes identically, so every rank skips or steps
 together.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -176,10 +177,21 @@ class PipelineStage:
         return result
 
     def _run_layers(self, x: torch.Tensor, training: bool) -> torch.Tensor:
-        """The stage's layers in order; recomputed runs keep only their input for backward."""
-        for run, again in self._runs:
-            x = checkpoint(run, x, use_reentrant=False) if again and training else run(x)
+        """The stage's layers in order; recomputed runs keep only their input for backward
+        (the received one: the first run widens it inside)."""
+        for k, (run, again) in enumerate(self._runs):
+            step = partial(self._widened_run, run) if k == 0 else run
+            x = checkpoint(step, x, use_reentrant=False) if again and training else step(x)
         return x
+
+    def _widened_run(self, run: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run on the received activation back in fp32: only the exchange is narrowed to the
+        compute dtype. The residual stream stays fp32 under autocast, as in the single-process
+        run, and norms see input and weight of one dtype (the fused kernel, not the composite).
+        """
+        if self.precision != "fp32" and x.is_floating_point() and x.dtype != torch.float32:
+            x = x.float()
+        return run(x)  # type: ignore[no-any-return]
 
     def _pop(self, micro_batch: int) -> _InFlight:
         state = self._in_flight.pop(micro_batch, None)

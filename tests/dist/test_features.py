@@ -69,13 +69,14 @@ def test_clipping_counts_a_tied_weight_once(runs: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("case", LOW_PRECISION, ids=str)
 def test_low_precision_matches_the_reference_to_tolerance(case: Case, runs: dict[str, Any]) -> None:
-    """Not bitwise: activations cross stages rounded to the compute dtype (as they must, to
-    halve the traffic), while the reference keeps the residual stream in fp32."""
+    """Not bitwise: activations cross stages rounded to the compute dtype (to halve the
+    traffic); each stage widens them back, so the residual stream is fp32 as in the reference
+    and that one rounding per boundary is the only difference (measured: 1e-5 in the loss)."""
     results, reference = runs[str(case)], reference_run(case)
-    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=2e-2)
+    assert results[0]["losses"] == pytest.approx(reference["losses"], rel=1e-4)
     for name, value in _params(results).items():
         assert value.dtype == torch.float32, name  # fp32 master weights
-        torch.testing.assert_close(value, reference["params"][name], rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(value, reference["params"][name], rtol=1e-4, atol=5e-5)
 
 
 def test_a_nan_on_one_stage_skips_the_step_on_every_rank(runs: dict[str, Any]) -> None:

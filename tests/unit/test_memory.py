@@ -31,8 +31,6 @@ from engine.schedules import SCHEDULES, VIRTUAL_SCHEDULES
 from engine.simulate import simulate
 
 torch.set_num_threads(1)
-# bf16 autocast meets fp32 norm weights: torch warns that RMSNorm takes its composite path.
-pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,0 +1,57 @@
+"""A pipeline stage under mixed precision computes as the single-process run does."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.precision import autocast
+from engine.stage import PipelineStage
+from models import build_layers, layer_specs, lm_loss
+
+torch.set_num_threads(1)
+SPECS = layer_specs("llama-tiny")
+LAST = range(3, len(SPECS))  # two blocks, the final norm and the head
+
+
+def _received() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 16, SPECS[0].config.d_model, generator=generator)
+    targets = torch.randint(0, 256, (2, 16), generator=generator)
+    return hidden.to(torch.bfloat16).requires_grad_(), targets
+
+
+def _last_stage() -> PipelineStage:
+    return PipelineStage(SPECS, stage=1, layers=LAST, num_stages=2, seed=0, precision="bf16")
+
+
+def test_a_received_bf16_activation_enters_the_stage_in_fp32_as_in_one_process() -> None:
+    hidden, targets = _received()
+    (loss,) = _last_stage().forward(0, (hidden,), targets=targets)
+    reference = build_layers(SPECS, LAST, seed=0)
+    with autocast("bf16", torch.device("cpu")):
+        expected = lm_loss(reference(hidden.detach().float()), targets)
+    assert torch.equal(loss, expected.detach())
+
+
+def test_the_input_gradient_goes_back_in_the_exchanged_dtype() -> None:
+    hidden, targets = _received()
+    stage = _last_stage()
+    stage.forward(0, (hidden,), targets=targets)
+    (grad,) = stage.backward(0)
+    assert grad.dtype == torch.bfloat16 and grad.shape == hidden.shape
+
+
+def test_norms_get_input_and_weight_of_one_dtype() -> None:
+    """RMSNorm given a bf16 input and an fp32 weight takes torch's slower composite path (and
+    warns once per process): a widened input never does."""
+    hidden, targets = _received()
+    stage = _last_stage()
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    for module in stage.module.modules():
+        if isinstance(module, nn.RMSNorm):
+            module.register_forward_pre_hook(
+                lambda norm, args: seen.append((args[0].dtype, norm.weight.dtype))
+            )
+    stage.forward(0, (hidden,), targets=targets)
+    assert len(seen) == 5 and all(given == weight for given, weight in seen)
