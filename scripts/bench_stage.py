@@ -1,0 +1,330 @@
+"""One pipeline stage's forward + backward throughput and model FLOP utilisation on one device.
+
+The stage is the runtime's own `PipelineStage` (fp32 master weights, autocast to the compute
+dtype, the split backward when asked), fed what a middle stage receives: hidden states in the
+compute dtype that require a gradient, and an output gradient of the same shape. Model FLOPs
+are analytic (each layer's `forward_flops`, ×3 for forward + backward; recomputation is not
+counted), MFU is achieved FLOP/s over the device's dense peak for the compute dtype.
+
+    python scripts/bench_stage.py --model llama-1b --device cuda --precision bf16 \\
+        --micro-batch-size 4 --seq-len 2048
+    python scripts/bench_stage.py --model gpt-bench --micro-batch-size 4 --seq-len 128  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.engine import PipelineEngine
+from engine.mesh import init_mesh
+from engine.options import EngineOptions
+from engine.precision import PRECISIONS, compute_dtype
+from engine.stage import PipelineStage
+from models import MODEL_CONFIGS, LayerSpec, layer_specs
+from partitioners import Partition
+
+# Dense (no sparsity) peak TFLOP/s per compute dtype, from the vendors' data sheets; the first
+# entry whose name occurs in the device's name wins ("NVIDIA H100 80GB HBM3" is the SXM part).
+PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0}),  # fp32 = TF32 tensor cores
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 417.5}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 494.7}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage sustained: per micro-batch times, throughput, MFU and memory."""
+
+    model: str
+    layers: str
+    params: int
+    device: str
+    precision: str
+    micro_batch_size: int
+    seq_len: int
+    split: bool
+    forward_ms: float
+    backward_ms: float
+    tokens_per_s: float
+    tflops: float
+    mfu: float | None
+    peak_memory_gib: float | None
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak for `precision`, or None where it is not known (CPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks[precision] for key, peaks in PEAK_TFLOPS if key in name), None)
+
+
+def stage_layers(specs: Sequence[LayerSpec], text: str) -> range:
+    """`blocks` (every block: what a middle stage holds), `all`, or a slice `a:b`."""
+    if text == "blocks":
+        blocks = [i for i, spec in enumerate(specs) if spec.name == "block"]
+        return range(blocks[0], blocks[-1] + 1)
+    if text == "all":
+        return range(len(specs))
+    start, _, stop = text.partition(":")
+    chosen = range(len(specs))[slice(int(start) if start else None, int(stop) if stop else None)]
+    if not chosen or chosen.step != 1:
+        raise ValueError(
+            f"--layers {text} is not a contiguous, non-empty run of the {len(specs)} layers: "
+            f"give a:b with 0 <= a < b <= {len(specs)}"
+        )
+    return chosen
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """Wall time that includes the device's queued work (kernels launch asynchronously)."""
+    if device.type == "cuda":
+
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return now
+    return time.perf_counter
+
+
+def measure_stage(
+    model: str,
+    *,
+    layers: str = "blocks",
+    device: str = "cpu",
+    precision: str = "fp32",
+    micro_batch_size: int = 4,
+    seq_len: int = 128,
+    steps: int = 10,
+    warmup: int = 2,
+    split: bool = False,
+    peak: float | None = None,
+) -> StageResult:
+    """Median forward and backward time of one micro-batch through a stage of `model`;
+    MFU against `peak` TFLOP/s, or the device's known peak when not given."""
+    specs = layer_specs(MODEL_CONFIGS[model])
+    chosen = stage_layers(specs, layers)
+    target = torch.device(device)
+    index = 0 if chosen.start == 0 else 1  # a stage knows first and last by its index
+    stage = PipelineStage(
+        specs,
+        stage=index,
+        layers=chosen,
+        num_stages=index + (1 if chosen.stop == len(specs) else 2),
+        seed=0,
+        device=target,
+        precision=precision,
+    )
+    if split:
+        stage.enable_split_backward()
+    first = specs[chosen.start]
+    tokens = torch.randint(0, first.config.vocab_size, (micro_batch_size, seq_len), device=target)
+    if first.input_kind == "tokens":
+        sample = tokens
+    else:
+        shape = (micro_batch_size, seq_len, first.config.d_model)
+        sample = torch.randn(shape, device=target, dtype=compute_dtype(precision))
+    clock = _clock(target)
+    forward_s, backward_s = [], []
+    if target.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target)
+    for k in range(warmup + steps):
+        x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
+        start = clock()
+        out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
+        middle = clock()
+        grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
+        if split:
+            stage.backward_input(k, grads)
+            stage.backward_weight(k)
+        else:
+            stage.backward(k, grads)
+        end = clock()
+        if k >= warmup:
+            forward_s.append(middle - start)
+            backward_s.append(end - middle)
+    forward, backward = statistics.median(forward_s), statistics.median(backward_s)
+    flops = 3 * sum(specs[i].forward_flops(micro_batch_size, seq_len) for i in chosen)
+    achieved = flops / (forward + backward)
+    peak = peak or peak_tflops(target, precision)
+    return StageResult(
+        model=model,
+        layers=f"{chosen.start}:{chosen.stop}",
+        params=sum(p.numel() for p in stage.module.parameters()),
+        device=torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu",
+        precision=precision,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        split=split,
+        forward_ms=forward * 1e3,
+        backward_ms=backward * 1e3,
+        tokens_per_s=micro_batch_size * seq_len / (forward + backward),
+        tflops=achieved / 1e12,
+        mfu=achieved / (peak * 1e12) if peak else None,
+        peak_memory_gib=(
+            torch.cuda.max_memory_allocated(target) / 2**30 if target.type == "cuda" else None
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """What the engine adds to a bare stage per micro-batch (one rank, the whole model as one
+    stage, 1F1B, no optimizer): the interpreter, the stash, the loss and the step's reports."""
+
+    micro_batches: int
+    bare_ms: float
+    """Forward + backward of one micro-batch through the bare `PipelineStage`."""
+    engine_ms: float
+    """`train_step` ÷ micro-batches."""
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.engine_ms - self.bare_ms
+
+
+def measure_runtime_overhead(
+    model: str,
+    *,
+    precision: str = "fp32",
+    micro_batch_size: int = 4,
+    seq_len: int = 128,
+    micro_batches: int = 8,
+    steps: int = 5,
+    warmup: int = 1,
+) -> RuntimeOverhead:
+    """Engine steps and bare micro-batch loops, alternated so both see the same machine."""
+    specs = layer_specs(MODEL_CONFIGS[model])
+    mesh = init_mesh(1, 1)
+    engine = PipelineEngine(
+        specs,
+        mesh,
+        partition=Partition(boundaries=(0, len(specs))),
+        micro_batches=micro_batches,
+        options=EngineOptions(precision=precision),
+    )
+    bare = PipelineStage(
+        specs, stage=0, layers=range(len(specs)), num_stages=1, seed=0, device=mesh.device,
+        precision=precision,
+    )  # fmt: skip
+    vocab = specs[0].config.vocab_size
+    tokens = torch.randint(0, vocab, (micro_batch_size * micro_batches, seq_len + 1))
+    inputs, targets = tokens[:, :-1].to(mesh.device), tokens[:, 1:].to(mesh.device)
+    clock = _clock(mesh.device)
+    engine_s, bare_s = [], []
+    for step in range(warmup + steps):
+        start = clock()
+        engine.train_step(inputs, targets)
+        middle = clock()
+        for param in bare.module.parameters():
+            param.grad = None  # as the engine starts a step
+        for k, (x, y) in enumerate(
+            zip(inputs.split(micro_batch_size), targets.split(micro_batch_size), strict=True)
+        ):
+            bare.forward(k, (x,), targets=y, loss_divisor=micro_batches)
+            bare.backward(k)
+        end = clock()
+        if step >= warmup:
+            engine_s.append(middle - start)
+            bare_s.append(end - middle)
+    return RuntimeOverhead(
+        micro_batches=micro_batches,
+        bare_ms=statistics.median(bare_s) / micro_batches * 1e3,
+        engine_ms=statistics.median(engine_s) / micro_batches * 1e3,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-bench", choices=sorted(MODEL_CONFIGS))
+    parser.add_argument(
+        "--layers", default="blocks", help="'blocks' (every block), 'all', or a slice 'a:b'"
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--steps", type=int, default=10, help="measured micro-batches (and engine steps)"
+    )
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--split", action="store_true", help="I + W instead of a fused B")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the device's peak (default: known GPUs)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU)")
+    parser.add_argument(
+        "--runtime-overhead",
+        type=int,
+        metavar="M",
+        default=0,
+        help="also time the engine on the whole model (one rank, M micro-batches) against the "
+        "bare stage: what the runtime adds per micro-batch",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure_stage(
+        args.model,
+        layers=args.layers,
+        device=args.device,
+        precision=args.precision,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        warmup=args.warmup,
+        split=args.split,
+        peak=args.peak_tflops,
+    )
+    overhead = None
+    if args.runtime_overhead:
+        overhead = measure_runtime_overhead(
+            args.model,
+            precision=args.precision,
+            micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_len,
+            micro_batches=args.runtime_overhead,
+            steps=args.steps,
+        )
+    if args.json:
+        extra = {} if overhead is None else {"runtime": asdict(overhead)}
+        print(json.dumps({**asdict(result), **extra}))
+        return
+    mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
+    memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
+    print("| model | layers | params | device | precision | B × T | F ms | B ms | tokens/s "
+          "| TFLOP/s | MFU | peak GiB |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"| {result.model} | {result.layers} | {result.params / 1e6:,.1f}M | {result.device} "
+        f"| {result.precision} | {result.micro_batch_size} × {result.seq_len} "
+        f"| {result.forward_ms:.1f} | {result.backward_ms:.1f} | {result.tokens_per_s:,.0f} "
+        f"| {result.tflops:.2f} | {mfu} | {memory} |"
+    )
+    if overhead is not None:
+        print(
+            f"\nruntime overhead (whole model as one stage, 1F1B, {overhead.micro_batches} "
+            f"micro-batches): engine {overhead.engine_ms:.2f} ms vs bare stage "
+            f"{overhead.bare_ms:.2f} ms per micro-batch = {overhead.overhead_ms:+.2f} ms "
+            f"({overhead.overhead_ms / overhead.bare_ms:+.1%})"
+        )
+
+
+if __name__ == "__main__":
+    main()
