@@ -78,10 +78,13 @@ def test_gpu_peaks_are_looked_up_by_device_name(
     assert bench.peak_tflops(torch.device("cuda"), "bf16") == peak
 
 
-def test_a_layer_range_that_selects_nothing_names_the_valid_range(bench: ModuleType) -> None:
+@pytest.mark.parametrize("text", ["5:3", "first:3", "3", "9:"])
+def test_a_layer_range_that_selects_nothing_names_the_valid_range(
+    bench: ModuleType, text: str
+) -> None:
     specs = layer_specs(MODEL_CONFIGS["llama-tiny"])
-    with pytest.raises(ValueError, match=r"give a:b with 0 <= a < b <= 7"):
-        bench.stage_layers(specs, "5:3")
+    with pytest.raises(ValueError, match=r"give blocks, all, or a:b with 0 <= a < b <= 7"):
+        bench.stage_layers(specs, text)
 
 
 def test_runtime_overhead_times_the_engine_against_the_bare_stage(bench: ModuleType) -> None:
