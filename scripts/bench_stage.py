@@ -206,6 +206,7 @@ class RuntimeOverhead:
 def measure_runtime_overhead(
     model: str,
     *,
+    device: str = "cpu",
     precision: str = "fp32",
     micro_batch_size: int = 4,
     seq_len: int = 128,
@@ -215,7 +216,9 @@ def measure_runtime_overhead(
 ) -> RuntimeOverhead:
     """Engine steps and bare micro-batch loops, alternated so both see the same machine."""
     specs = layer_specs(MODEL_CONFIGS[model])
-    mesh = init_mesh(1, 1)
+    mesh = init_mesh(1, 1, backend="gloo" if torch.device(device).type == "cpu" else None)
+    if mesh.device.type != torch.device(device).type:
+        raise ValueError(f"--device {device} is not available here (the engine got {mesh.device})")
     engine = PipelineEngine(
         specs,
         mesh,
@@ -283,6 +286,8 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure_stage(
@@ -301,6 +306,7 @@ def main() -> None:
     if args.runtime_overhead:
         overhead = measure_runtime_overhead(
             args.model,
+            device=args.device,
             precision=args.precision,
             micro_batch_size=args.micro_batch_size,
             seq_len=args.seq_len,
