@@ -402,6 +402,11 @@ def main() -> None:
             print(f"| {name} | failed or not installed | | | | | |")
     print()
     print("\n".join(_verdict(ok)))
+    if args.rounds > 1:
+        print("- every round, in run order (s/step of the slowest rank):")
+        for name, runs in rounds.items():
+            steps = " / ".join(f"{max(r['step_s'] for r in ranks):.3f}" for ranks in runs)
+            print(f"  - {name}: {steps}")
 
 
 def _median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
