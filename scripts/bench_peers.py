@@ -84,7 +84,8 @@ def _partition(model: str, stages: int) -> list[int]:
     """DeepSpeed's `parameters` partition (its own function when installed), for everyone.
 
     Run once by the driver: importing DeepSpeed costs a process about 25 MiB of resident
-    memory, which only DeepSpeed's own workers should carry."""
+    memory, which only DeepSpeed's own workers should carry.
+    """
     counts = [spec.num_parameters() for spec in gpt_layers(MODELS[model])]
     try:
         from deepspeed.runtime.utils import partition_balanced
@@ -97,6 +98,7 @@ def _partition(model: str, stages: int) -> list[int]:
 
 
 def _boundaries(work: Path, stages: int) -> list[int]:
+    """The boundaries of `stages` stages, as the driver's `_partition` wrote them."""
     return [int(b) for b in json.loads((work / "boundaries.json").read_text())[str(stages)]]
 
 
