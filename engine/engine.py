@@ -42,6 +42,7 @@ from engine.runtime import ActionTiming, execute
 from engine.schedules import Schedule, make_schedule
 from engine.stage import PipelineStage
 from engine.step import StepRun
+from engine.step_clock import step_clock
 from engine.step_report import StepReports
 from engine.validate import validate
 from models import LayerSpec, lm_loss
@@ -341,7 +342,8 @@ class PipelineEngine:
         step = StepRun(self, inputs, targets, training=training)
         for stage in self.stages.values():
             stage.reset_peak()
-        timings = execute(schedule, self.mesh.pp_rank, step.handlers(), origin=origin)
+        clock = step_clock(self.mesh.device)
+        timings = execute(schedule, self.mesh.pp_rank, step.handlers(), clock=clock, origin=origin)
         self.exchange.wait_sends()
         return timings, self._global_loss()
 

@@ -1,18 +1,18 @@
 """The one interpreter: runs a rank's lowered action list through a handler table.
 
 It knows nothing about stages or communication; the engine supplies a handler per action kind.
-It times every action (for the measured bubble and the trace) and, on any failure, says which
-rank, stage, micro-batch and action failed, with the schedule around it.
+It times every action on the device's clock (for the measured bubble and the trace) and, on
+any failure, says which rank, stage, micro-batch and action failed, with the schedule around it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.actions import Action, ActionKind
 from engine.schedules import Schedule, format_schedule
+from engine.step_clock import HostClock, StepClock
 
 __all__ = ["ActionTiming", "Handler", "PipelineRuntimeError", "execute"]
 
@@ -37,14 +37,15 @@ def execute(
     rank: int,
     handlers: Mapping[ActionKind, Handler],
     *,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: StepClock | None = None,
     origin: float | None = None,
 ) -> list[ActionTiming]:
-    """Run `schedule.rows[rank]` in order; returns each action's timing from `origin`."""
-    origin = clock() if origin is None else origin
-    timings: list[ActionTiming] = []
+    """Run `schedule.rows[rank]` in order; returns each action's timing from `origin` (the
+    first action's start by default), on `clock` (the host's by default)."""
+    clock = clock or HostClock()
+    marks: list[tuple[Action, int, int]] = []
     for index, action in enumerate(schedule.rows[rank]):
-        start = clock()
+        start = clock.mark()
         try:
             handlers[action.kind](action)
         except Exception as error:
@@ -54,5 +55,8 @@ def execute(
                 f"schedule '{schedule.name}':\n{error}\n"
                 f"{format_schedule(schedule, around=(rank, index))}"
             ) from error
-        timings.append(ActionTiming(action, start - origin, clock() - origin))
-    return timings
+        marks.append((action, start, clock.mark()))
+    times = clock.seconds()
+    if origin is None:
+        origin = times[0] if times else 0.0
+    return [ActionTiming(action, times[s] - origin, times[e] - origin) for action, s, e in marks]
