@@ -8,6 +8,7 @@ launcher (world size 1) the mesh is a single process and no process group is cre
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -85,16 +86,44 @@ def _group_options(backend: str, timeout: timedelta) -> object:
     return options
 
 
+def _uses_cuda(backend: str | None) -> bool:
+    """CUDA when this host has a GPU for each of its ranks (NCCL needs one per rank); otherwise
+    gloo on the CPU, which an explicit `backend="nccl"` refuses instead of falling back to."""
+    if backend == "gloo" or not torch.cuda.is_available():
+        return False
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    local_ranks = max(local_ranks, local_rank + 1)
+    devices = torch.cuda.device_count()
+    if local_ranks <= devices:
+        return True
+    message = (
+        f"{local_ranks} ranks on this host but {devices} CUDA device(s): NCCL needs one GPU per "
+        "rank"
+    )
+    if backend == "nccl":
+        raise ValueError(
+            f"{message}; launch one rank per GPU ({devices} per host), or use the gloo backend "
+            "to run on the CPU"
+        )
+    if local_rank == 0:  # once per host, not once per rank
+        warnings.warn(f"{message}: running on the CPU with gloo", stacklevel=3)
+    return False
+
+
 def init_mesh(
     pp: int, dp: int = 1, *, timeout_s: float = 300.0, backend: str | None = None
 ) -> Mesh:
     """Join the launcher's process group and build the named pp × dp grid.
 
+    Ranks compute on CUDA (NCCL) when the host has a GPU for each of its ranks, otherwise on the
+    CPU (gloo): four local ranks on a one-GPU laptop run on its CPU, with a warning.
+
     Every group gets `timeout_s`, so a dead or stalled peer raises instead of hanging.
     """
     world_size = launcher_world_size()
     _check_layout(pp, dp, world_size)
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    use_cuda = _uses_cuda(backend)
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
