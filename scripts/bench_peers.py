@@ -409,12 +409,37 @@ def main() -> None:
         for name, runs in rounds.items():
             steps = " / ".join(f"{max(r['step_s'] for r in ranks):.3f}" for ranks in runs)
             print(f"  - {name}: {steps}")
+        print("\n".join(_paired(rounds, ok)))
 
 
 def _median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The round whose slowest rank has the median step time (rounds sorted by it)."""
     ordered = sorted(rounds, key=lambda ranks: max(r["step_s"] for r in ranks))
     return ordered[(len(ordered) - 1) // 2]
+
+
+def _paired(rounds: dict[str, list[list[dict[str, Any]]]],
+            ok: dict[str, list[dict[str, Any]]]) -> list[str]:  # fmt: skip
+    """meshpipe's best against DeepSpeed and torch's best, round by round: rounds run
+    round-robin, so a round's systems ran minutes apart and share the machine's drift."""
+
+    def slowest(ranks: list[dict[str, Any]]) -> float:
+        return max(r["step_s"] for r in ranks)
+
+    def fastest(prefix: str) -> str | None:
+        names = [n for n in ok if n.startswith(prefix)]
+        return min(names, key=lambda n: slowest(ok[n])) if names else None
+
+    best, lines = fastest("meshpipe"), []
+    for peer in ("deepspeed-PipelineEngine", fastest("torch")):
+        if best is None or peer is None or peer not in ok:
+            continue
+        ratios = [slowest(theirs) / slowest(ours)
+                  for ours, theirs in zip(rounds[best], rounds[peer], strict=False)]  # fmt: skip
+        listed = ", ".join(f"{r:.3f}" for r in ratios)
+        lines.append(f"- {peer} ÷ {best}, paired by round: {listed} "
+                     f"(median {statistics.median(ratios):.3f}×)")  # fmt: skip
+    return lines
 
 
 def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
