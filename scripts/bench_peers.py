@@ -324,7 +324,7 @@ def _run(
 
 def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
          reference: list[float]) -> str:  # fmt: skip
-    step = max(r["step_s"] for r in results)
+    step = _slowest(results)
     losses = next(r["losses"] for r in reversed(results) if r["losses"][0] == r["losses"][0])
     match = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference, strict=True))
     bubble = results[0]["bubble"]
@@ -381,10 +381,8 @@ def main() -> None:
                 rounds[name].append(result)
     tokens = GLOBAL_BATCH * SEQ_LEN
     ok = {n: _median_round(r) for n, r in rounds.items() if r}
-    meshpipe_best = max(
-        (tokens / max(x["step_s"] for x in r) for n, r in ok.items() if n.startswith("meshpipe")),
-        default=1.0,
-    )
+    fastest = _fastest(ok, "meshpipe")
+    meshpipe_best = tokens / _slowest(ok[fastest]) if fastest else 1.0
     reference = ok["single-1t"][0]["losses"] if "single-1t" in ok else []
     size = sum(spec.num_parameters() for spec in gpt_layers(MODELS[args.model])) / 1e6
     print(
@@ -407,14 +405,25 @@ def main() -> None:
     if args.rounds > 1:
         print("- every round, in run order (s/step of the slowest rank):")
         for name, runs in rounds.items():
-            steps = " / ".join(f"{max(r['step_s'] for r in ranks):.3f}" for ranks in runs)
+            steps = " / ".join(f"{_slowest(ranks):.3f}" for ranks in runs)
             print(f"  - {name}: {steps}")
         print("\n".join(_paired(rounds, ok)))
 
 
+def _slowest(ranks: list[dict[str, Any]]) -> float:
+    """A system's step time: its slowest rank's (the pipeline runs at that pace)."""
+    return max(r["step_s"] for r in ranks)
+
+
+def _fastest(ok: dict[str, list[dict[str, Any]]], prefix: str) -> str | None:
+    """The fastest system whose name starts with `prefix` (None if there is none)."""
+    names = [n for n in ok if n.startswith(prefix)]
+    return min(names, key=lambda n: _slowest(ok[n])) if names else None
+
+
 def _median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The round whose slowest rank has the median step time (rounds sorted by it)."""
-    ordered = sorted(rounds, key=lambda ranks: max(r["step_s"] for r in ranks))
+    ordered = sorted(rounds, key=_slowest)
     return ordered[(len(ordered) - 1) // 2]
 
 
@@ -422,19 +431,11 @@ def _paired(rounds: dict[str, list[list[dict[str, Any]]]],
             ok: dict[str, list[dict[str, Any]]]) -> list[str]:  # fmt: skip
     """meshpipe's best against DeepSpeed and torch's best, round by round: rounds run
     round-robin, so a round's systems ran minutes apart and share the machine's drift."""
-
-    def slowest(ranks: list[dict[str, Any]]) -> float:
-        return max(r["step_s"] for r in ranks)
-
-    def fastest(prefix: str) -> str | None:
-        names = [n for n in ok if n.startswith(prefix)]
-        return min(names, key=lambda n: slowest(ok[n])) if names else None
-
-    best, lines = fastest("meshpipe"), []
-    for peer in ("deepspeed-PipelineEngine", fastest("torch")):
+    best, lines = _fastest(ok, "meshpipe"), []
+    for peer in ("deepspeed-PipelineEngine", _fastest(ok, "torch")):
         if best is None or peer is None or peer not in ok:
             continue
-        ratios = [slowest(theirs) / slowest(ours)
+        ratios = [_slowest(theirs) / _slowest(ours)
                   for ours, theirs in zip(rounds[best], rounds[peer], strict=False)]  # fmt: skip
         listed = ", ".join(f"{r:.3f}" for r in ratios)
         lines.append(f"- {peer} ÷ {best}, paired by round: {listed} "
@@ -444,12 +445,10 @@ def _paired(rounds: dict[str, list[list[dict[str, Any]]]],
 
 def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The issue's targets, measured in this run: ratios of step times, memory per rank."""
-    step = {n: max(r["step_s"] for r in ranks) for n, ranks in ok.items()}
-    ours = {n: t for n, t in step.items() if n.startswith("meshpipe")}
-    torch_ = {n: t for n, t in step.items() if n.startswith("torch")}
-    if not ours:
+    step = {n: _slowest(ranks) for n, ranks in ok.items()}
+    best, top = _fastest(ok, "meshpipe"), _fastest(ok, "torch")
+    if best is None:
         return []
-    best = min(ours, key=ours.__getitem__)
     lines = [f"- meshpipe's best: {best} ({step[best]:.3f} s/step)"]
     if "deepspeed-PipelineEngine" in step:
         lines.append(
@@ -458,8 +457,7 @@ def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
         ds_rss = [r["rss_mib"] for r in ok["deepspeed-PipelineEngine"]]
         our_rss = [r["rss_mib"] for r in ok[best]]
         lines.append(f"- peak RSS per rank: {our_rss} MiB vs DeepSpeed's {ds_rss} MiB")
-    if torch_:
-        top = min(torch_, key=torch_.__getitem__)
+    if top is not None:
         lines.append(
             f"- vs the best torch.distributed.pipelining ({top}): {step[top] / step[best]:.3f}×"
         )
