@@ -17,8 +17,7 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from engine.mesh import init_mesh
 from engine.options import EngineOptions
 from engine.precision import PRECISIONS, compute_dtype
 from engine.stage import PipelineStage
+from engine.step_clock import StepClock, step_clock
 from models import MODEL_CONFIGS, LayerSpec, layer_specs
 from partitioners import Partition
 
@@ -95,16 +95,13 @@ def stage_layers(specs: Sequence[LayerSpec], text: str) -> range:
     return chosen
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    """Wall time that includes the device's queued work (kernels launch asynchronously)."""
-    if device.type == "cuda":
-
-        def now() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return now
-    return time.perf_counter
+def _medians(clock: StepClock, marks: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """Median seconds of the two spans (start → middle, middle → end) over `marks`, on the
+    device's clock (CUDA events on a GPU: kernels run after the host queues them)."""
+    times = clock.seconds()
+    first = [times[middle] - times[start] for start, middle, _ in marks]
+    second = [times[end] - times[middle] for _, middle, end in marks]
+    return statistics.median(first), statistics.median(second)
 
 
 def measure_stage(
@@ -144,26 +141,24 @@ def measure_stage(
     else:
         shape = (micro_batch_size, seq_len, first.config.d_model)
         sample = torch.randn(shape, device=target, dtype=compute_dtype(precision))
-    clock = _clock(target)
-    forward_s, backward_s = [], []
+    clock = step_clock(target)
+    marks = []
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
     for k in range(warmup + steps):
         x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
-        start = clock()
+        start = clock.mark()
         out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
-        middle = clock()
+        middle = clock.mark()
         grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
         if split:
             stage.backward_input(k, grads)
             stage.backward_weight(k)
         else:
             stage.backward(k, grads)
-        end = clock()
         if k >= warmup:
-            forward_s.append(middle - start)
-            backward_s.append(end - middle)
-    forward, backward = statistics.median(forward_s), statistics.median(backward_s)
+            marks.append((start, middle, clock.mark()))
+    forward, backward = _medians(clock, marks)
     flops = 3 * sum(specs[i].forward_flops(micro_batch_size, seq_len) for i in chosen)
     achieved = flops / (forward + backward)
     peak = peak or peak_tflops(target, precision)
@@ -233,12 +228,12 @@ def measure_runtime_overhead(
     vocab = specs[0].config.vocab_size
     tokens = torch.randint(0, vocab, (micro_batch_size * micro_batches, seq_len + 1))
     inputs, targets = tokens[:, :-1].to(mesh.device), tokens[:, 1:].to(mesh.device)
-    clock = _clock(mesh.device)
-    engine_s, bare_s = [], []
+    clock = step_clock(mesh.device)
+    marks = []
     for step in range(warmup + steps):
-        start = clock()
+        start = clock.mark()
         engine.train_step(inputs, targets)
-        middle = clock()
+        middle = clock.mark()
         for param in bare.module.parameters():
             param.grad = None  # as the engine starts a step
         for k, (x, y) in enumerate(
@@ -246,14 +241,13 @@ def measure_runtime_overhead(
         ):
             bare.forward(k, (x,), targets=y, loss_divisor=micro_batches)
             bare.backward(k)
-        end = clock()
         if step >= warmup:
-            engine_s.append(middle - start)
-            bare_s.append(end - middle)
+            marks.append((start, middle, clock.mark()))
+    engine_s, bare_s = _medians(clock, marks)
     return RuntimeOverhead(
         micro_batches=micro_batches,
-        bare_ms=statistics.median(bare_s) / micro_batches * 1e3,
-        engine_ms=statistics.median(engine_s) / micro_batches * 1e3,
+        bare_ms=bare_s / micro_batches * 1e3,
+        engine_ms=engine_s / micro_batches * 1e3,
     )
 
 
