@@ -241,9 +241,11 @@ class PipelineEngine:
             start, end = self._dp_reduce.window
             phases.append(("dp all-reduce", start - origin, end - origin))
         tie_start = time.perf_counter()
-        for key, param in self._tied.items():
-            if key in self._tie_groups and param.grad is not None:
-                dist.all_reduce(param.grad, group=self._tie_groups[key])
+        for key in sorted(self._tie_groups):  # one order on every rank: no crossed waits
+            param = self._tied[key]
+            if param.grad is None:  # a holder whose copy got no gradient still takes part
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self._tie_groups[key])
         if self._tie_groups:
             phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
         opt_start = time.perf_counter()

@@ -7,7 +7,7 @@ seed, the same global batches and the same micro-batch size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from engine.optim import OptimizerSpec
 from engine.options import EngineOptions
 from engine.precision import LossScaler
 from engine.reference import reference_step
-from models import GPTConfig, build_layers, layer_specs, lm_loss
+from models import GPTConfig, LayerSpec, build_layers, layer_specs, lm_loss
 from partitioners import partition_model
 
 GPT_UNTIED = GPTConfig(
@@ -35,6 +35,18 @@ MODELS: dict[str, Any] = {
     "llama": "llama-tiny",
 }
 SEQ_LEN = 16
+
+
+def model_specs(model: str) -> list[LayerSpec]:
+    """The layer list of a case's model. `gpt-crossed-ties` is gpt-tiny (embedding tied to the
+    head) with two more ties, blocks 1 ↔ 4 and 2 ↔ 3: with two stages each rank meets the
+    three tied weights in a different order."""
+    if model != "gpt-crossed-ties":
+        return list(layer_specs(MODELS[model]))
+    specs = list(layer_specs("gpt-tiny"))
+    for block, key in ((1, "A"), (4, "A"), (2, "B"), (3, "B")):
+        specs[block] = replace(specs[block], tie_key=key, tied_param="mlp.fc.weight")
+    return specs
 STEPS = 2
 
 
@@ -110,7 +122,7 @@ def _unpoison(engine: PipelineEngine) -> None:
 def run_case(case: Case) -> dict[str, Any]:
     """Train `case` on this rank; returns losses, in-flight peaks and this rank's parameters."""
     mesh = init_mesh(case.pp, case.dp, timeout_s=60)
-    specs = layer_specs(MODELS[case.model])
+    specs = model_specs(case.model)
     stages = case.pp * case.stages_per_rank
     partition = partition_model(specs, method=case.partition, num_stages=stages, seq_len=SEQ_LEN)
     engine = PipelineEngine(
@@ -188,10 +200,10 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict[s
 def reference_run(case: Case) -> dict[str, Any]:
     """The same steps in one process: m·dp micro-batches of the same size."""
     torch.set_num_threads(1)
-    model = build_layers(layer_specs(MODELS[case.model]), seed=7)
+    model = build_layers(model_specs(case.model), seed=7)
     optimizer = _optimizer(case).build(model)
     scaler = LossScaler() if case.precision == "fp16" else None
-    specs = layer_specs(MODELS[case.model])
+    specs = model_specs(case.model)
     order = global_parameter_order(specs)
     losses, norms = [], []
     for x, y in batches(case):
