@@ -222,8 +222,11 @@ class StageRun:
         self.sent += [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
     def _micro(self, batch: torch.Tensor, k: int) -> torch.Tensor:
+        """Micro-batch `k` of the step's batch; the trace runs two micro-batches per backward
+        style whatever the step's count, so with fewer it wraps around (same shapes)."""
         size = self.shape.micro_batch_size
-        return batch[k * size : (k + 1) * size]
+        start = (k % self.shape.micro_batches) * size
+        return batch[start : start + size]
 
     def _received(self, *, requires_grad: bool) -> torch.Tensor:
         shape = (self.shape.micro_batch_size, self.shape.seq_len, self.shape.hidden)

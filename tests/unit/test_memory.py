@@ -140,6 +140,14 @@ def test_prediction_equals_a_real_run_on_cpu_to_the_byte(
     assert predicted.rank_peaks == measured.rank_peaks
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_drain"])
+def test_one_micro_batch_per_step_is_estimated_like_a_real_run(schedule: str) -> None:
+    """The trace runs two micro-batches per backward style whatever the step's count."""
+    config = _tiny(schedule=schedule, micro_batches=1)
+    predicted, measured = estimate_memory(config), measure_memory(config)
+    assert predicted.stages == measured.stages
+
+
 def test_recomputed_stage_keeps_only_its_input_and_sent_output() -> None:
     config = _tiny(pp=3, recompute="full")
     boundary = config.micro_batch_size * config.seq_len * 64 * 2  # bf16 activations, d_model 64
