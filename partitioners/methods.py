@@ -85,10 +85,18 @@ def by_parameters(param_counts: Sequence[int], num_stages: int) -> Partition:
 def by_type(kinds: Sequence[str], pattern: str, num_stages: int) -> Partition:
     """DeepSpeed's ``type:<regex>``: spread the layers whose class name matches evenly.
 
-    A layer weighs 1 if ``re.search(pattern, kind, re.IGNORECASE)`` matches, else 0, and the
-    weights are ``balanced``, so each stage gets ``ceil`` or ``floor`` of the matches and the
-    non-matching layers (embedding, head) join a neighbour. A leading ``type:`` is stripped
-    (class names never contain ``:``), so the DeepSpeed method string can be passed as is.
+    A layer matches if ``re.search(pattern, kind, re.IGNORECASE)`` does. Stage ``s`` gets the
+    count ``uniform(matched, S)`` gives stage ``s`` (``ceil`` for the first ``matched % S``
+    stages, ``floor`` for the rest), so no stage is left without a match. Balancing 0/1 weights
+    min-max would only bound the largest stage and could leave an early stage with none.
+
+    Each stage after the first starts at its first matching layer: non-matching layers join
+    the match before them (a norm stays with the block it follows), and leading ones (the
+    embedding) join stage 0. With the counts fixed every stage weighs exactly its count, so
+    there is no other balance to choose by and the layout is unique.
+
+    A leading ``type:`` is stripped (class names never contain ``:``), so the DeepSpeed method
+    string can be passed as is.
     """
     regex_text = pattern.removeprefix("type:")
     try:
@@ -96,8 +104,8 @@ def by_type(kinds: Sequence[str], pattern: str, num_stages: int) -> Partition:
     except re.error as err:
         raise ValueError(f"type regex {regex_text!r} does not compile ({err}): fix it") from None
     check_num_stages(len(kinds), num_stages)
-    weights = [1 if regex.search(kind) else 0 for kind in kinds]
-    matched = sum(weights)
+    positions = [index for index, kind in enumerate(kinds) if regex.search(kind)]
+    matched = len(positions)
     if matched < num_stages:
         seen = ", ".join(dict.fromkeys(kinds))
         raise ValueError(
@@ -105,7 +113,8 @@ def by_type(kinds: Sequence[str], pattern: str, num_stages: int) -> Partition:
             f"stages need at least one each: use at most {max(matched, 1)} stages or a regex "
             f"matching more kinds (kinds seen: {seen})"
         )
-    return _balanced(tuple(weights), num_stages)
+    firsts = uniform(matched, num_stages).boundaries[1:-1]
+    return Partition(boundaries=(0, *(positions[first] for first in firsts), len(kinds)))
 
 
 def explicit(boundaries_or_balance: Sequence[int], num_layers: int) -> Partition:

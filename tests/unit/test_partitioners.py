@@ -144,14 +144,41 @@ def test_by_parameters_table(params: list[int], num_stages: int, boundaries: tup
         ("block", 4, (0, 3, 5, 7, 11)),
         ("type:Block", 4, (0, 3, 5, 7, 11)),
         ("BLOCK", 2, (0, 5, 11)),
-        ("block", 3, (0, 3, 6, 11)),
-        ("^(embedding|head)$", 2, (0, 1, 11)),
+        ("block", 3, (0, 4, 7, 11)),
+        ("^(embedding|head)$", 2, (0, 10, 11)),
     ],
 )
 def test_by_type_spreads_matching_layers_evenly(
     pattern: str, num_stages: int, boundaries: tuple[int, ...]
 ) -> None:
     assert by_type(KINDS, pattern, num_stages).boundaries == boundaries
+
+
+@pytest.mark.parametrize(
+    ("kinds", "num_stages"),
+    [
+        (["Embedding"] + ["Block"] * 4 + ["LayerNorm", "Head"], 3),
+        (["Embedding"] + ["Block"] * 7 + ["Head"], 3),
+        (["Embedding"] + ["Block"] * 8 + ["LayerNorm", "Head"], 3),
+        (["Embedding"] + ["Block", "Norm"] * 5 + ["Head"], 4),
+        (["Block"] * 5, 5),
+    ],
+)
+def test_by_type_gives_each_stage_the_uniform_count_of_matches(
+    kinds: list[str], num_stages: int
+) -> None:
+    part = by_type(kinds, "block", num_stages)
+    counts = [
+        sum(kind == "Block" for kind in kinds[a:b]) for a, b in itertools.pairwise(part.boundaries)
+    ]
+    assert counts == list(uniform(kinds.count("Block"), num_stages).sizes)
+
+
+def test_by_type_starts_each_later_stage_at_a_matching_layer() -> None:
+    kinds = ["Embedding"] + ["Block", "Norm"] * 3 + ["Head"]
+    part = by_type(kinds, "block", 3)
+    assert part.boundaries == (0, 3, 5, 8)
+    assert all(kinds[start] == "Block" for start in part.boundaries[1:-1])
 
 
 # --- explicit / make_partition ------------------------------------------------------------------
