@@ -81,6 +81,10 @@ def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _precision_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config naming neither bf16 nor fp16 leaves --precision; one naming either decides
+    (fp32 when neither is enabled), as DeepSpeed would run it."""
+    if "bf16" not in cfg and "fp16" not in cfg:
+        return {}
     bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
     fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
     if bf16 and fp16:
@@ -99,18 +103,12 @@ def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
     return {"recompute": "every:1"}
 
 
-def _default_clipping() -> float:
-    """DeepSpeed clips at 1.0 when a config says nothing (its GRADIENT_CLIPPING_DEFAULT); the
-    installed version's default wins, so an omitted key means the same in both engines."""
-    try:
-        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
-    except ImportError:
-        return 1.0
-    return float(GRADIENT_CLIPPING_DEFAULT)
-
-
 def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
-    """`TrainConfig` fields from a DeepSpeed config (a path or a parsed dict)."""
+    """`TrainConfig` fields from a DeepSpeed config (a path or a parsed dict).
+
+    Only the keys the config has become fields, so a key it omits leaves the matching
+    command-line flag (or `TrainConfig` default) in force, as `meshpipe train --help` says.
+    """
     cfg = dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
     fields: dict[str, Any] = _batch_fields(cfg, dp)
     handlers = {
@@ -122,13 +120,17 @@ def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> d
         if key in cfg:
             fields.update(handler(cfg[key]))
     fields.update(_precision_fields(cfg))
-    fields["clip_grad_norm"] = float(cfg.get("gradient_clipping", _default_clipping()))
+    if "gradient_clipping" in cfg:
+        fields["clip_grad_norm"] = float(cfg["gradient_clipping"])
     if "seed" in cfg:
         fields["seed"] = int(cfg["seed"])
-    stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
-    if stage > 1:
-        raise ValueError(f"zero_optimization.stage={stage}: meshpipe supports ZeRO stage 0 or 1")
-    fields["zero"] = stage
+    if "zero_optimization" in cfg:
+        stage = int(cfg["zero_optimization"].get("stage", 0))
+        if stage > 1:
+            raise ValueError(
+                f"zero_optimization.stage={stage}: meshpipe supports ZeRO stage 0 or 1"
+            )
+        fields["zero"] = stage
     if "partition_method" in cfg.get("pipeline", {}):
         fields["partition"] = str(cfg["pipeline"]["partition_method"])
     known = {

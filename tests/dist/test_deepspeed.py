@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.config import TrainConfig
 from engine.deepspeed_config import deepspeed_lr, deepspeed_overrides
 from tests.dist.harness import run_ranks
 
@@ -115,7 +116,9 @@ def test_deepspeed_schedulers_are_reproduced_step_by_step() -> None:
 
 def test_batch_sizes_must_agree_as_deepspeed_requires() -> None:
     bad = {**DS_CONFIG, "train_batch_size": 10}
-    with pytest.raises(ValueError, match=r"train_batch_size 10 != .* 2 × .* 4 × data-parallel size 1"):
+    with pytest.raises(
+        ValueError, match=r"train_batch_size 10 != .* 2 × .* 4 × data-parallel size 1"
+    ):
         deepspeed_overrides(bad, dp=1)
 
 
@@ -141,13 +144,39 @@ def test_unsupported_keys_are_rejected_by_name(key: str, value: Any, message: st
 
 def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({**DS_CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}))
+    path.write_text(
+        json.dumps({**DS_CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    )
     fields = deepspeed_overrides(path, dp=1)
     assert fields["precision"] == "bf16" and fields["zero"] == 1
     assert fields["clip_grad_norm"] == 1.0 and fields["lr_schedule"] == "deepspeed:WarmupLR"
     assert (fields["global_batch"], fields["micro_batches"], fields["optimizer"]) == (8, 4, "sgd")
 
 
-def test_an_omitted_gradient_clipping_means_deepspeeds_default() -> None:
-    config = {k: v for k, v in DS_CONFIG.items() if k != "gradient_clipping"}
-    assert deepspeed_overrides(config, dp=1)["clip_grad_norm"] == 1.0
+BATCH_ONLY: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("precision", "bf16"), ("zero", 1), ("clip_grad_norm", 0.5)]
+)
+def test_a_key_the_json_omits_leaves_the_flag(tmp_path: Path, flag: str, value: Any) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BATCH_ONLY))
+    config = TrainConfig.from_deepspeed(str(path), dp=2, **{flag: value})
+    assert getattr(config, flag) == value
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "flag", "expected"),
+    [
+        ("fp16", {"enabled": False}, "precision", "fp32"),
+        ("zero_optimization", {}, "zero", 0),
+        ("gradient_clipping", 0.0, "clip_grad_norm", 0.0),
+    ],
+)
+def test_a_key_the_json_has_overrides_the_flag(
+    key: str, value: Any, flag: str, expected: Any
+) -> None:
+    flags = {"precision": "bf16", "zero": 1, "clip_grad_norm": 0.5}
+    fields = deepspeed_overrides({**BATCH_ONLY, key: value}, dp=2)
+    assert {**flags, **fields}[flag] == expected
