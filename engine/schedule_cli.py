@@ -23,12 +23,19 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     parser.add_argument(
         "--costs",
         default="1,2,1,1,0",
-        help="F,B,I,W[,comm] per action, or profile:MODEL to time the real stages",
+        help=(
+            "F,B,I,W[,comm] per action in abstract units (--trace reads them as milliseconds), "
+            "or profile:MODEL to time the real stages in seconds"
+        ),
     )
     parser.add_argument("--micro-batch-size", type=int, default=1, help="for profile: costs")
     parser.add_argument("--seq-len", type=int, default=128, help="for profile: costs")
     parser.add_argument("--plot", default=None, help="write the simulated timeline as a PNG")
-    parser.add_argument("--trace", default=None, help="write the simulated timeline as a trace")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="write the simulated timeline as a Chrome trace (unit costs as ms, profile: as s)",
+    )
     parser.add_argument("--format", default="text", choices=("text", "csv"), help="for --out")
     parser.add_argument("--out", default=None, help="write the schedule to this file")
 
@@ -58,6 +65,16 @@ def parse_costs(text: str, schedule: Schedule, args: argparse.Namespace) -> Acti
     return ActionCosts(
         forward=f, backward=b, input_grad=i, weight_grad=w, comm=values[4] if values[4:] else 0.0
     )
+
+
+def _trace_unit_s(costs_text: str) -> float:
+    """Seconds per simulated time unit in `--trace`.
+
+    `profile:` costs are measured seconds, so they go to the trace as they are; abstract unit
+    costs (`1,2,1,1`) have no time unit, and reading one unit as a millisecond gives slices a
+    trace viewer shows at a readable zoom.
+    """
+    return 1.0 if costs_text.startswith("profile:") else 1e-3
 
 
 def run_schedule(args: argparse.Namespace) -> int:
@@ -90,7 +107,7 @@ def run_schedule(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     if args.trace:
         slices = [[(str(t.action), t.start, t.end) for t in row] for row in result.timeline]
-        chrome_trace(slices, args.trace, unit_s=1e-3, process=title)
+        chrome_trace(slices, args.trace, unit_s=_trace_unit_s(args.costs), process=title)
         print(f"wrote {args.trace}")
     if args.out:
         save_schedule(schedule, args.out, fmt=args.format)

@@ -10,10 +10,32 @@ import pytest
 from engine.actions import format_actions
 from engine.cli import main
 from engine.passes import add_communication
-from engine.schedules import interleaved_1f1b, make_schedule, zb_h1
-from engine.simulate import simulate
+from engine.schedules import gpipe, interleaved_1f1b, make_schedule, zb_h1
+from engine.simulate import ActionCosts, simulate
 from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
 from engine.validate import ScheduleError
+from partitioners import Partition
+
+PROFILED = ActionCosts(forward=0.002, backward=0.004, input_grad=0.002, weight_grad=0.002)
+"""What the fake profiler measures, in seconds like the real one."""
+
+
+@pytest.fixture
+def profiled(monkeypatch: pytest.MonkeyPatch) -> list[Partition]:
+    """`profile:` costs without timing real stages: returns `PROFILED`, records each partition."""
+    partitions: list[Partition] = []
+
+    def fake(specs: object, partition: Partition, **kwargs: object) -> ActionCosts:
+        partitions.append(partition)
+        return PROFILED
+
+    monkeypatch.setattr("engine.profile.profile_stage_costs", fake)
+    return partitions
+
+
+def _trace_span_us(path: Path) -> float:
+    events = json.loads(path.read_text())["traceEvents"]
+    return max(e["ts"] + e["dur"] for e in events if e["ph"] == "X")
 
 
 @pytest.mark.parametrize("fmt", ["csv", "text"])
@@ -62,6 +84,24 @@ def test_chrome_trace_has_a_track_per_rank_and_a_slice_per_action(tmp_path: Path
         ("1F0", 1, 500000.0),
         ("1B0", 1, 1000000.0),
     ]
+
+
+def test_schedule_trace_keeps_profiled_costs_in_seconds(
+    tmp_path: Path, profiled: list[Partition]
+) -> None:
+    trace = tmp_path / "t.json"
+    argv = ["schedule", "--schedule", "gpipe", "--pp", "2", "--micro-batches", "2"]
+    assert main([*argv, "--costs", "profile:gpt-tiny", "--trace", str(trace)]) == 0
+    step_s = simulate(gpipe(2, 2), PROFILED).step_time
+    assert _trace_span_us(trace) == pytest.approx(step_s * 1e6)
+
+
+def test_schedule_trace_reads_abstract_unit_costs_as_milliseconds(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    argv = ["schedule", "--schedule", "gpipe", "--pp", "2", "--micro-batches", "2"]
+    assert main([*argv, "--costs", "1,2,1,1", "--trace", str(trace)]) == 0
+    step_units = simulate(gpipe(2, 2), ActionCosts()).step_time
+    assert _trace_span_us(trace) == pytest.approx(step_units * 1e3)
 
 
 def test_schedule_command_prints_grid_bubble_and_peaks(
