@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from engine.checkpoint_files import (
     MODEL_INDEX,
+    TRAINER_FILE,
     CheckpointError,
     TensorReader,
     atomic_write_text,
@@ -274,9 +275,13 @@ class HFSource:
 
 
 def open_model(path: str | Path) -> tuple[ModelConfig, TensorSource]:
-    """The model config and weights of an HF folder or a meshpipe checkpoint (or its root)."""
+    """The model config and weights of an HF folder or a meshpipe checkpoint (or its root).
+
+    A sharded HF folder has an index under the same name as ours (`HF_INDEX == MODEL_INDEX`),
+    so the index cannot tell them apart: an HF folder has `config.json` and no `trainer.json`.
+    """
     path = Path(path)
-    if (path / HF_CONFIG).is_file() and not (path / MODEL_INDEX).is_file():
+    if (path / HF_CONFIG).is_file() and not (path / TRAINER_FILE).is_file():
         source = HFSource(path)
         return source.config, source
     directory = checkpoint_candidates(path)[0]

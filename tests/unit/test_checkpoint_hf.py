@@ -14,7 +14,7 @@ from engine.checkpoint_files import CheckpointError, expected_names
 from engine.cli import main
 from engine.config import TrainConfig
 from engine.generate import generate, generate_text, load_model
-from engine.hf_interop import HFSource, export_hf, import_hf
+from engine.hf_interop import HFSource, export_hf, import_hf, open_model
 from engine.train import train
 from engine.weights import stored_parameters
 from models import build_layers, layer_specs
@@ -120,6 +120,17 @@ def test_a_large_export_is_sharded_with_an_index(
     assert len(set(index["weight_map"].values())) > 1
     source = HFSource(tmp_path)
     assert source.names == expected_names(layer_specs("llama-tiny"))
+
+
+def test_a_sharded_hf_folder_opens_as_hugging_face_not_as_a_checkpoint(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["gpt-tiny"], tmp_path, max_shard_bytes=100_000)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    config, source = open_model(tmp_path)
+    assert isinstance(source, HFSource) and config == layer_specs("gpt-tiny")[0].config
+    before, after = _ours(checkpoints["gpt-tiny"]), _ours(tmp_path)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_import_refuses_an_architecture_it_cannot_represent(tmp_path: Path) -> None:
