@@ -21,21 +21,28 @@ _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
 
 
 def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
-    """train_batch_size = micro × accumulation × dp; any two determine the third."""
-    total = cfg.get("train_batch_size")
-    micro = cfg.get("train_micro_batch_size_per_gpu")
-    accumulation = cfg.get("gradient_accumulation_steps")
-    if total is not None and micro is not None and accumulation is None:
-        accumulation = total // (micro * dp)
-    elif total is not None and accumulation is not None and micro is None:
+    """train_batch_size = micro × accumulation × dp, completed the way DeepSpeed's
+    `_set_batch_related_parameters` does: any two determine the third, and one batch size
+    alone means no gradient accumulation."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for name in names:
+        if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
+            raise ValueError(f"{name}={cfg[name]!r}: give a whole number of at least 1")
+    total: int | None = cfg.get(names[0])
+    micro: int | None = cfg.get(names[1])
+    accumulation: int | None = cfg.get(names[2])
+    if total is not None and micro is not None:
+        accumulation = total // (micro * dp) if accumulation is None else accumulation
+    elif total is not None:
+        accumulation = 1 if accumulation is None else accumulation
         micro = total // (accumulation * dp)
-    elif micro is not None and total is None:
-        accumulation = accumulation or 1
+    elif micro is not None:
+        accumulation = 1 if accumulation is None else accumulation
         total = micro * accumulation * dp
-    if total is None or micro is None or accumulation is None:
+    else:
         raise ValueError(
-            "the DeepSpeed config needs train_batch_size or train_micro_batch_size_per_gpu "
-            "(with gradient_accumulation_steps)"
+            "the DeepSpeed config sets neither train_batch_size nor "
+            "train_micro_batch_size_per_gpu: add at least one of them"
         )
     if total != micro * accumulation * dp:
         raise ValueError(

@@ -142,6 +142,21 @@ def test_unsupported_keys_are_rejected_by_name(key: str, value: Any, message: st
         deepspeed_overrides({**DS_CONFIG, key: value}, dp=1)
 
 
+def test_a_train_batch_size_alone_means_no_gradient_accumulation() -> None:
+    fields = deepspeed_overrides({"train_batch_size": 8}, dp=2)
+    assert (fields["global_batch"], fields["micro_batches"]) == (8, 1)
+
+
+def test_a_config_without_either_batch_size_is_rejected_naming_both() -> None:
+    with pytest.raises(ValueError, match="neither train_batch_size nor train_micro_batch_size"):
+        deepspeed_overrides({"gradient_accumulation_steps": 2}, dp=1)
+
+
+def test_a_batch_size_below_one_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=0: give a whole number"):
+        deepspeed_overrides({"train_batch_size": 8, "gradient_accumulation_steps": 0}, dp=1)
+
+
 def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(
