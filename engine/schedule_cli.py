@@ -41,17 +41,22 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: 
 
 
 def parse_costs(text: str, schedule: Schedule, args: argparse.Namespace) -> ActionCosts:
-    """`F,B,I,W[,comm]` numbers, or `profile:MODEL` (balanced partition, timed on this CPU)."""
+    """`F,B,I,W[,comm]` numbers, or `profile:MODEL` (balanced partition, timed on this CPU).
+
+    The partition balances FLOPs at the micro-batch size and sequence length the stages are
+    timed at: attention grows with the sequence, so another shape can move the boundaries.
+    """
     if text.startswith("profile:"):
         from engine.profile import profile_stage_costs
         from models import layer_specs
         from partitioners import partition_model
 
         specs = layer_specs(text.split(":", 1)[1])
-        partition = partition_model(specs, method="balanced", num_stages=schedule.num_stages)
-        return profile_stage_costs(
-            specs, partition, batch_size=args.micro_batch_size, seq_len=args.seq_len
+        shape = {"batch_size": args.micro_batch_size, "seq_len": args.seq_len}
+        partition = partition_model(
+            specs, method="balanced", num_stages=schedule.num_stages, **shape
         )
+        return profile_stage_costs(specs, partition, **shape)
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:

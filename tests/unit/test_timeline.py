@@ -14,7 +14,8 @@ from engine.schedules import gpipe, interleaved_1f1b, make_schedule, zb_h1
 from engine.simulate import ActionCosts, simulate
 from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
 from engine.validate import ScheduleError
-from partitioners import Partition
+from models import layer_specs
+from partitioners import Partition, partition_model
 
 PROFILED = ActionCosts(forward=0.002, backward=0.004, input_grad=0.002, weight_grad=0.002)
 """What the fake profiler measures, in seconds like the real one."""
@@ -94,6 +95,17 @@ def test_schedule_trace_keeps_profiled_costs_in_seconds(
     assert main([*argv, "--costs", "profile:gpt-tiny", "--trace", str(trace)]) == 0
     step_s = simulate(gpipe(2, 2), PROFILED).step_time
     assert _trace_span_us(trace) == pytest.approx(step_s * 1e6)
+
+
+def test_profiled_costs_partition_at_the_given_micro_batch_size_and_seq_len(
+    profiled: list[Partition],
+) -> None:
+    argv = ["schedule", "--pp", "3", "--micro-batches", "3", "--costs", "profile:gpt2"]
+    assert main([*argv, "--micro-batch-size", "8", "--seq-len", "1024"]) == 0
+    specs = layer_specs("gpt2")
+    at_shape = partition_model(specs, method="balanced", num_stages=3, batch_size=8, seq_len=1024)
+    assert at_shape != partition_model(specs, method="balanced", num_stages=3)
+    assert profiled == [at_shape]
 
 
 def test_schedule_trace_reads_abstract_unit_costs_as_milliseconds(tmp_path: Path) -> None:
