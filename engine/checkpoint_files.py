@@ -9,11 +9,13 @@ any checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ __all__ = [
     "has_checkpoint",
     "model_config_dict",
     "model_config_from_dict",
+    "new_directory",
     "read_json",
     "read_trainer",
     "save_weights",
@@ -276,12 +279,13 @@ def read_trainer(directory: Path) -> dict[str, Any]:
     return trainer
 
 
-def save_weights(
-    out: str | Path, specs: Sequence[LayerSpec], tensors: dict[str, torch.Tensor]
-) -> Path:
-    """A weights-only checkpoint (one stage, step 0) in one process, e.g. an imported model.
+@contextlib.contextmanager
+def new_directory(out: str | Path) -> Iterator[Path]:
+    """A folder that appears at `out` complete or not at all.
 
-    `tensors` holds the stored names; the directory appears complete or not at all.
+    Yields a temporary sibling to write into; on success it is fsynced and renamed to `out`,
+    on failure removed, so an error midway never leaves a partial folder that a retry then
+    refuses as "not empty". `out` must be absent or empty.
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -289,20 +293,35 @@ def save_weights(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    record = write_shard(tmp, "model-stage000.safetensors", tensors)
-    write_index(tmp / MODEL_INDEX, [record], {"step": 0, "partition": [0, len(specs)]})
-    trainer = {
-        "format": FORMAT,
-        "step": 0,
-        "model": model_config_dict(specs[0].config),
-        "partition": [0, len(specs)],
-        "layout": {"pp": 1, "dp": 1, "schedule": None},
-        "torch": torch.__version__,
-    }
-    atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
-    fsync_dir(tmp)
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     fsync_dir(out.parent)
-    return out
+
+
+def save_weights(
+    out: str | Path, specs: Sequence[LayerSpec], tensors: dict[str, torch.Tensor]
+) -> Path:
+    """A weights-only checkpoint (one stage, step 0) in one process, e.g. an imported model.
+
+    `tensors` holds the stored names; the directory appears complete or not at all.
+    """
+    with new_directory(out) as tmp:
+        record = write_shard(tmp, "model-stage000.safetensors", tensors)
+        write_index(tmp / MODEL_INDEX, [record], {"step": 0, "partition": [0, len(specs)]})
+        trainer = {
+            "format": FORMAT,
+            "step": 0,
+            "model": model_config_dict(specs[0].config),
+            "partition": [0, len(specs)],
+            "layout": {"pp": 1, "dp": 1, "schedule": None},
+            "torch": torch.__version__,
+        }
+        atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
+    return Path(out)

@@ -28,6 +28,7 @@ from engine.checkpoint_files import (
     checkpoint_candidates,
     expected_names,
     model_config_from_dict,
+    new_directory,
     read_json,
     read_trainer,
     save_weights,
@@ -314,27 +315,28 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 << 30) -> Path:
     """Write `config.json` and `model.safetensors` (sharded with an index past
-    `max_shard_bytes`) that `transformers` loads as GPT2LMHeadModel / LlamaForCausalLM."""
+    `max_shard_bytes`) that `transformers` loads as GPT2LMHeadModel / LlamaForCausalLM.
+
+    Everything is checked before the first byte is written, and the folder appears at `out`
+    complete or not at all."""
     config, source = open_model(checkpoint)
+    hf = hf_config(config)  # refuses what HF cannot represent before any tensor is read
     check_names(source, config.layer_specs())
     tensors = {}
     for rule in hf_rules(config):
         joined = torch.cat([source.get(name) for name in rule.ours])
         tensors[rule.hf] = (joined.T if rule.transpose else joined).contiguous()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty: remove it or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
     shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        write_shard(out, HF_SINGLE, shards[0])
-    else:
-        n = len(shards)
-        files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-        records = [write_shard(out, f, s) for f, s in zip(files, shards, strict=True)]
-        write_index(out / HF_INDEX, records, {})
-    atomic_write_text(out / HF_CONFIG, json.dumps(hf_config(config), indent=1) + "\n")
-    return out
+    with new_directory(out) as tmp:
+        if len(shards) == 1:
+            write_shard(tmp, HF_SINGLE, shards[0])
+        else:
+            n = len(shards)
+            files = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+            records = [write_shard(tmp, f, s) for f, s in zip(files, shards, strict=True)]
+            write_index(tmp / HF_INDEX, records, {})
+        atomic_write_text(tmp / HF_CONFIG, json.dumps(hf, indent=1) + "\n")
+    return Path(out)
 
 
 def import_hf(folder: str | Path, out: str | Path) -> Path:

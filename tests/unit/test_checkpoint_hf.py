@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint_files import CheckpointError, expected_names
+from engine.checkpoint_files import CheckpointError, expected_names, save_weights
 from engine.cli import main
 from engine.config import TrainConfig
 from engine.generate import generate, generate_text, load_model
 from engine.hf_interop import HFSource, export_hf, import_hf, open_model
 from engine.train import train
 from engine.weights import stored_parameters
-from models import build_layers, layer_specs
+from models import GPTConfig, build_layers, layer_specs
 
 torch.set_num_threads(1)
 
@@ -110,6 +110,27 @@ def test_export_does_not_write_into_a_folder_in_use(
     (tmp_path / "model.safetensors").write_bytes(b"an older export")
     with pytest.raises(CheckpointError, match="is not empty"):
         export_hf(checkpoints["gpt-tiny"], tmp_path)
+
+
+def test_an_export_hf_cannot_represent_writes_nothing(tmp_path: Path) -> None:
+    config = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=8, max_seq_len=16, bias=False)
+    specs = config.layer_specs()
+    save_weights(tmp_path / "ck", specs, stored_parameters(build_layers(specs, seed=0), specs))
+    with pytest.raises(CheckpointError, match="bias=False cannot export"):
+        export_hf(tmp_path / "ck", tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_failed_export_leaves_no_partial_folder(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(*args: Any) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("engine.hf_interop.atomic_write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_hf(checkpoints["gpt-tiny"], tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_large_export_is_sharded_with_an_index(
