@@ -13,11 +13,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEEPSPEED_SCHEDULERS", "deepspeed_lr", "deepspeed_overrides"]
+__all__ = [
+    "DEEPSPEED_SCHEDULERS",
+    "check_scheduler_params",
+    "deepspeed_lr",
+    "deepspeed_overrides",
+]
 
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _IGNORED = {"wall_clock_breakdown", "steps_per_print", "prescale_gradients"}
 _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+_WARMUP_PARAMS = (
+    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
+)  # fmt: skip
+_SCHEDULER_PARAMS = {
+    "WarmupLR": _WARMUP_PARAMS,
+    "WarmupDecayLR": ("total_num_steps", *_WARMUP_PARAMS),
+    "WarmupCosineLR": (
+        "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+        "warmup_type", "last_batch_iteration",
+    ),
+}  # fmt: skip
+"""The keyword arguments of each scheduler's constructor in DeepSpeed's lr_schedules.py."""
+_WARMUP_TYPES = ("log", "linear")
 
 
 def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
@@ -77,13 +95,45 @@ def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
-    kind = section.get("type")
+def check_scheduler_params(kind: str, params: Mapping[str, Any]) -> None:
+    """Reject before training what DeepSpeed's scheduler would reject when built (a misspelt
+    or missing argument, a warmup_num_steps below 1), and what meshpipe would otherwise run
+    differently (an unknown warmup_type, which DeepSpeed turns into log; a
+    last_batch_iteration, which meshpipe does not replay)."""
     if kind not in DEEPSPEED_SCHEDULERS:
         raise ValueError(
             f"scheduler type {kind!r} is not supported: use {', '.join(DEEPSPEED_SCHEDULERS)}"
         )
-    params = {k: v for k, v in dict(section.get("params", {})).items()}
+    accepted = _SCHEDULER_PARAMS[kind]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"{kind} params {unknown} are not arguments of DeepSpeed's {kind}: "
+            f"fix or remove them (accepted: {', '.join(accepted)})"
+        )
+    if "total_num_steps" in accepted and "total_num_steps" not in params:
+        raise ValueError(
+            f"{kind} needs params.total_num_steps (the step its decay ends at): add it, "
+            "as DeepSpeed requires"
+        )
+    warmup = params.get("warmup_num_steps", 1)
+    if not (isinstance(warmup, int) and warmup >= 1):
+        raise ValueError(f"{kind} warmup_num_steps={warmup!r}: give a whole number of at least 1")
+    if params.get("warmup_type", "log") not in _WARMUP_TYPES:
+        raise ValueError(
+            f"{kind} warmup_type={params['warmup_type']!r}: use {' or '.join(_WARMUP_TYPES)}"
+        )
+    if params.get("last_batch_iteration", -1) != -1:
+        raise ValueError(
+            f"{kind} last_batch_iteration={params['last_batch_iteration']!r} is not supported: "
+            "remove it (meshpipe resumes a schedule from its checkpoint, --resume)"
+        )
+
+
+def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
+    kind = section.get("type")
+    params = dict(section.get("params", {}))
+    check_scheduler_params(str(kind), params)
     return {"lr_schedule": f"deepspeed:{kind}", "lr_schedule_args": json.dumps(params)}
 
 
@@ -158,8 +208,10 @@ def deepspeed_lr(step: int, kind: str, params: Mapping[str, Any], base_lr: float
     """The learning rate DeepSpeed's scheduler gives training step `step` (0-based).
 
     DeepSpeed steps its scheduler after each optimizer step, so step k runs at the scheduler's
-    iteration k - 1, and step 0 at its initial value.
+    iteration k - 1, and step 0 at its initial value. The params are checked on every call, so
+    a schedule given by flags (not a JSON) fails at step 0, when the scheduler is built.
     """
+    check_scheduler_params(kind, params)
     it = step - 1
     warmup = max(2, int(params.get("warmup_num_steps", 1000)))
     log_rate = params.get("warmup_type", "log") == "log"

@@ -27,6 +27,7 @@ DS_CONFIG: dict[str, Any] = {
     "steps_per_print": 1000,
     "seed": 7,
 }
+BATCH_ONLY: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
 STEPS = 4
 
 
@@ -157,6 +158,40 @@ def test_a_batch_size_below_one_is_rejected_by_name() -> None:
         deepspeed_overrides({"train_batch_size": 8, "gradient_accumulation_steps": 0}, dp=1)
 
 
+@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
+def test_a_decaying_scheduler_without_total_num_steps_is_rejected_up_front(kind: str) -> None:
+    scheduler = {"type": kind, "params": {"warmup_num_steps": 2}}
+    with pytest.raises(ValueError, match=f"{kind} needs params.total_num_steps"):
+        deepspeed_overrides({**BATCH_ONLY, "scheduler": scheduler}, dp=1)
+
+
+def test_a_schedule_given_by_flags_fails_at_step_0_not_mid_run() -> None:
+    with pytest.raises(ValueError, match="needs params.total_num_steps"):
+        deepspeed_lr(0, "WarmupDecayLR", {"warmup_num_steps": 2}, 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "message"),
+    [
+        ("WarmupLR", {"warmup_num_step": 2}, r"WarmupLR params \['warmup_num_step'\]"),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 9, "warmup_max_lr": 0.1},
+            r"WarmupCosineLR params \['warmup_max_lr'\]",
+        ),
+        ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps=0"),
+        ("WarmupLR", {"warmup_type": "linaer"}, "warmup_type='linaer'"),
+        ("WarmupLR", {"last_batch_iteration": 5}, "last_batch_iteration=5"),
+    ],
+)
+def test_a_scheduler_param_deepspeed_would_not_run_alike_is_rejected_by_name(
+    kind: str, params: dict[str, Any], message: str
+) -> None:
+    scheduler = {"type": kind, "params": params}
+    with pytest.raises(ValueError, match=message):
+        deepspeed_overrides({**BATCH_ONLY, "scheduler": scheduler}, dp=1)
+
+
 def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(
@@ -166,9 +201,6 @@ def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     assert fields["precision"] == "bf16" and fields["zero"] == 1
     assert fields["clip_grad_norm"] == 1.0 and fields["lr_schedule"] == "deepspeed:WarmupLR"
     assert (fields["global_batch"], fields["micro_batches"], fields["optimizer"]) == (8, 4, "sgd")
-
-
-BATCH_ONLY: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
 
 
 @pytest.mark.parametrize(
