@@ -227,7 +227,8 @@ def deepspeed_lr(step: int, kind: str, params: Mapping[str, Any], base_lr: float
         floor = float(params.get("cos_min_ratio", 0.0001))
         return base_lr * max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
     low = float(params.get("warmup_min_lr", 0.0))
-    high = float(params.get("warmup_max_lr", 0.001))
+    # DeepSpeed's WarmupLR warms up to the optimizer's lr by default; WarmupDecayLR to 0.001.
+    high = float(params.get("warmup_max_lr", base_lr if kind == "WarmupLR" else 0.001))
     if it < 0:
         return low
     if it < warmup:

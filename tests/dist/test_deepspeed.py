@@ -115,6 +115,23 @@ def test_deepspeed_schedulers_are_reproduced_step_by_step() -> None:
             scheduler.step()
 
 
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR"])
+def test_an_omitted_warmup_max_lr_means_deepspeeds_default(kind: str) -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    from deepspeed.runtime import lr_schedules
+
+    params: dict[str, Any] = {"warmup_num_steps": 2}
+    if kind == "WarmupDecayLR":
+        params["total_num_steps"] = 6
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.01)
+    scheduler = getattr(lr_schedules, kind)(optimizer, **params)
+    for step in range(6):
+        expected = optimizer.param_groups[0]["lr"]
+        assert deepspeed_lr(step, kind, params, 0.01) == pytest.approx(expected, abs=1e-15)
+        scheduler.step()
+
+
 def test_batch_sizes_must_agree_as_deepspeed_requires() -> None:
     bad = {**DS_CONFIG, "train_batch_size": 10}
     with pytest.raises(
