@@ -89,7 +89,14 @@ def _group_options(backend: str, timeout: timedelta) -> object:
 def _uses_cuda(backend: str | None) -> bool:
     """CUDA when this host has a GPU for each of its ranks (NCCL needs one per rank); otherwise
     gloo on the CPU, which an explicit `backend="nccl"` refuses instead of falling back to."""
-    if backend == "gloo" or not torch.cuda.is_available():
+    if backend == "gloo":
+        return False
+    if not torch.cuda.is_available():
+        if backend == "nccl":
+            raise ValueError(
+                "backend nccl needs CUDA and this machine has no GPU: run on the CPU with the "
+                "gloo backend (or leave the backend unset), or launch on a GPU host"
+            )
         return False
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)

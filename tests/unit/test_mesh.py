@@ -23,6 +23,14 @@ def test_without_cuda_ranks_compute_on_the_cpu() -> None:
     assert not mesh._uses_cuda(None)
 
 
+def test_asking_for_nccl_on_a_machine_without_cuda_is_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"nccl needs CUDA.*gloo backend"):
+        mesh._uses_cuda("nccl")
+
+
 def test_a_gpu_for_every_local_rank_means_cuda(one_gpu: pytest.MonkeyPatch) -> None:
     one_gpu.setenv("LOCAL_WORLD_SIZE", "1")
     assert mesh._uses_cuda(None)
