@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.actions import split_units
+from engine.channels import new_pipeline_channels
 from engine.clipping import (
     clip_gradients,
     global_grad_norm,
@@ -151,8 +152,10 @@ class PipelineEngine:
             s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
             for s in range(partition.num_stages)
         }
+        self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
+        """The process groups this rank's pipeline traffic travels over (one per edge)."""
         self.exchange = StageExchange(
-            group=mesh.pp_group,
+            groups=self.channels.edges,
             global_rank_of_stage=rank_of_stage,
             device=mesh.device,
             timeout_s=timeout_s,
@@ -162,7 +165,7 @@ class PipelineEngine:
         self.optimizer = self._build_optimizer(optimizer)
         self._last_rank = rank_of_stage[partition.num_stages - 1]
         self.reports = StepReports(
-            group=mesh.pp_group,
+            group=self.channels.reports,
             ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
             me=mesh.rank,
             last=self._last_rank,

@@ -4,11 +4,14 @@ The first exchange on an edge carries a small header with the number, shapes, dt
 requires-grad flags of the tensors that follow; later exchanges reuse it (no per-message shape
 negotiation) and the sender checks every message against it, so a stage whose output changes
 shape fails with both shapes named instead of corrupting its peer. Sends are posted
-asynchronously and awaited at the end of the step; every wait has a timeout.
+asynchronously and awaited at the end of the step; every wait has a timeout. Each edge
+travels over its own process group (`engine.channels`), in order, without tags: what NCCL
+needs, and what gloo then tests on the CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.actions import Action, ActionKind
+from engine.channels import Edge
 
 __all__ = ["ExchangeError", "StageExchange", "TensorMeta"]
 
@@ -90,12 +94,12 @@ class StageExchange:
     def __init__(
         self,
         *,
-        group: dist.ProcessGroup | None,
+        groups: Mapping[Edge, dist.ProcessGroup],
         global_rank_of_stage: dict[int, int],
         device: torch.device,
         timeout_s: float,
     ) -> None:
-        self._group = group
+        self._groups = groups
         self._rank_of = global_rank_of_stage
         self._device = device
         self._timeout = timedelta(seconds=timeout_s)
@@ -104,19 +108,16 @@ class StageExchange:
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...], Action]] = []
         self._posted: dict[Action, tuple[tuple[torch.Tensor, ...], list[dist.Work]]] = {}
 
-    def _tag(self, src: int, dst: int) -> int:
-        return 2 * min(src, dst) + (0 if dst > src else 1)
-
     def send(self, action: Action, tensors: tuple[torch.Tensor, ...], *, training: bool) -> None:
         """Post the tensors of `action` (SEND_F or SEND_B) without waiting for delivery."""
         src, dst, what = _edge(action)
         key = (src, dst, training)
         metas = tuple(TensorMeta.of(t) for t in tensors)
-        tag, peer = self._tag(src, dst), self._rank_of[dst]
+        group, peer = self._groups[(src, dst)], self._rank_of[dst]
         if key not in self._sent:
             self._sent[key] = metas
             header = _encode(metas, self._device)
-            self._pending.append((self._isend(header, peer, tag), (header,), action))
+            self._pending.append((self._isend(header, peer, group), (header,), action))
         elif metas != self._sent[key]:
             raise ExchangeError(
                 f"stage {src} sends {what} of micro-batch {action.micro_batch} to stage {dst} "
@@ -129,7 +130,7 @@ class StageExchange:
             t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors
         )
         for tensor in payload:
-            self._pending.append((self._isend(tensor, peer, tag), payload, action))
+            self._pending.append((self._isend(tensor, peer, group), payload, action))
 
     def post_ahead(self, action: Action, *, training: bool) -> None:
         """Post the receive of `action` now, so its data lands while this rank computes.
@@ -141,21 +142,21 @@ class StageExchange:
         key = (src, dst, training)
         if key not in self._received or action in self._posted:
             return
-        tag, peer = self._tag(src, dst), self._rank_of[src]
+        group, peer = self._groups[(src, dst)], self._rank_of[src]
         tensors = tuple(
             torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in self._received[key]
         )
-        works = [self._irecv(t, peer, tag) for t in tensors]
+        works = [self._irecv(t, peer, group) for t in tensors]
         self._posted[action] = (tensors, works)
 
     def recv(self, action: Action, *, training: bool) -> tuple[torch.Tensor, ...]:
         """Receive the tensors of `action` (RECV_F or RECV_B), waiting at most the timeout."""
         src, dst, what = _edge(action)
         key = (src, dst, training)
-        tag, peer = self._tag(src, dst), self._rank_of[src]
         if key not in self._received:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
-            self._wait(dist.irecv(header, src=peer, group=self._group, tag=tag), action, what)
+            header_work = self._irecv(header, self._rank_of[src], self._groups[(src, dst)])
+            self._wait(header_work, action, what)
             self._received[key] = _decode(header.cpu())
         self.post_ahead(action, training=training)
         tensors, works = self._posted.pop(action)
@@ -170,13 +171,13 @@ class StageExchange:
         for work, _, action in pending:
             self._wait(work, action, "data")
 
-    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.irecv(tensor, src=peer, group=self._group, tag=tag)
+    def _irecv(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> dist.Work:
+        work = dist.irecv(tensor, src=peer, group=group)
         assert work is not None
         return work
 
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = dist.isend(tensor, dst=peer, group=self._group, tag=tag)
+    def _isend(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> dist.Work:
+        work = dist.isend(tensor, dst=peer, group=group)
         assert work is not None
         return work
 

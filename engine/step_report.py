@@ -7,12 +7,15 @@ the other ranks right after its last forward (long before any of them finishes t
 each rank sends its own figures to its peers when it finishes; a step's figures are read when
 asked for. By the end of step k every rank has finished step k-1 (its own step k needed data
 that its peers produced after finishing k-1), so reading step k-1's figures then never waits.
+
+The reports travel over their own group (`engine.channels`), apart from the activations, and
+each rank's figures go out and come in as one batch: NCCL matches messages by order, not tag,
+and a rank's send to a peer must not queue behind its receive from that peer.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -20,11 +23,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["StepReports"]
-
-_BASE_TAG = 1 << 20
-_INSTANCES = itertools.count()
-"""Each engine built in a process gets its own pair of tags (every rank builds its engines in
-the same order), so a figure a dropped engine never read cannot be taken by the next one."""
 
 
 class StepReports:
@@ -45,8 +43,6 @@ class StepReports:
         self._timeout = timedelta(seconds=timeout_s)
         self._loss: torch.Tensor | None = None
         self._loss_works: list[dist.Work] = []
-        instance = next(_INSTANCES)
-        self._loss_tag, self._figures_tag = _BASE_TAG + 2 * instance, _BASE_TAG + 2 * instance + 1
 
     @property
     def _peers(self) -> list[int]:
@@ -57,7 +53,7 @@ class StepReports:
         self._loss, self._loss_works = None, []
         if self._me != self._last and len(self._ranks) > 1:
             self._loss = torch.empty((), dtype=torch.float32, device=self._device)
-            work = dist.irecv(self._loss, src=self._last, group=self._group, tag=self._loss_tag)
+            work = dist.irecv(self._loss, src=self._last, group=self._group)
             assert work is not None
             self._loss_works = [work]
 
@@ -65,7 +61,7 @@ class StepReports:
         """On the last stage, after its last forward: the step's mean loss to every peer."""
         self._loss = loss.detach().to(torch.float32).reshape(())
         for peer in self._peers:
-            work = dist.isend(self._loss, dst=peer, group=self._group, tag=self._loss_tag)
+            work = dist.isend(self._loss, dst=peer, group=self._group)
             assert work is not None
             self._loss_works.append(work)
 
@@ -83,27 +79,18 @@ class StepReports:
         waits for theirs once and returns all of them stacked in pipeline-rank order."""
         mine = figures.to(torch.float64).to(self._device)
         theirs = {r: torch.empty_like(mine) for r in self._peers}
-        works = [(self._isend(mine, r), "sending") for r in self._peers] + [
-            (self._irecv(theirs[r], r), "receiving") for r in self._peers
+        ops = [dist.P2POp(dist.isend, mine, r, self._group) for r in self._peers] + [
+            dist.P2POp(dist.irecv, theirs[r], r, self._group) for r in self._peers
         ]
+        works = dist.batch_isend_irecv(ops)
 
         @functools.cache
         def resolve() -> torch.Tensor:
-            for work, what in works:
-                self._wait(work, f"{what} step figures")
+            for work in works:
+                self._wait(work, "step figures")
             return torch.stack([theirs.get(r, mine) for r in self._ranks]).cpu()
 
         return resolve
-
-    def _isend(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        work = dist.isend(tensor, dst=peer, group=self._group, tag=self._figures_tag)
-        assert work is not None
-        return work
-
-    def _irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
-        work = dist.irecv(tensor, src=peer, group=self._group, tag=self._figures_tag)
-        assert work is not None
-        return work
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
