@@ -23,6 +23,13 @@ __all__ = [
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _IGNORED = {"wall_clock_breakdown", "steps_per_print", "prescale_gradients"}
 _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+_OPTIMIZER_PARAMS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
+    "sgd": ("lr", "momentum", "weight_decay"),
+}
+"""The DeepSpeed optimizer params meshpipe honours (torch_adam only picks DeepSpeed's kernel)."""
+_ADAM_EPS = 1e-8
+"""The eps of torch's AdamW and DeepSpeed's CPU Adam, both of which meshpipe builds."""
 _WARMUP_PARAMS = (
     "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
 )  # fmt: skip
@@ -72,26 +79,40 @@ def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
 
 
 def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizer fields; a param meshpipe's optimizer would not honour is rejected by name."""
     kind = str(section.get("type", "")).lower()
     if kind not in _OPTIMIZERS:
         raise ValueError(
             f"optimizer type {section.get('type')!r} is not supported: use Adam, AdamW or SGD"
         )
     params = dict(section.get("params", {}))
+    accepted = _OPTIMIZER_PARAMS[_OPTIMIZERS[kind]]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"optimizer {section['type']} params {unknown} are not supported by meshpipe: "
+            f"remove them (supported: {', '.join(accepted)})"
+        )
+    if float(params.get("eps", _ADAM_EPS)) != _ADAM_EPS:
+        raise ValueError(
+            f"optimizer eps={params['eps']!r} is not supported: meshpipe's AdamW uses "
+            f"eps={_ADAM_EPS} (DeepSpeed's default); remove eps or set it to {_ADAM_EPS}"
+        )
+    if kind == "adam" and not params.get("adam_w_mode", True):
+        raise ValueError(
+            "optimizer Adam with adam_w_mode false (Adam with L2 regularisation) is not "
+            "supported: meshpipe's Adam is AdamW, decoupled weight decay; remove adam_w_mode "
+            "(the same update when weight_decay is 0) or use type AdamW"
+        )
     fields: dict[str, Any] = {"optimizer": _OPTIMIZERS[kind]}
     if "lr" in params:
-        fields["lr"] = float(params.pop("lr"))
+        fields["lr"] = float(params["lr"])
     if "weight_decay" in params:
-        fields["weight_decay"] = float(params.pop("weight_decay"))
+        fields["weight_decay"] = float(params["weight_decay"])
     if "betas" in params:
-        fields["betas"] = tuple(float(b) for b in params.pop("betas"))
+        fields["betas"] = tuple(float(b) for b in params["betas"])
     if "momentum" in params:
-        fields["momentum"] = float(params.pop("momentum"))
-    params.pop("eps", None)
-    params.pop("adam_w_mode", None)
-    params.pop("torch_adam", None)
-    if params:
-        raise ValueError(f"optimizer params {sorted(params)} are not supported by meshpipe")
+        fields["momentum"] = float(params["momentum"])
     return fields
 
 

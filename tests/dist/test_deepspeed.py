@@ -209,6 +209,40 @@ def test_a_scheduler_param_deepspeed_would_not_run_alike_is_rejected_by_name(
         deepspeed_overrides({**BATCH_ONLY, "scheduler": scheduler}, dp=1)
 
 
+def _with_optimizer(kind: str, **params: Any) -> dict[str, Any]:
+    return {**BATCH_ONLY, "optimizer": {"type": kind, "params": params}}
+
+
+def test_an_adam_eps_other_than_meshpipes_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="eps=0.001 is not supported.*set it to 1e-08"):
+        deepspeed_overrides(_with_optimizer("AdamW", eps=1e-3), dp=1)
+
+
+def test_an_adam_eps_equal_to_meshpipes_is_accepted() -> None:
+    assert deepspeed_overrides(_with_optimizer("Adam", eps=1e-8), dp=1)["optimizer"] == "adamw"
+
+
+def test_adam_with_l2_regularisation_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="adam_w_mode false .* use type AdamW"):
+        deepspeed_overrides(_with_optimizer("Adam", weight_decay=0.01, adam_w_mode=False), dp=1)
+
+
+def test_adamw_ignores_adam_w_mode_as_deepspeed_does() -> None:
+    fields = deepspeed_overrides(_with_optimizer("AdamW", adam_w_mode=False), dp=1)
+    assert fields["optimizer"] == "adamw"
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "unknown"),
+    [("SGD", {"betas": [0.9, 0.99]}, "betas"), ("Adam", {"momentum": 0.9}, "momentum")],
+)
+def test_a_param_the_optimizer_does_not_take_is_rejected_by_name(
+    kind: str, params: dict[str, Any], unknown: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"optimizer {kind} params \['{unknown}'\]"):
+        deepspeed_overrides(_with_optimizer(kind, **params), dp=1)
+
+
 def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text(
