@@ -31,7 +31,8 @@ def recompute_groups(num_layers: int, policy: str) -> list[tuple[range, bool]]:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """How each step computes; none of these changes the numbers except precision."""
+    """How each step computes. Recomputation and ZeRO-1 leave the numbers as they are;
+    precision, clipping and the guard's skipped steps change them, as they would in one process."""
 
     precision: str = "fp32"
     """`fp32`, `bf16` (autocast, fp32 master weights and grads) or `fp16` (plus loss scaling)."""
