@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-__all__ = ["MetricsLog", "plot_metrics"]
+__all__ = ["MetricsLog", "plot_metrics", "read_records"]
 
 
 class MetricsLog:
@@ -59,6 +59,35 @@ class MetricsLog:
         self.close()
 
 
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics file. A run killed mid-write leaves its last line cut short,
+    which is skipped (training tolerates it too); a bad line elsewhere means the file is not
+    a metrics file, and is named with its line number."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read metrics file {path}: {error}") from error
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    records = []
+    for number, line in numbered:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == numbered[-1][0]:
+                continue
+            raise ValueError(
+                f"{path}, line {number}: not a JSON record ({error}): give a metrics file "
+                "written by meshpipe train --metrics-file"
+            ) from error
+        if not isinstance(record, dict) or "step" not in record or "loss" not in record:
+            raise ValueError(
+                f"{path}, line {number}: not a step record (no step and loss): give a metrics "
+                "file written by meshpipe train --metrics-file"
+            )
+        records.append(record)
+    return records
+
+
 def plot_metrics(path: str | Path, out: str | Path) -> None:
     """Loss (and, when present, tokens/s) per step from a metrics file, as a PNG."""
     try:
@@ -68,11 +97,7 @@ def plot_metrics(path: str | Path, out: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ValueError("plotting needs matplotlib: pip install 'meshpipe[plot]'") from error
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise ValueError(f"cannot read metrics file {path}: {error}") from error
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = read_records(path)
     if not records:
         raise ValueError(f"metrics file {path} has no records: train with --metrics-file first")
     steps = [r["step"] + 1 for r in records]

@@ -1,0 +1,44 @@
+"""Metrics files: what `meshpipe plot` reads from a run, including one a crash cut short."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.metrics import plot_metrics, read_records
+
+RECORDS = [{"step": step, "loss": 5.0 - step} for step in range(3)]
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_a_last_line_cut_short_by_a_crash_is_skipped(tmp_path: Path) -> None:
+    lines = [json.dumps(r) for r in RECORDS]
+    path = _write(tmp_path / "m.jsonl", [*lines, lines[0][:9]])
+    assert read_records(path) == RECORDS
+
+
+def test_plot_draws_a_file_whose_last_line_was_cut(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib")
+    lines = [json.dumps(r) for r in RECORDS]
+    path = _write(tmp_path / "m.jsonl", [*lines, lines[0][:9]])
+    plot_metrics(path, tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_a_bad_line_before_the_last_is_named_with_file_and_line(tmp_path: Path) -> None:
+    lines = [json.dumps(r) for r in RECORDS]
+    path = _write(tmp_path / "m.jsonl", [lines[0], "{oops", lines[1]])
+    with pytest.raises(ValueError, match=r"m\.jsonl, line 2: not a JSON record"):
+        read_records(path)
+
+
+def test_a_line_that_is_not_a_step_record_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path / "m.jsonl", [json.dumps(RECORDS[0]), json.dumps({"step": 1})])
+    with pytest.raises(ValueError, match=r"m\.jsonl, line 2: not a step record"):
+        read_records(path)
