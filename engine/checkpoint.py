@@ -160,7 +160,13 @@ def _write_indexes(tmp: Path, reports: list[dict[str, Any]], step: int) -> list[
     if metas:
         first = metas[min(metas)]
         state_keys = {k: v for m in metas.values() for k, v in m["state_keys"].items()}
-        meta = {**first, "state_keys": dict(sorted(state_keys.items())), "step": step}
+        scalars = {k: v for m in metas.values() for k, v in m["scalars"].items()}
+        meta = {
+            **first,
+            "state_keys": dict(sorted(state_keys.items())),
+            "scalars": dict(sorted(scalars.items())),
+            "step": step,
+        }
         write_index(tmp / OPTIM_INDEX, optim, meta)
     return boundaries
 

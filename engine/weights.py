@@ -99,6 +99,37 @@ def load_module_weights(
             param.copy_(tensor)
 
 
+_SCALARS: dict[str, tuple[type, torch.dtype]] = {
+    "bool": (bool, torch.bool),
+    "int": (int, torch.int64),
+    "float": (float, torch.float64),
+}
+"""Python scalars an optimizer may keep as state (DeepSpeed's CPU Adam counts `step` in an
+int), stored as 0-dim tensors wide enough to give back the same value."""
+
+
+def _state_tensor(name: str, value: object) -> tuple[torch.Tensor, str | None]:
+    """`value` as a tensor, and the Python type to give back on load (None: a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value, None
+    kind = type(value).__name__
+    if kind not in _SCALARS:
+        raise CheckpointError(
+            f"optimizer state {name} is a {kind}: only tensors and {', '.join(_SCALARS)} "
+            "scalars can be saved"
+        )
+    return torch.tensor(value, dtype=_SCALARS[kind][1]), kind
+
+
+def _state_value(tensor: torch.Tensor, kind: str | None, where: str) -> Any:
+    """The state value a stored tensor stands for: the tensor, or the scalar it holds."""
+    if kind is None:
+        return tensor
+    if kind not in _SCALARS or tensor.dim() != 0:
+        raise CheckpointError(f"{where}: cannot read back a {kind} scalar from {tensor.shape}")
+    return _SCALARS[kind][0](tensor.item())
+
+
 def _optimized(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -107,24 +138,29 @@ def optimizer_state(
     optimizer: torch.optim.Optimizer, module: nn.Module, specs: Sequence[LayerSpec]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """`module`'s share of the optimizer: tensors `{param}.{key}` and JSON metadata
-    (optimizer class, hyper-parameters per group, state keys per parameter)."""
+    (optimizer class, hyper-parameters per group, state keys per parameter, and the Python
+    type of each state value that is a scalar rather than a tensor)."""
     optimized = {id(p) for p in _optimized(optimizer)}
     tensors: dict[str, torch.Tensor] = {}
     state_keys: dict[str, list[str]] = {}
+    scalars: dict[str, str] = {}
     for name, param in module.named_parameters():
         if canonical_name(specs, name) != name or id(param) not in optimized:
             continue
         state_keys[name] = []
         for key, value in sorted(optimizer.state.get(param, {}).items()):
-            if not isinstance(value, torch.Tensor):
-                raise CheckpointError(
-                    f"optimizer state {name}.{key} is a {type(value).__name__}: "
-                    "only tensor state can be saved"
-                )
-            tensors[f"{name}.{key}"] = value
+            tensor, kind = _state_tensor(f"{name}.{key}", value)
+            tensors[f"{name}.{key}"] = tensor
             state_keys[name].append(key)
+            if kind is not None:
+                scalars[f"{name}.{key}"] = kind
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    meta = {"optimizer": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys}
+    meta = {
+        "optimizer": type(optimizer).__name__,
+        "param_groups": groups,
+        "state_keys": state_keys,
+        "scalars": scalars,
+    }
     return tensors, meta
 
 
@@ -159,7 +195,8 @@ def read_optimizer_state(
     _check_optimizer(optimizer, meta, where)
     index = {id(p): i for i, p in enumerate(_optimized(optimizer))}
     state_keys: dict[str, list[str]] = meta.get("state_keys", {})
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, str] = meta.get("scalars", {})
+    state: dict[int, dict[str, Any]] = {}
     for module in modules:
         for name, param in module.named_parameters():
             if id(param) not in index:
@@ -175,7 +212,10 @@ def read_optimizer_state(
                         f"{tuple(tensor.shape)} but {name!r} has {tuple(param.shape)}"
                     )
             if entry:
-                state[index[id(param)]] = entry
+                state[index[id(param)]] = {
+                    key: _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
+                    for key, tensor in entry.items()
+                }
     current = optimizer.state_dict()["param_groups"]
     groups = [
         {**_from_json(saved), "params": cur["params"]}

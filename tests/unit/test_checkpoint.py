@@ -29,7 +29,7 @@ from engine.mesh import Mesh
 from engine.optim import build_optimizer
 from engine.rng_state import capture_rng, restore_rng
 from engine.stage import PipelineStage
-from engine.weights import read_module_weights
+from engine.weights import read_module_weights, read_optimizer_state
 from models import GPTConfig, build_layers, layer_specs
 from partitioners import Partition
 
@@ -158,6 +158,19 @@ def test_optimizer_state_follows_its_parameter_into_another_layout(
             for key, value in state.items():
                 assert torch.equal(value, by_name[name][key]), (name, key)
     assert loaded.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+
+
+def test_scalar_optimizer_state_comes_back_as_the_same_python_scalar(tmp_path: Path) -> None:
+    holder = _holder("llama-tiny", (0, 7))
+    _step(holder)
+    for param_state in holder.optimizer.state.values():  # as DeepSpeed's CPU Adam keeps it
+        param_state["step"] = int(param_state["step"])
+    directory = _save(holder, tmp_path / "ck")
+    source = TensorReader(directory, OPTIM_INDEX)
+    modules = [stage.module for stage in holder.stages.values()]
+    state = read_optimizer_state(holder.optimizer, modules, holder.specs, source)["state"]
+    steps = [param_state["step"] for param_state in state.values()]
+    assert steps and all(type(step) is int and step == 1 for step in steps)
 
 
 def test_a_stage_opens_only_the_shards_holding_its_layers(tmp_path: Path) -> None:

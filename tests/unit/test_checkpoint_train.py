@@ -112,6 +112,15 @@ def test_a_resumed_run_keeps_the_earlier_metrics_once(runs: dict[str, Any]) -> N
     assert [r["loss"] for r in resumed] == list(runs["full"].losses)
 
 
+def test_a_deepspeed_cpu_adam_run_resumes_with_the_same_losses(tmp_path: Path, tokens: str) -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    run = {**RUN, "steps": 4, "save_every": 2, "optimizer_impl": "deepspeed_cpu", "data": tokens}
+    full = train(TrainConfig(**run, checkpoint_dir=str(tmp_path / "full")), progress=False)
+    _copy_step(tmp_path / "full", 2, tmp_path / "resumed")
+    resumed = TrainConfig(**run, checkpoint_dir=str(tmp_path / "resumed"), resume=True)
+    assert train(resumed, progress=False).losses == full.losses[2:]
+
+
 def test_resume_without_a_checkpoint_starts_from_step_zero(tmp_path: Path, tokens: str) -> None:
     config = TrainConfig(
         **{**RUN, "steps": 2}, data=tokens, checkpoint_dir=str(tmp_path), resume=True
