@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--deepspeed-config",
         default=None,
         help="a DeepSpeed JSON: its batch, optimizer, scheduler, precision, clipping, ZeRO, "
-        "partition, recompute and seed keys override the flags above",
+        "partition, recompute and seed keys override the flags above; a key it omits leaves "
+        "the flag, except that without gradient_clipping or --clip-grad-norm it clips at "
+        "DeepSpeed's default 1.0",
     )
     plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
     plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")

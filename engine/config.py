@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.deepspeed_config import DEEPSPEED_SCHEDULERS, deepspeed_overrides
+from engine.deepspeed_config import (
+    DEEPSPEED_DEFAULT_CLIPPING,
+    DEEPSPEED_SCHEDULERS,
+    deepspeed_overrides,
+)
 from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.options import EngineOptions
 from engine.schedules import SCHEDULES
@@ -212,8 +216,11 @@ class TrainConfig:
     def from_deepspeed(path: str, **fields: Any) -> TrainConfig:
         """A config whose batch, optimizer, schedule, precision, clipping, ZeRO, partition,
         recompute and seed come from a DeepSpeed JSON; `fields` give the rest (model, pp, dp…)
-        and must not contradict the JSON."""
+        and must not contradict the JSON. A JSON without `gradient_clipping` clips as DeepSpeed
+        would (at 1.0) unless `clip_grad_norm` was given, so a DeepSpeed config trains alike."""
         overrides = deepspeed_overrides(path, dp=int(fields.get("dp", 1)))
+        if "clip_grad_norm" not in overrides and fields.get("clip_grad_norm", 0.0) == 0.0:
+            overrides["clip_grad_norm"] = DEEPSPEED_DEFAULT_CLIPPING
         if isinstance(overrides.get("betas"), tuple):
             overrides["betas"] = ",".join(str(b) for b in overrides["betas"])
         return TrainConfig(**{**fields, **overrides})

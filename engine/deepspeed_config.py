@@ -45,6 +45,10 @@ _SCHEDULER_PARAMS = {
 _WARMUP_TYPES = ("log", "linear")
 
 
+DEEPSPEED_DEFAULT_CLIPPING = 1.0
+"""DeepSpeed's GRADIENT_CLIPPING_DEFAULT: what it clips at when a config says nothing."""
+
+
 def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
     """train_batch_size = micro × accumulation × dp, completed the way DeepSpeed's
     `_set_batch_related_parameters` does: any two determine the third, and one batch size

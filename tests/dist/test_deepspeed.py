@@ -264,6 +264,12 @@ def test_a_key_the_json_omits_leaves_the_flag(tmp_path: Path, flag: str, value: 
     assert getattr(config, flag) == value
 
 
+def test_a_json_and_flags_without_clipping_clip_at_deepspeeds_default(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BATCH_ONLY))
+    assert TrainConfig.from_deepspeed(str(path), dp=2).clip_grad_norm == 1.0
+
+
 @pytest.mark.parametrize(
     ("key", "value", "flag", "expected"),
     [
