@@ -11,9 +11,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate, pairwise
+from itertools import accumulate
 
-from engine.memory import MemoryConfig, MemoryReport, cached_trace, estimate_memory, resolve
+from engine.memory import (
+    MemoryConfig,
+    MemoryReport,
+    cached_trace,
+    estimate_memory,
+    resolve,
+    stage_memory,
+)
 from engine.memory_replay import build_stage, in_flight, stage_actions
 from engine.memory_states import param_info
 from engine.memory_tracker import round_up
@@ -21,9 +28,6 @@ from engine.schedules import make_schedule
 from partitioners import Partition
 
 __all__ = ["Suggestion", "layer_memory", "memory_balanced", "suggest"]
-
-_MAX_TRIES = 3
-"""Pipeline sizes verified by a full estimate before giving up on more stages."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,17 +94,12 @@ def memory_balanced(
     return Partition(boundaries=tuple(reversed(bounds)))
 
 
-def _balanced_for(config: MemoryConfig, pp: int) -> tuple[Partition, int]:
-    """The memory-balanced partition for `pp` stages and its layer-level predicted maximum."""
+def _balanced_for(config: MemoryConfig, pp: int) -> Partition:
+    """The memory-balanced partition for `pp` stages, from the per-layer sums."""
     schedule = make_schedule(config.schedule, num_ranks=pp, micro_batches=config.micro_batches)
     weights = [in_flight(stage_actions(schedule, s)) for s in range(pp)]
     states, kept = layer_memory(config)
-    partition = memory_balanced(states, kept, weights)
-    loads = [
-        sum(states[a:b]) + weights[s] * sum(kept[a:b])
-        for s, (a, b) in enumerate(pairwise(partition.boundaries))
-    ]
-    return partition, max(loads)
+    return memory_balanced(states, kept, weights)
 
 
 def _layout_flags(partition: Partition) -> str:
@@ -108,25 +107,46 @@ def _layout_flags(partition: Partition) -> str:
 
 
 def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
-    """The fewest pipeline stages whose memory-balanced layout the estimator says fits.
+    """The fewest pipeline stages whose memory-balanced layout the estimator says fits, else
+    the size with the lowest estimated peak (how far more stages get); None if none is left.
 
-    The per-layer sums leave out transients and the step's tail, so each estimate that
-    misses scales the sums up for the pipeline sizes tried after it.
+    Every size is estimated in increasing order. The per-layer sums `memory_balanced` weighs
+    leave out transients but also overcount (gpt-tiny's 3 stages under GPipe sum to more than
+    their estimate), so they are no lower bound: skipping on them passed over the smallest size
+    that fits. Only `_states_floor`, a true lower bound, skips a size unestimated. Stages built
+    alike share one traced replay, so even scanning every size of llama-70b takes about 20 s.
     """
-    factor, tries = 1.0, 0
+    best: MemoryReport | None = None
     for pp in range(config.pp + 1, len(resolve(config).specs) + 1):
-        partition, load = _balanced_for(config, pp)
-        if load * factor > device_memory:
+        candidate = replace(config, pp=pp, partition=_layout_flags(_balanced_for(config, pp)))
+        if _states_floor(candidate) > device_memory:
             continue
-        flags = _layout_flags(partition)
-        report = estimate_memory(replace(config, pp=pp, partition=flags))
-        tries += 1
-        if report.peak <= device_memory or tries == _MAX_TRIES:
-            devices = "GPUs" if config.device == "cuda" else "ranks"
-            note = f"{pp} {devices} per pipeline instead of {config.pp}"
-            return Suggestion(change=f"--pp {pp} --partition {flags}", report=report, note=note)
-        factor = max(factor, report.peak / load)
-    return None
+        report = estimate_memory(candidate)
+        if best is None or report.peak < best.peak:
+            best = report
+        if report.peak <= device_memory:
+            break
+    if best is None:
+        return None
+    pp = best.config.pp
+    devices = "GPUs" if config.device == "cuda" else "ranks"
+    note = f"{pp} {devices} per pipeline instead of {config.pp}"
+    change = f"--pp {pp} --partition {_layout_flags(best.partition)}"
+    return Suggestion(change=change, report=best, note=note)
+
+
+def _states_floor(config: MemoryConfig) -> int:
+    """The largest rank's weights and optimizer states, as `estimate_memory` counts them.
+
+    A rank's estimated peak is these plus its step's peak, which is never negative, so a
+    layout whose floor exceeds the device cannot fit: a true lower bound, with no replay.
+    """
+    layout = resolve(config)
+    floors = [
+        stage_memory(config, layout, s, kept=0, weight_copies=0, step_peak=0).peak
+        for s in range(layout.partition.num_stages)
+    ]
+    return max(sum(floors[s] for s in layout.schedule.stages_of(r)) for r in range(config.pp))
 
 
 _Candidate = tuple[str, MemoryConfig, str]
@@ -152,7 +172,7 @@ def _candidates(
     if config.dp > 1 and not config.zero:
         found.append(("--zero 1", replace(config, zero=1), ""))
     if config.stages_per_rank == 1 and config.pp > 1:
-        partition, _ = _balanced_for(config, config.pp)
+        partition = _balanced_for(config, config.pp)
         if partition != report.partition:
             flags = _layout_flags(partition)
             found.append(

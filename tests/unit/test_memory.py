@@ -257,6 +257,16 @@ def test_suggestions_are_estimated_and_one_fits() -> None:
     assert all(s.report == estimate_memory(s.report.config) for s in found)
 
 
+def test_more_stages_suggests_the_fewest_that_fits() -> None:
+    # gpt-tiny's 3 GPipe stages sum to more per layer than their estimate: no skipping on that.
+    config = MemoryConfig(model="gpt-tiny", pp=2, schedule="gpipe")
+    budget = 5_000_000
+    found = suggest(config, estimate_memory(config), budget)
+    more = [s for s in found if s.change.startswith("--pp ")]
+    assert [s.change for s in more] == ["--pp 3 --partition boundaries:0,2,4,7"]
+    assert more[0].report.peak <= budget
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_drain"])
 def test_a_schedule_holding_more_in_flight_is_offered_1f1b(schedule: str) -> None:
     config = _tiny(schedule=schedule, micro_batches=8)
