@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -54,7 +55,12 @@ def parse_size(text: str) -> int:
         )
     if match is None or unit not in _UNITS:
         raise ValueError(f"cannot read memory size {text!r}: write {_FORMS}")
-    size = int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise ValueError(
+            f"memory size {text!r} is beyond a float's range: give a finite size such as 80GB"
+        )
+    size = int(value)
     if size < 1:
         raise ValueError(f"memory size {text!r} is below one byte: give a positive size")
     return size
@@ -226,11 +232,19 @@ def add_memory_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def config_from_args(args: argparse.Namespace) -> MemoryConfig:
-    """The config the flags describe; `--global-batch` fixes the micro-batch size."""
+    """The config the flags describe; `--global-batch` fixes the micro-batch size.
+
+    dp, micro-batches and the global batch are checked before the division, so a bad one is
+    named as given rather than as a divisor of 0 or a micro-batch size nobody typed.
+    """
     size = args.micro_batch_size
     if args.global_batch is not None:
+        for name in ("dp", "micro_batches", "global_batch"):
+            value = getattr(args, name)
+            if value < 1:
+                raise ValueError(f"{name.replace('_', '-')}={value} must be at least 1")
         per = args.dp * args.micro_batches
-        if per < 1 or args.global_batch % per:
+        if args.global_batch % per:
             raise ValueError(
                 f"global batch {args.global_batch} does not split into dp {args.dp} × "
                 f"{args.micro_batches} micro-batches: use a multiple of {per}"

@@ -64,6 +64,11 @@ def test_an_unreadable_size_names_the_value_and_the_forms() -> None:
         parse_size("eighty")
 
 
+def test_a_size_beyond_a_floats_range_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"'1e400' is beyond a float's range: give a finite"):
+        parse_size("1e400")
+
+
 def test_a_bare_giga_is_ambiguous() -> None:
     with pytest.raises(ValueError, match="'80G' is ambiguous: write 80GB .* or 80GiB"):
         parse_size("80G")
@@ -329,6 +334,9 @@ def test_measure_flag_reports_prediction_equal_to_measurement(
         (["--pp", "8"], "8 stages for gpt-tiny's 7 layers: use at most 7"),
         (["--micro-batches", "0"], "micro-batches=0 must be at least 1"),
         (["--global-batch", "10", "--micro-batches", "4"], "global batch 10 does not split"),
+        (["--dp", "0", "--global-batch", "8"], "dp=0 must be at least 1"),
+        (["--micro-batches", "0", "--global-batch", "8"], "micro-batches=0 must be at least 1"),
+        (["--global-batch", "0"], "global-batch=0 must be at least 1"),
         (["--schedule", "pipedream"], "unknown schedule 'pipedream': choose one of gpipe"),
         (["--model", "llama-70b", "--device", "cpu", "--measure"], "builds llama-70b for real"),
         (["--dp", "2", "--measure"], "--measure runs one replica in one process"),
@@ -339,6 +347,14 @@ def test_bad_input_exits_2_with_the_reason(
 ) -> None:
     code, _, err = _memory(capsys, *argv)
     assert code == 2 and message in err
+
+
+def test_a_device_memory_beyond_a_floats_range_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _memory(capsys, "--device-memory", "1e400")
+    assert exit_info.value.code == 2 and "'1e400' is beyond" in capsys.readouterr().err
 
 
 def test_an_unreadable_device_memory_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
