@@ -57,19 +57,27 @@ def load_schedule(path: str | Path) -> Schedule:
 
     Without a header, micro-batches and stages are inferred from the tokens and stage s is
     placed on rank s mod P.
+
+    A blank row is a rank with no actions (`save_schedule` writes one), but blank lines at the
+    end beyond the ranks the header's placement names (all of them without a header) are an
+    editor's trailing newlines, not ranks, and are dropped.
     """
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
         raise ValueError(f"cannot read schedule file {path}: {error}") from error
     fields = _header(lines)
-    rows = tuple(tuple(parse_actions(line)) for line in lines if not line.startswith("#"))
+    rows = [tuple(parse_actions(line)) for line in lines if not line.startswith("#")]
     actions: list[Action] = [a for row in rows for a in row]
     if not actions:
         raise ValueError(f"schedule file {path} holds no actions: write one row of tokens per rank")
+    placed = tuple(int(r) for r in fields["placement"].split(",")) if "placement" in fields else ()
+    named_ranks = max(placed) + 1 if placed else 0
+    while len(rows) > named_ranks and not rows[-1]:
+        rows.pop()
     num_ranks = len(rows)
-    if "placement" in fields:
-        placement = tuple(int(r) for r in fields["placement"].split(","))
+    if placed:
+        placement = placed
     else:
         stages = max(a.stage for a in actions) + 1
         placement = tuple(s % num_ranks for s in range(stages))
@@ -79,7 +87,7 @@ def load_schedule(path: str | Path) -> Schedule:
         num_stages=len(placement),
         micro_batches=int(fields.get("micro_batches", max(a.micro_batch for a in actions) + 1)),
         placement=placement,
-        rows=rows,
+        rows=tuple(rows),
         lowered=any(not a.is_compute for a in actions),
     )
     validate(schedule)

@@ -58,6 +58,19 @@ def test_plain_rows_without_header_load_with_loop_placement(tmp_path: Path) -> N
     assert (schedule.num_stages, schedule.micro_batches, schedule.placement) == (2, 2, (0, 1))
 
 
+def test_trailing_blank_lines_of_plain_rows_are_not_ranks(tmp_path: Path) -> None:
+    (tmp_path / "mine.txt").write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n\n\n")
+    assert load_schedule(tmp_path / "mine.txt").num_ranks == 2
+
+
+def test_trailing_blank_lines_beyond_the_headers_ranks_are_not_ranks(tmp_path: Path) -> None:
+    schedule = zb_h1(2, 3)
+    save_schedule(schedule, tmp_path / "s.csv")
+    with (tmp_path / "s.csv").open("a", encoding="utf-8") as file:
+        file.write("\n\n")
+    assert load_schedule(tmp_path / "s.csv") == schedule
+
+
 def test_a_broken_custom_schedule_is_rejected_on_load(tmp_path: Path) -> None:
     (tmp_path / "bad.txt").write_text("0B0 0F0\n1F0 1B0\n")
     with pytest.raises(ScheduleError, match="0B0 at index 0 comes before its 0F0"):
