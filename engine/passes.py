@@ -42,21 +42,46 @@ def is_lowered(schedule: Schedule) -> bool:
     return schedule.lowered or any(a.kind in COMM_KINDS for row in schedule.rows for a in row)
 
 
-def peer_stage(action: Action) -> int:
-    """The stage on the other end of a SEND/RECV."""
+def peer_stage(action: Action, num_stages: int | None = None) -> int:
+    """The stage on the other end of a SEND/RECV.
+
+    Without `num_stages` it is arithmetic alone and may fall outside the schedule (-1 for stage
+    0's RECV_F), which the validator reports as a problem with the schedule; with it, a SEND/RECV
+    whose peer stage does not exist is a ValueError.
+    """
     if action.kind not in _PEER_OFFSET:
         raise ValueError(f"{action} is a compute action: only SEND/RECV actions have a peer")
-    return action.stage + _PEER_OFFSET[action.kind]
+    peer = action.stage + _PEER_OFFSET[action.kind]
+    if num_stages is not None and not 0 <= peer < num_stages:
+        raise _no_peer(action, peer, f"0..{num_stages - 1}")
+    return peer
 
 
 def peer_of(action: Action, schedule: Schedule) -> int:
-    """The rank on the other end of a SEND/RECV."""
-    return schedule.rank_of(peer_stage(action))
+    """The rank on the other end of a SEND/RECV; ValueError if its stage has no peer that way
+    (placement[-1] would otherwise answer for stage 0's RECV_F with the last rank)."""
+    return schedule.rank_of(peer_stage(action, schedule.num_stages))
 
 
-def counterpart(action: Action) -> Action:
-    """The action on the peer that completes this exchange (`0SEND_F1` ↔ `1RECV_F1`)."""
-    return Action(peer_stage(action), _COUNTERPART_KIND[action.kind], action.micro_batch)
+def counterpart(action: Action, num_stages: int | None = None) -> Action:
+    """The action on the peer that completes this exchange (`0SEND_F1` ↔ `1RECV_F1`).
+
+    ValueError if the peer stage is below 0, or with `num_stages` outside the schedule: there
+    is no action that could complete the exchange.
+    """
+    peer = peer_stage(action, num_stages)
+    if peer < 0:
+        raise _no_peer(action, peer, "numbered from 0")
+    return Action(peer, _COUNTERPART_KIND[action.kind], action.micro_batch)
+
+
+def _no_peer(action: Action, peer: int, stages: str) -> ValueError:
+    side = "previous" if peer < action.stage else "next"
+    return ValueError(
+        f"{action} has no peer: stage {action.stage} has no {side} stage {peer} (stages are "
+        f"{stages}); the first stage's input and the last stage's output never cross ranks, "
+        "so drop the action"
+    )
 
 
 def communication_for(action: Action, schedule: Schedule) -> tuple[list[Action], list[Action]]:

@@ -306,6 +306,27 @@ def test_peer_of_uses_the_placement() -> None:
     assert peer_of(parse_action("2RECV_F0"), looped) == 1
 
 
+@pytest.mark.parametrize(
+    ("token", "side"),
+    [("0RECV_F0", "previous stage -1"), ("1SEND_F0", "next stage 2"), ("1RECV_B0", "next stage 2")],
+)
+def test_peer_of_an_exchange_past_the_first_or_last_stage_is_an_error(
+    token: str, side: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"{token} has no peer: stage \d has no {side}"):
+        peer_of(parse_action(token), gpipe(2, 2))
+
+
+def test_counterpart_of_an_exchange_before_stage_0_is_an_error() -> None:
+    with pytest.raises(ValueError, match="0RECV_F0 has no peer: stage 0 has no previous stage"):
+        counterpart(parse_action("0RECV_F0"))
+
+
+def test_counterpart_given_the_stage_count_rejects_a_peer_past_the_last_stage() -> None:
+    with pytest.raises(ValueError, match="1SEND_F0 has no peer: stage 1 has no next stage 2"):
+        counterpart(parse_action("1SEND_F0"), num_stages=2)
+
+
 def test_peer_stage_of_a_compute_action_is_an_error() -> None:
     with pytest.raises(ValueError, match="1F0 is a compute action"):
         peer_stage(Action(1, ActionKind.F, 0))
