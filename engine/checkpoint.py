@@ -3,9 +3,11 @@
 A checkpoint is a directory `step-{N:08d}` (N optimizer steps done) under the run's checkpoint
 folder. Every rank writes its part into `.tmp-step-…`: each stage's first replica (dp rank 0)
 its `model-stageSSS.safetensors` and `optim-stageSSS.safetensors` under global names, every
-rank its `rng-rankRRRRR.json`. When all ranks have reported (a gather that is also the barrier)
-global rank 0 writes the indexes and `trainer.json`, renames the directory into place, and only
-then moves the `latest` pointer; rotation deletes the oldest checkpoints after that.
+rank its `rng-rankRRRRR.json`. Under ZeRO-1 every replica writes the optimizer state of the
+parameters it owns, `optim-stageSSS-dpDDD.safetensors`, into the same index. When all ranks
+have reported (a gather that is also the barrier) global rank 0 writes the indexes and
+`trainer.json`, renames the directory into place, and only then moves the `latest` pointer;
+rotation deletes the oldest checkpoints after that.
 
 Loading stages everything first: each rank reads and checks its own stages' tensors (a tied
 weight under its lowest layer's name), the ranks agree that all of them succeeded, and only
@@ -55,6 +57,7 @@ from engine.rng_state import capture_rng, restore_rng
 from engine.weights import (
     TensorSource,
     check_names,
+    is_sharded,
     optimizer_state,
     read_module_weights,
     read_optimizer_state,
@@ -123,24 +126,39 @@ def _everywhere(
 
 def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -> dict[str, Any]:
     """This rank's files; returns what rank 0 needs for the indexes."""
-    report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": {}}
+    report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": []}
     rng = tmp / f"rng-rank{engine.mesh.rank:05d}.json"
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
+    first_replica = engine.mesh.dp_rank == 0
     for s, stage in engine.stages.items():
         report["stages"][s] = (stage.layers.start, stage.layers.stop)
-        if engine.mesh.dp_rank != 0:
-            continue
         params = stored_parameters(stage.module, specs)
-        if params:  # else the stage holds only tied copies, stored by a lower stage
+        if first_replica and params:  # no params: only tied copies, stored by a lower stage
             report["model"].append(write_shard(tmp, f"model-stage{s:03d}.safetensors", params))
         if engine.optimizer is not None:
-            tensors, meta = optimizer_state(engine.optimizer, stage.module, specs)
-            if tensors:
-                shard = write_shard(tmp, f"optim-stage{s:03d}.safetensors", tensors)
-                report["optim"].append(shard)
-            report["optim_meta"][s] = meta
+            _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
     return report
+
+
+def _write_optimizer(
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer,
+    specs: Sequence[LayerSpec],
+    tmp: Path,
+    s: int,
+    report: dict[str, Any],
+) -> None:
+    """Stage `s`'s optimizer state: from the first replica, or under ZeRO-1 from every replica,
+    each the state of the parameters it owns (global names, so the shards never overlap)."""
+    sharded = is_sharded(optimizer)
+    if not sharded and engine.mesh.dp_rank != 0:
+        return
+    tensors, meta = optimizer_state(optimizer, engine.stages[s].module, specs)
+    if tensors:
+        dp = f"-dp{engine.mesh.dp_rank:03d}" if sharded else ""
+        report["optim"].append(write_shard(tmp, f"optim-stage{s:03d}{dp}.safetensors", tensors))
+    report["optim_meta"].append(meta)
 
 
 def _prepare(root: Path, tmp: Path) -> None:
@@ -155,14 +173,13 @@ def _write_indexes(tmp: Path, reports: list[dict[str, Any]], step: int) -> list[
     boundaries = [0, *(stop for _, (_, stop) in stages)]
     model: list[ShardRecord] = [rec for report in reports for rec in report["model"]]
     write_index(tmp / MODEL_INDEX, model, {"step": step, "partition": boundaries})
-    metas = {s: m for report in reports for s, m in report["optim_meta"].items()}
+    metas = [m for report in reports for m in report["optim_meta"]]
     optim: list[ShardRecord] = [rec for report in reports for rec in report["optim"]]
     if metas:
-        first = metas[min(metas)]
-        state_keys = {k: v for m in metas.values() for k, v in m["state_keys"].items()}
-        scalars = {k: v for m in metas.values() for k, v in m["scalars"].items()}
+        state_keys = {k: v for m in metas for k, v in m["state_keys"].items()}
+        scalars = {k: v for m in metas for k, v in m["scalars"].items()}
         meta = {
-            **first,
+            **metas[0],
             "state_keys": dict(sorted(state_keys.items())),
             "scalars": dict(sorted(scalars.items())),
             "step": step,

@@ -8,6 +8,7 @@ positional index, so it follows its parameter into any layout. No torch.distribu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
@@ -20,7 +21,9 @@ from models import LayerSpec
 __all__ = [
     "TensorSource",
     "check_names",
+    "is_sharded",
     "load_module_weights",
+    "local_optimizer",
     "optimizer_state",
     "read_module_weights",
     "read_optimizer_state",
@@ -134,13 +137,33 @@ def _optimized(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: for ZeRO-1 its local shard `.optim` (the
+    wrapper's own `state` stays empty and its `state_dict()` needs a consolidation onto one
+    rank), else `optimizer` itself. The shard's parameters are the ones this rank owns."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        inner: torch.optim.Optimizer = optimizer.optim
+        return inner
+    return optimizer
+
+
+def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each data-parallel replica holds a different part of the state (ZeRO-1)."""
+    return local_optimizer(optimizer) is not optimizer
+
+
 def optimizer_state(
     optimizer: torch.optim.Optimizer, module: nn.Module, specs: Sequence[LayerSpec]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """`module`'s share of the optimizer: tensors `{param}.{key}` and JSON metadata
     (optimizer class, hyper-parameters per group, state keys per parameter, and the Python
-    type of each state value that is a scalar rather than a tensor)."""
-    optimized = {id(p) for p in _optimized(optimizer)}
+    type of each state value that is a scalar rather than a tensor).
+
+    Under ZeRO-1 the share is that of the parameters this rank owns, and the class recorded is
+    the sharded one (e.g. AdamW), so any layout, sharded or not, can load it."""
+    owner = local_optimizer(optimizer)
+    optimized = {id(p) for p in _optimized(owner)}
     tensors: dict[str, torch.Tensor] = {}
     state_keys: dict[str, list[str]] = {}
     scalars: dict[str, str] = {}
@@ -148,7 +171,7 @@ def optimizer_state(
         if canonical_name(specs, name) != name or id(param) not in optimized:
             continue
         state_keys[name] = []
-        for key, value in sorted(optimizer.state.get(param, {}).items()):
+        for key, value in sorted(owner.state.get(param, {}).items()):
             tensor, kind = _state_tensor(f"{name}.{key}", value)
             tensors[f"{name}.{key}"] = tensor
             state_keys[name].append(key)
@@ -156,7 +179,7 @@ def optimizer_state(
                 scalars[f"{name}.{key}"] = kind
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     meta = {
-        "optimizer": type(optimizer).__name__,
+        "optimizer": type(owner).__name__,
         "param_groups": groups,
         "state_keys": state_keys,
         "scalars": scalars,
@@ -165,7 +188,7 @@ def optimizer_state(
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], where: str) -> None:
-    saved, ours = meta.get("optimizer"), type(optimizer).__name__
+    saved, ours = meta.get("optimizer"), type(local_optimizer(optimizer)).__name__
     if saved != ours:
         raise CheckpointError(f"{where} holds {saved} state but the run uses {ours}")
     groups = meta.get("param_groups")
@@ -187,19 +210,21 @@ def read_optimizer_state(
     specs: Sequence[LayerSpec],
     source: Any,
 ) -> dict[str, Any]:
-    """A `state_dict` for `optimizer` holding the stored state of the modules' parameters.
+    """A `state_dict` for `optimizer` holding the stored state of the modules' parameters
+    (under ZeRO-1, of those this rank owns: `load_state_dict` keeps only those anyway).
 
     `source` is a `TensorReader` of the optimizer index (its metadata carries the groups).
     """
     meta, where = source.metadata, str(source.index_path)
     _check_optimizer(optimizer, meta, where)
     index = {id(p): i for i, p in enumerate(_optimized(optimizer))}
+    owned = {id(p) for p in _optimized(local_optimizer(optimizer))}
     state_keys: dict[str, list[str]] = meta.get("state_keys", {})
     scalars: dict[str, str] = meta.get("scalars", {})
     state: dict[int, dict[str, Any]] = {}
     for module in modules:
         for name, param in module.named_parameters():
-            if id(param) not in index:
+            if id(param) not in owned:
                 continue
             stored = canonical_name(specs, name)
             if stored not in state_keys:
@@ -216,9 +241,8 @@ def read_optimizer_state(
                     key: _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
                     for key, tensor in entry.items()
                 }
-    current = optimizer.state_dict()["param_groups"]
-    groups = [
-        {**_from_json(saved), "params": cur["params"]}
-        for saved, cur in zip(meta["param_groups"], current, strict=True)
+    groups = [  # numbered as `state_dict()` numbers them, which ZeRO-1 cannot call
+        {**_from_json(saved), "params": [index[id(p)] for p in group["params"]]}
+        for saved, group in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
     return {"state": state, "param_groups": groups}
