@@ -93,6 +93,11 @@ class TrainerState:
     """The LR scheduler's `state_dict()`."""
     config: dict[str, Any] = field(default_factory=dict)
     """The run's `TrainConfig` as a dict (for the record, and for `generate`/`export`)."""
+    loss_scale: dict[str, float] = field(default_factory=dict)
+    """fp16's `LossScaler.state_dict()` (empty in other precisions): the scale the next step
+    uses and how close it is to growing, so a resumed run skips and steps as this one would."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped so far for a non-finite loss or gradient."""
 
 
 def _gather(value: object) -> list[Any]:
@@ -201,6 +206,8 @@ def _finish(
         "loader": state.loader,
         "scheduler": state.scheduler,
         "config": state.config,
+        "loss_scale": state.loss_scale,
+        "skipped_steps": state.skipped_steps,
         "model": model_config_dict(specs[0].config),
         "partition": _write_indexes(tmp, reports, state.step),
         "layout": {"pp": engine.mesh.pp, "dp": engine.mesh.dp, "schedule": engine.schedule.name},
@@ -322,6 +329,8 @@ def _stage(
         loader=trainer.get("loader") or {},
         scheduler=trainer.get("scheduler") or {},
         config=trainer.get("config") or {},
+        loss_scale=trainer.get("loss_scale") or {},
+        skipped_steps=int(trainer.get("skipped_steps", 0)),
     )
     rng = None if weights_only else _read_rng(directory, trainer, engine)
     return _Staged(weights=weights, optimizer=optimizer, rng=rng, trainer=state)

@@ -54,6 +54,14 @@ class LossScaler:
     min_scale: float = 1.0
     _good_steps: int = 0
 
+    def state_dict(self) -> dict[str, float]:
+        """What a resumed run needs to scale and grow exactly as this one would have."""
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+
     def update(self, finite: bool) -> None:
         """After a step: back off on overflow (the step was skipped), grow after a good run."""
         if not finite:

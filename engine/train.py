@@ -174,6 +174,8 @@ class _Run:
             loader={**self.loader.state_dict(), "position": done},
             scheduler=self.scheduler.state_dict(),
             config=config.to_dict(),
+            loss_scale=self.engine.scaler.state_dict() if self.engine.scaler else {},
+            skipped_steps=self.engine.skipped_steps,
         )
         save_checkpoint(
             self.engine, self.specs, config.checkpoint_dir, state=state, keep=config.keep
@@ -189,6 +191,9 @@ class _Run:
             )
             self.scheduler.load_state_dict(state.scheduler)
             self.loader.load_state_dict(state.loader)
+            if engine.scaler is not None and state.loss_scale:
+                engine.scaler.load_state_dict(state.loss_scale)
+            engine.skipped_steps = state.skipped_steps
             _say(engine.mesh, f"resumed from step {state.step} ({where})")
             return state.step
         if config.init_from is not None:

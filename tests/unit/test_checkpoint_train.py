@@ -121,6 +121,49 @@ def test_a_deepspeed_cpu_adam_run_resumes_with_the_same_losses(tmp_path: Path, t
     assert train(resumed, progress=False).losses == full.losses[2:]
 
 
+@pytest.fixture(scope="module")
+def fp16_runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[str, Any]:
+    """fp16 with a learning rate high enough that step 1 overflows and halves the loss scale
+    before the step-3 checkpoint; an uninterrupted run and one resumed from step 3."""
+    root = tmp_path_factory.mktemp("fp16")
+    run = {
+        **RUN,
+        "model": "gpt-tiny",
+        "precision": "fp16",
+        "lr": 0.5,
+        "warmup_steps": 0,
+        "save_every": 3,
+        "data": tokens,
+    }
+    metrics = str(root / "full.jsonl")
+    full = TrainConfig(**run, checkpoint_dir=str(root / "full"), metrics_file=metrics)
+    full_result = train(full, progress=False)
+    _copy_step(root / "full", 3, root / "resumed")
+    resumed = TrainConfig(**run, checkpoint_dir=str(root / "resumed"), resume=True)
+    return {"root": root, "full": full_result, "resumed": train(resumed, progress=False)}
+
+
+def _trainer(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "trainer.json").read_text())
+
+
+def test_an_fp16_run_resumes_with_the_same_losses(fp16_runs: dict[str, Any]) -> None:
+    assert any(r["skipped"] for r in _records(fp16_runs["root"] / "full.jsonl")[:3])
+    assert fp16_runs["resumed"].losses == fp16_runs["full"].losses[3:]
+
+
+def test_an_fp16_resume_keeps_the_loss_scale_and_the_skipped_step_count(
+    fp16_runs: dict[str, Any],
+) -> None:
+    full = _trainer(fp16_runs["root"] / "full" / "step-00000006")
+    resumed = _trainer(fp16_runs["root"] / "resumed" / "step-00000006")
+    assert full["loss_scale"]["scale"] < 2.0**16
+    assert (resumed["loss_scale"], resumed["skipped_steps"]) == (
+        full["loss_scale"],
+        full["skipped_steps"],
+    )
+
+
 def test_resume_without_a_checkpoint_starts_from_step_zero(tmp_path: Path, tokens: str) -> None:
     config = TrainConfig(
         **{**RUN, "steps": 2}, data=tokens, checkpoint_dir=str(tmp_path), resume=True
