@@ -141,6 +141,8 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer holding this rank's state: for ZeRO-1 its local shard `.optim` (the
     wrapper's own `state` stays empty and its `state_dict()` needs a consolidation onto one
     rank), else `optimizer` itself. The shard's parameters are the ones this rank owns."""
+    # Looked up, not imported: a ZeRO optimizer exists only once its module was imported, and
+    # importing torch.distributed.optim costs seconds that every other run would pay.
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         inner: torch.optim.Optimizer = optimizer.optim
