@@ -449,3 +449,22 @@ def test_make_partition_rejects_bad_requests(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         make_partition(method, num_stages=4, num_layers=8, **kwargs)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["Block", "Norm", "Embedding"]), min_size=1, max_size=24),
+    data=st.data(),
+)
+def test_by_type_splits_as_deepspeeds_type_method_does(
+    kinds: list[str], data: st.DataObject
+) -> None:
+    """A DeepSpeed config's `partition_method: type:…` gives the same stages in meshpipe."""
+    utils = pytest.importorskip("deepspeed.runtime.utils")
+    matched = kinds.count("Block")
+    if matched == 0:
+        return
+    stages = data.draw(st.integers(1, matched))
+    weights = [int(kind == "Block") for kind in kinds]
+    theirs = tuple(int(b) for b in utils.partition_balanced(weights=weights, num_parts=stages))
+    assert by_type(kinds, "type:block", stages).boundaries == theirs
