@@ -56,34 +56,34 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[str, Any]:
-    """An uninterrupted run saving at step 3 and 6, and a run resumed from its step 3."""
-    root = tmp_path_factory.mktemp("runs")
+def _interrupted(run: dict[str, Any], root: Path, at: int) -> dict[str, Any]:
+    """`run` uninterrupted, and resumed from its step-`at` checkpoint as a run interrupted
+    after that step would be (that checkpoint and the metrics so far left behind)."""
     full = train(
         TrainConfig(
-            **RUN,
-            data=tokens,
-            checkpoint_dir=str(root / "full"),
-            save_every=3,
-            metrics_file=str(root / "full.jsonl"),
+            **run, checkpoint_dir=str(root / "full"), metrics_file=str(root / "full.jsonl")
         ),
         progress=False,
     )
-    _copy_step(root / "full", 3, root / "resumed")
+    _copy_step(root / "full", at, root / "resumed")
     shutil.copy(root / "full.jsonl", root / "resumed.jsonl")
     resumed = train(
         TrainConfig(
-            **RUN,
-            data=tokens,
+            **run,
             checkpoint_dir=str(root / "resumed"),
-            save_every=3,
             resume=True,
             metrics_file=str(root / "resumed.jsonl"),
         ),
         progress=False,
     )
     return {"root": root, "full": full, "resumed": resumed}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[str, Any]:
+    """An uninterrupted run saving at step 3 and 6, and a run resumed from its step 3."""
+    root = tmp_path_factory.mktemp("runs")
+    return _interrupted({**RUN, "data": tokens, "save_every": 3}, root, 3)
 
 
 def test_a_resumed_run_continues_with_the_same_losses(runs: dict[str, Any]) -> None:
@@ -115,10 +115,8 @@ def test_a_resumed_run_keeps_the_earlier_metrics_once(runs: dict[str, Any]) -> N
 def test_a_deepspeed_cpu_adam_run_resumes_with_the_same_losses(tmp_path: Path, tokens: str) -> None:
     pytest.importorskip("deepspeed", reason="deepspeed is not installed")
     run = {**RUN, "steps": 4, "save_every": 2, "optimizer_impl": "deepspeed_cpu", "data": tokens}
-    full = train(TrainConfig(**run, checkpoint_dir=str(tmp_path / "full")), progress=False)
-    _copy_step(tmp_path / "full", 2, tmp_path / "resumed")
-    resumed = TrainConfig(**run, checkpoint_dir=str(tmp_path / "resumed"), resume=True)
-    assert train(resumed, progress=False).losses == full.losses[2:]
+    result = _interrupted(run, tmp_path, 2)
+    assert result["resumed"].losses == result["full"].losses[2:]
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +133,7 @@ def fp16_runs(tmp_path_factory: pytest.TempPathFactory, tokens: str) -> dict[str
         "save_every": 3,
         "data": tokens,
     }
-    metrics = str(root / "full.jsonl")
-    full = TrainConfig(**run, checkpoint_dir=str(root / "full"), metrics_file=metrics)
-    full_result = train(full, progress=False)
-    _copy_step(root / "full", 3, root / "resumed")
-    resumed = TrainConfig(**run, checkpoint_dir=str(root / "resumed"), resume=True)
-    return {"root": root, "full": full_result, "resumed": train(resumed, progress=False)}
+    return _interrupted(run, root, 3)
 
 
 def _trainer(directory: Path) -> dict[str, Any]:
