@@ -64,7 +64,7 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel replicas of the pipeline."""
     schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe` or `1f1b`."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2 or zb_drain."""
     partition: str = "balanced"
     """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
     timeout: float = 300.0
@@ -102,6 +102,9 @@ class TrainConfig:
     """Continue from the checkpoint `latest` names in --checkpoint-dir, if there is one."""
     resume_fallback: bool = False
     """If `latest` fails to load, use the previous complete checkpoint (said on stderr)."""
+    resume_with_new_hparams: bool = False
+    """With --resume, continue with this run's learning rate, schedule, optimizer, clipping
+    and precision where they differ from the checkpoint's (such a resume is refused otherwise)."""
     init_from: str | None = None
     """Start from the weights of a checkpoint or a Hugging Face folder (fresh optimizer)."""
     max_restarts: int = 0
@@ -177,10 +180,11 @@ class TrainConfig:
                 self.checkpoint_dir is not None or not used,
                 f"{flag} needs a --checkpoint-dir to save into or resume from",
             )
-        _require(
-            self.resume or not self.resume_fallback,
-            "--resume-fallback only applies with --resume: add --resume",
-        )
+        for flag, used in (
+            ("--resume-fallback", self.resume_fallback),
+            ("--resume-with-new-hparams", self.resume_with_new_hparams),
+        ):
+            _require(self.resume or not used, f"{flag} only applies with --resume: add --resume")
         _require(
             self.resume or self.max_restarts == 0,
             f"--max-restarts {self.max_restarts} restarts would start over from step 0: "

@@ -43,6 +43,11 @@ from engine.hf_interop import open_weights
 from engine.mesh import Mesh, init_mesh
 from engine.metrics import MetricsLog
 from engine.optim import lr_factor
+from engine.resume_check import (
+    check_resumable,
+    keep_new_hyperparameters,
+    optimizer_hyperparameters,
+)
 from engine.trace import TraceRecorder
 from models import LayerSpec, get_config, layer_specs
 from partitioners import partition_model
@@ -186,10 +191,16 @@ class _Run:
         config, engine = self.config, self.engine
         root = config.checkpoint_dir
         if config.resume and root is not None and has_checkpoint(root):
+            assert engine.optimizer is not None
+            built = optimizer_hyperparameters(engine.optimizer)
             where, state = load_checkpoint(
                 engine, self.specs, root, fallback=config.resume_fallback
             )
+            changed = check_resumable(state.config, config, state.step)
             self.scheduler.load_state_dict(state.scheduler)
+            if changed:
+                keep_new_hyperparameters(engine.optimizer, self.scheduler, built)
+                _say(engine.mesh, f"continuing with new settings ({changed})")
             self.loader.load_state_dict(state.loader)
             if engine.scaler is not None and state.loss_scale:
                 engine.scaler.load_state_dict(state.loss_scale)

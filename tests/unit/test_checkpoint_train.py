@@ -15,7 +15,9 @@ from engine.cli import build_parser, main
 from engine.config import TrainConfig
 from engine.data import BatchLoader, load_tokens, prepare
 from engine.generate import load_model
-from engine.train import train
+from engine.optim import lr_factor
+from engine.resume_check import check_resumable
+from engine.train import TrainResult, train
 from models import lm_loss
 
 torch.set_num_threads(1)
@@ -192,6 +194,10 @@ def test_init_from_starts_from_the_checkpoint_weights(runs: dict[str, Any], toke
         ({"save_every": 5}, "--save-every needs a --checkpoint-dir"),
         ({"keep": 2}, "--keep needs a --checkpoint-dir"),
         ({"checkpoint_dir": "d", "resume_fallback": True}, "only applies with --resume"),
+        (
+            {"checkpoint_dir": "d", "resume_with_new_hparams": True},
+            "--resume-with-new-hparams only applies with --resume",
+        ),
         ({"checkpoint_dir": "d", "max_restarts": 2}, "would start over from step 0"),
         ({"checkpoint_dir": "d", "save_every": -1}, "save_every=-1 must be >= 0"),
     ],
@@ -215,6 +221,7 @@ def test_checkpoint_flags_reach_the_config() -> None:
             "3",
             "--resume",
             "--resume-fallback",
+            "--resume-with-new-hparams",
             "--max-restarts",
             "1",
             "--init-from",
@@ -228,6 +235,7 @@ def test_checkpoint_flags_reach_the_config() -> None:
         1,
         "hf",
     )
+    assert args.resume_with_new_hparams is True
     assert build_parser().parse_args(["train"]).resume is False
 
 
@@ -240,7 +248,7 @@ def test_cli_resume_says_where_it_resumed_from(
         "--model",
         "llama-tiny",
         "--steps",
-        "4",
+        "6",
         "--global-batch",
         "4",
         "--micro-batches",
@@ -258,3 +266,62 @@ def test_cli_resume_says_where_it_resumed_from(
     ]
     assert main(argv) == 0
     assert "resumed from step 3" in capsys.readouterr().err
+
+
+def _resume_changed(runs: dict[str, Any], tokens: str, root: Path, **changes: Any) -> TrainResult:
+    """The `runs` job resumed from its step-3 checkpoint with `changes` to its settings."""
+    _copy_step(runs["root"] / "full", 3, root)
+    config = TrainConfig(
+        **{**RUN, "save_every": 3, **changes},
+        data=tokens,
+        checkpoint_dir=str(root),
+        resume=True,
+        metrics_file=str(root / "metrics.jsonl"),
+    )
+    return train(config, progress=False)
+
+
+def test_a_resume_with_other_hyperparameters_is_refused_naming_each_change(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    expected = (
+        r"step 3 was trained with other settings \(lr: 0\.003 → 0\.001; weight_decay: 0\.1 → "
+        r"0\.0\): resume with the checkpoint's \(--lr 0\.003 --weight-decay 0\.1\), or add "
+        r"--resume-with-new-hparams"
+    )
+    with pytest.raises(ValueError, match=expected):
+        _resume_changed(runs, tokens, tmp_path, lr=1e-3, weight_decay=0.0)
+
+
+def test_a_longer_run_is_refused_when_its_schedule_decays_to_the_last_step(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="steps: 6 → 8"):
+        _resume_changed(runs, tokens, tmp_path, steps=8)
+
+
+def test_a_longer_run_with_a_constant_schedule_is_the_same_run() -> None:
+    saved = TrainConfig(lr_schedule="constant", steps=6).to_dict()
+    assert check_resumable(saved, TrainConfig(lr_schedule="constant", steps=8), 6) == ""
+
+
+def test_a_resume_may_change_the_layout(runs: dict[str, Any], tokens: str, tmp_path: Path) -> None:
+    resumed = _resume_changed(runs, tokens, tmp_path, micro_batches=4, schedule="gpipe")
+    assert resumed.first_step == 3
+    assert resumed.losses == pytest.approx(runs["full"].losses[3:], rel=1e-5)
+
+
+def test_resume_with_new_hparams_continues_with_them_from_the_resumed_step(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    changes = {"lr": 1e-3, "weight_decay": 0.0, "resume_with_new_hparams": True}
+    _resume_changed(runs, tokens, tmp_path, **changes)
+    lrs = [r["lr"] for r in _records(tmp_path / "metrics.jsonl") if r["step"] >= 3]
+    schedule = {"schedule": "cosine", "warmup_steps": 2, "total_steps": 6, "min_ratio": 0.1}
+    assert lrs == [1e-3 * lr_factor(step, **schedule) for step in (3, 4, 5)]
+    index = tmp_path / "step-00000006" / "optim.safetensors.index.json"
+    groups = json.loads(index.read_text())["metadata"]["param_groups"]
+    assert [(g["initial_lr"], g["weight_decay"]) for g in groups] == [(1e-3, 0.0), (1e-3, 0.0)]
+    assert (
+        "continuing with new settings (lr: 0.003 → 0.001; weight_decay" in capsys.readouterr().err
+    )

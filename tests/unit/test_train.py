@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine import TrainConfig, accumulate_gradients, lr_factor, split_micro_batches, train
-from engine.cli import main
+from engine.cli import build_parser, main
 from engine.data import prepare
+from engine.schedules import SCHEDULES
 from models import build_layers, layer_specs, lm_loss
 
 torch.set_num_threads(1)
@@ -127,3 +128,10 @@ def test_cli_rejects_bad_input_before_compute(
         main(["train", "--steps", "1", "--no-progress", *argv])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_train_help_names_every_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    help_text = capsys.readouterr().out
+    assert [name for name in SCHEDULES if not re.search(rf"\b{name}\b", help_text)] == []
