@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.data import BatchLoader, default_corpus, load_tokens  # noqa: E402
+from engine.launch import free_port  # noqa: E402
 from models import GPTConfig, build_layers, lm_loss  # noqa: E402
 from models.gpt import gpt_layers  # noqa: E402
 
@@ -145,6 +146,7 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     losses = [s.loss for s in steps]
     bubbles = [s.bubble for s in steps]  # read after the run: they arrive a step late
     _report(work, f"meshpipe-{schedule}", mesh.rank, walls, losses, bubbles)
+    torch.distributed.destroy_process_group()
 
 
 def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
@@ -201,6 +203,9 @@ def _deepspeed(work: Path, model: str) -> None:
 
     from engine.deepspeed_peer import MeshpipeLayer, micro_batch_iterator
 
+    # With LOCAL_SIZE set (its launcher sets it) DeepSpeed maps a 66 MiB /dev/shm segment per
+    # rank for inference all-reduces, which the PipelineEngine never uses, and never unlinks it.
+    os.environ.pop("LOCAL_SIZE", None)
     deepspeed.init_distributed(dist_backend="gloo")
     specs = gpt_layers(MODELS[model])
     module = PipelineModule(
@@ -226,6 +231,10 @@ def _deepspeed(work: Path, model: str) -> None:
         losses.append(float(engine.train_batch(stream)))
         walls.append(time.perf_counter() - start)
     _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, losses)
+    # Left to interpreter exit, gloo's teardown with a peer already gone sometimes aborts
+    # ("terminate called without an active exception"), failing the run after its report.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _fairscale(work: Path, model: str) -> None:
@@ -298,7 +307,7 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
         out[f"torch-{schedule}"] = [*torchrun, *me, "--worker", "torch", "--schedule", schedule]
     deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
     if deepspeed:
-        port = str(args.port + 1)
+        port = str(free_port())  # its own: args.port + 1 may be any process's ephemeral port
         out["deepspeed-PipelineEngine"] = [deepspeed, "--num_gpus", "2", "--master_port", port,
                                            *me, "--worker", "deepspeed"]  # fmt: skip
     try:
@@ -316,9 +325,11 @@ def _run(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "BENCH_WARMUP": str(warmup)}  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    (work / f"{name}.log").write_text(done.stdout + done.stderr)
     results = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.rank*.json"))]
     if done.returncode != 0 or not results:
-        return [], (done.stderr or done.stdout).strip().splitlines()[-1][:120]
+        last = (done.stderr or done.stdout or "no output").strip().splitlines()[-1][:120]
+        return [], f"{last} (whole log: {work / f'{name}.log'})"
     return results, ""
 
 
@@ -346,7 +357,7 @@ def main() -> None:
         help="run every system this many times, round-robin; report the median round",
     )  # fmt: skip
     parser.add_argument(
-        "--port", type=int, default=29700, help="rendezvous port (DeepSpeed's is the next one)"
+        "--port", type=int, default=29700, help="torchrun's port (DeepSpeed gets a free one)"
     )
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -30,4 +30,6 @@ def test_each_launcher_runs_and_matches_the_reference(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {line.split(" | ")[0].strip("| *"): line for line in done.stdout.splitlines()}
     for system in systems:
-        assert rows[system].endswith("| yes |"), rows.get(system, done.stdout)
+        log = tmp_path / f"{system}.log"
+        why = log.read_text()[-4000:] if log.exists() else done.stderr[-3000:]
+        assert rows[system].endswith("| yes |"), f"{rows.get(system, done.stdout)}\n{why}"
