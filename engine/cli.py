@@ -26,7 +26,7 @@ from engine.memory_report import add_memory_parser, run_memory
 from engine.metrics import plot_metrics
 from engine.schedule_cli import add_schedule_parser, run_schedule
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "train_config"]
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -41,22 +41,36 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+def _add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, *, omit_defaults: bool = False
+) -> None:
+    """One flag per field; with `omit_defaults` a flag not given leaves no attribute."""
     docs = _field_docs(cls)
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
+        default = argparse.SUPPRESS if omit_defaults else field.default
         if str(field.type) == "bool":
             help_text = f"{docs.get(field.name, '')} (default: off)"
-            parser.add_argument(flag, dest=field.name, action="store_true", help=help_text)
+            parser.add_argument(
+                flag, dest=field.name, action="store_true", default=default, help=help_text
+            )
             continue
         kind: Any = {"int": int, "float": float}.get(str(field.type), str)
         parser.add_argument(
             flag,
             dest=field.name,
             type=kind,
-            default=field.default,
+            default=default,
             help=f"{docs.get(field.name, '')} (default: {field.default})",
         )
+
+
+def _given_fields(argv: Sequence[str]) -> set[str]:
+    """The `TrainConfig` fields a `train` command line sets, even to their default values."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_config_flags(parser, TrainConfig, omit_defaults=True)
+    given, _ = parser.parse_known_args(argv)
+    return set(vars(given))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--deepspeed-config",
         default=None,
         help="a DeepSpeed JSON: its batch, optimizer, scheduler, precision, clipping, ZeRO, "
-        "partition, recompute and seed keys override the flags above; a key it omits leaves "
-        "the flag, except that without gradient_clipping or --clip-grad-norm it clips at "
-        "DeepSpeed's default 1.0",
+        "partition, recompute and seed keys override the flags above; a setting it omits "
+        "takes the flag if given, else DeepSpeed's default (clipping at 1.0; with an "
+        "optimizer: its own betas, eps and weight decay, and a constant lr without a scheduler)",
     )
     plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
     plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")
@@ -103,17 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_train(args: argparse.Namespace) -> int:
+def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
+    """The config a parsed `train` command line asks for; with --deepspeed_config only the
+    flags `argv` gives count, so the JSON's omissions take DeepSpeed's defaults, not ours."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {k: v for k, v in vars(args).items() if k in names}
+    if not args.deepspeed_config:
+        return TrainConfig(**fields)
+    given = _given_fields(argv)
+    return TrainConfig.from_deepspeed(
+        args.deepspeed_config, **{k: v for k, v in fields.items() if k in given}
+    )
+
+
+def _run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from engine.launch import is_launched, launch_local
     from engine.mesh import launcher_world_size
     from engine.train import train_worker
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    fields = {k: v for k, v in vars(args).items() if k in names}
-    if args.deepspeed_config:
-        config = TrainConfig.from_deepspeed(args.deepspeed_config, **fields)
-    else:
-        config = TrainConfig(**fields)
+    config = train_config(args, argv)
     ranks = config.pp * config.dp
     if ranks > 1 and not is_launched():
         progress = not args.no_progress
@@ -163,10 +185,11 @@ def _run_data(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return _run_train(args)
+            return _run_train(args, argv)
         if args.command == "plan":
             return _run_plan(args)
         if args.command == "schedule":

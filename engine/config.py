@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.deepspeed_config import (
-    DEEPSPEED_DEFAULT_CLIPPING,
-    DEEPSPEED_SCHEDULERS,
-    deepspeed_overrides,
-)
+from engine.deepspeed_config import DEEPSPEED_SCHEDULERS, deepspeed_defaults, deepspeed_overrides
 from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.options import EngineOptions
 from engine.schedules import SCHEDULES
@@ -86,6 +82,8 @@ class TrainConfig:
     """AdamW's betas, comma-separated."""
     momentum: float = 0.0
     """SGD's momentum."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment (Llama recipes use 1e-5)."""
     lr_schedule_args: str = "{}"
     """JSON parameters of a deepspeed:<Type> lr schedule (WarmupLR, WarmupDecayLR, …)."""
     trace: str | None = None
@@ -204,6 +202,7 @@ class TrainConfig:
             weight_decay=self.weight_decay,
             betas=(betas[0], betas[1]),
             momentum=self.momentum,
+            eps=self.adam_eps,
             impl=self.optimizer_impl,
         )
 
@@ -220,11 +219,13 @@ class TrainConfig:
     def from_deepspeed(path: str, **fields: Any) -> TrainConfig:
         """A config whose batch, optimizer, schedule, precision, clipping, ZeRO, partition,
         recompute and seed come from a DeepSpeed JSON; `fields` give the rest (model, pp, dp…)
-        and must not contradict the JSON. A JSON without `gradient_clipping` clips as DeepSpeed
-        would (at 1.0) unless `clip_grad_norm` was given, so a DeepSpeed config trains alike."""
+        and must not contradict the JSON. A setting the JSON omits takes DeepSpeed's default
+        (`deepspeed_defaults`: clipping at 1.0, its optimizer's betas, eps and weight decay, a
+        constant lr) unless `fields` give it, so a DeepSpeed config trains alike."""
         overrides = deepspeed_overrides(path, dp=int(fields.get("dp", 1)))
-        if "clip_grad_norm" not in overrides and fields.get("clip_grad_norm", 0.0) == 0.0:
-            overrides["clip_grad_norm"] = DEEPSPEED_DEFAULT_CLIPPING
+        for name, value in deepspeed_defaults(path).items():
+            if name not in overrides and name not in fields:
+                overrides[name] = value
         if isinstance(overrides.get("betas"), tuple):
             overrides["betas"] = ",".join(str(b) for b in overrides["betas"])
         return TrainConfig(**{**fields, **overrides})

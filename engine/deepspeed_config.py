@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "DEEPSPEED_SCHEDULERS",
     "check_scheduler_params",
+    "deepspeed_defaults",
     "deepspeed_lr",
     "deepspeed_overrides",
 ]
@@ -28,8 +29,14 @@ _OPTIMIZER_PARAMS = {
     "sgd": ("lr", "momentum", "weight_decay"),
 }
 """The DeepSpeed optimizer params meshpipe honours (torch_adam only picks DeepSpeed's kernel)."""
-_ADAM_EPS = 1e-8
-"""The eps of torch's AdamW and DeepSpeed's CPU Adam, both of which meshpipe builds."""
+_OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-3, "betas": "0.9,0.999", "adam_eps": 1e-8, "weight_decay": 0.0},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0},
+}
+"""What DeepSpeed's optimizers use for a param the config omits: its Adam kernels' (FusedAdam,
+DeepSpeedCPUAdam) defaults, and torch.optim.SGD's."""
+_TORCH_ADAMW_WEIGHT_DECAY = 0.01
+"""torch.optim.AdamW's default weight decay, which `torch_adam: true` makes DeepSpeed build."""
 _WARMUP_PARAMS = (
     "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
 )  # fmt: skip
@@ -97,11 +104,6 @@ def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
             f"optimizer {section['type']} params {unknown} are not supported by meshpipe: "
             f"remove them (supported: {', '.join(accepted)})"
         )
-    if float(params.get("eps", _ADAM_EPS)) != _ADAM_EPS:
-        raise ValueError(
-            f"optimizer eps={params['eps']!r} is not supported: meshpipe's AdamW uses "
-            f"eps={_ADAM_EPS} (DeepSpeed's default); remove eps or set it to {_ADAM_EPS}"
-        )
     if kind == "adam" and not params.get("adam_w_mode", True):
         raise ValueError(
             "optimizer Adam with adam_w_mode false (Adam with L2 regularisation) is not "
@@ -115,6 +117,8 @@ def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
         fields["weight_decay"] = float(params["weight_decay"])
     if "betas" in params:
         fields["betas"] = tuple(float(b) for b in params["betas"])
+    if "eps" in params:
+        fields["adam_eps"] = float(params["eps"])
     if "momentum" in params:
         fields["momentum"] = float(params["momentum"])
     return fields
@@ -185,13 +189,32 @@ def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
     return {"recompute": "every:1"}
 
 
-def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
-    """`TrainConfig` fields from a DeepSpeed config (a path or a parsed dict).
+def _read(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    return dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
 
-    Only the keys the config has become fields, so a key it omits leaves the matching
-    command-line flag (or `TrainConfig` default) in force, as `meshpipe train --help` says.
-    """
-    cfg = dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+
+def deepspeed_defaults(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """`TrainConfig` fields DeepSpeed would use where the config says nothing: clipping at
+    1.0 and, when the config names an optimizer (so DeepSpeed builds it), that optimizer's own
+    defaults (betas 0.9,0.999 and no weight decay for Adam, not meshpipe's 0.9,0.95 and 0.1)
+    and, without a scheduler, its constant learning rate."""
+    cfg = _read(config)
+    defaults: dict[str, Any] = {"clip_grad_norm": DEEPSPEED_DEFAULT_CLIPPING}
+    if "optimizer" in cfg:
+        section = cfg["optimizer"]
+        name = _OPTIMIZERS.get(str(section.get("type", "")).lower(), "adamw")
+        defaults.update(_OPTIMIZER_DEFAULTS[name])
+        if name == "adamw" and section.get("params", {}).get("torch_adam", False):
+            defaults["weight_decay"] = _TORCH_ADAMW_WEIGHT_DECAY
+        if "scheduler" not in cfg:
+            defaults.update(lr_schedule="constant", warmup_steps=0)
+    return defaults
+
+
+def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
+    """`TrainConfig` fields from the keys a DeepSpeed config (a path or a parsed dict) has;
+    `deepspeed_defaults` gives what DeepSpeed would use for the keys it omits."""
+    cfg = _read(config)
     fields: dict[str, Any] = _batch_fields(cfg, dp)
     handlers = {
         "optimizer": _optimizer_fields,

@@ -46,7 +46,7 @@ def _param_groups(
 
 
 def _optimizer_class(
-    name: str, impl: str, betas: tuple[float, float], momentum: float
+    name: str, impl: str, betas: tuple[float, float], momentum: float, eps: float = 1e-8
 ) -> tuple[Any, dict[str, Any]]:
     """The class and keyword arguments of an optimizer implementation.
 
@@ -71,8 +71,8 @@ def _optimizer_class(
             raise ValueError(
                 "deepspeed_cpu needs deepspeed: pip install 'meshpipe[deepspeed]'"
             ) from error
-        return DeepSpeedCPUAdam, {"betas": betas, "adamw_mode": True}
-    return torch.optim.AdamW, {"betas": betas, **split[impl]}
+        return DeepSpeedCPUAdam, {"betas": betas, "eps": eps, "adamw_mode": True}
+    return torch.optim.AdamW, {"betas": betas, "eps": eps, **split[impl]}
 
 
 def build_optimizer(
@@ -84,9 +84,10 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     momentum: float = 0.0,
     impl: str = "fused",
+    eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
     """An optimizer over `module`'s parameters, with decay on matrices only."""
-    cls, kwargs = _optimizer_class(name, impl, betas, momentum)
+    cls, kwargs = _optimizer_class(name, impl, betas, momentum, eps)
     return cls(_param_groups(module.named_parameters(), weight_decay), lr=lr, **kwargs)
 
 
@@ -104,6 +105,8 @@ class OptimizerSpec:
     """Adam's betas."""
     momentum: float = 0.0
     """SGD's momentum."""
+    eps: float = 1e-8
+    """Adam's epsilon, added to the root of the second moment."""
     impl: str = "fused"
     """One of `IMPLEMENTATIONS`."""
 
@@ -117,6 +120,8 @@ class OptimizerSpec:
                 f"unknown optimizer implementation {self.impl!r}: choose one of "
                 f"{', '.join(IMPLEMENTATIONS)}"
             )
+        if not (0.0 < self.eps < math.inf):
+            raise ValueError(f"eps={self.eps} must be a positive number such as 1e-8")
 
     def build(
         self, module: nn.Module, *, zero_group: dist.ProcessGroup | None = None
@@ -133,10 +138,11 @@ class OptimizerSpec:
                 betas=self.betas,
                 momentum=self.momentum,
                 impl=self.impl,
+                eps=self.eps,
             )
         from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
 
-        cls, kwargs = _optimizer_class(self.name, self.impl, self.betas, self.momentum)
+        cls, kwargs = _optimizer_class(self.name, self.impl, self.betas, self.momentum, self.eps)
         groups = _param_groups(module.named_parameters(), self.weight_decay)
         return ZeroRedundancyOptimizer(
             groups, optimizer_class=cls, process_group=zero_group, lr=self.lr, **kwargs

@@ -1,6 +1,6 @@
 """What a resumed run keeps from the run that wrote its checkpoint.
 
-A checkpoint's optimizer state carries the learning rate, weight decay and betas it was
+A checkpoint's optimizer state carries the learning rate, weight decay, betas and eps it was
 trained with, while clipping, precision and the learning-rate schedule come from this run's
 flags. Resuming with changed flags would silently mix the two, so it is refused, naming each
 change, unless the user asks for the new values: then all of them apply from the resumed step.
@@ -31,6 +31,7 @@ RUN_DEFINING = (
     "min_lr_ratio",
     "weight_decay",
     "betas",
+    "adam_eps",
     "momentum",
     "clip_grad_norm",
     "precision",
@@ -40,7 +41,7 @@ RUN_DEFINING = (
 _DECAYING = ("cosine", "linear")
 """Schedules whose learning rate depends on --steps: longer runs change them too."""
 
-_OPTIMIZER_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "momentum")
+_OPTIMIZER_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "momentum")
 
 
 def _changes(saved: Mapping[str, Any], config: TrainConfig) -> dict[str, tuple[Any, Any]]:

@@ -56,6 +56,7 @@ __all__ = [
     "KILL_AT_STEP_ENV",
     "KILL_RANK_ENV",
     "TrainResult",
+    "lr_multiplier",
     "open_dataset",
     "train",
     "train_worker",
@@ -126,7 +127,7 @@ def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> Pi
     )
 
 
-def _lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+def lr_multiplier(config: TrainConfig) -> Callable[[int], float]:
     """Multiplier of the base lr per step: ours, or a DeepSpeed scheduler's exact values."""
     if config.lr_schedule.startswith("deepspeed:"):
         kind = config.lr_schedule.split(":", 1)[1]
@@ -263,7 +264,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
     specs = layer_specs(config.model)
     engine = _build_engine(config, mesh, specs)
     assert engine.optimizer is not None
-    scheduler = LambdaLR(engine.optimizer, _lr_lambda(config))
+    scheduler = LambdaLR(engine.optimizer, lr_multiplier(config))
     return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
 
 

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import torch
 
+from engine.cli import build_parser, train_config
 from engine.config import TrainConfig
 from engine.deepspeed_config import deepspeed_lr, deepspeed_overrides
+from engine.train import lr_multiplier
 from tests.dist.harness import run_ranks
 
 DS_CONFIG: dict[str, Any] = {
@@ -28,6 +30,7 @@ DS_CONFIG: dict[str, Any] = {
     "seed": 7,
 }
 BATCH_ONLY: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 STEPS = 4
 
 
@@ -40,7 +43,13 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _deepspeed_losses(rank: int, world_size: int) -> list[float]:
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """lr, betas, eps and weight decay of the first parameter group (meshpipe's: matrices)."""
+    group = optimizer.param_groups[0]
+    return {k: tuple(group[k]) if k == "betas" else group[k] for k in HYPERPARAMETERS if k in group}
+
+
+def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
 
     from engine.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
@@ -49,46 +58,75 @@ def _deepspeed_losses(rank: int, world_size: int) -> list[float]:
     deepspeed.init_distributed(dist_backend="gloo")
     module = deepspeed_pipeline(layer_specs("llama-tiny"), num_stages=2, seed=7)
     params = [p for p in module.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=module, config=DS_CONFIG, model_parameters=params)
+    engine, *_ = deepspeed.initialize(model=module, config=ds_config, model_parameters=params)
     batches = micro_batch_iterator(_batches(), 4)
-    return [float(engine.train_batch(batches)) for _ in range(STEPS)]
+    losses = [float(engine.train_batch(batches)) for _ in range(STEPS)]
+    return {"losses": losses, "hyperparameters": _hyperparameters(engine.optimizer)}
 
 
-def _meshpipe_losses(rank: int, world_size: int) -> list[float]:
+def _meshpipe_run(rank: int, world_size: int, ds_json: str) -> dict[str, Any]:
+    """`meshpipe train --deepspeed_config ds_json`'s settings, stepped by hand."""
     from engine.engine import PipelineEngine
     from engine.mesh import init_mesh
-    from engine.optim import OptimizerSpec
-    from engine.options import EngineOptions
     from models import layer_specs
     from partitioners import partition_model
 
-    fields = deepspeed_overrides(DS_CONFIG, dp=1)
+    config = TrainConfig.from_deepspeed(ds_json, model="llama-tiny", pp=2, seq_len=16)
     specs = layer_specs("llama-tiny")
     engine = PipelineEngine(
         specs,
         init_mesh(2, 1, timeout_s=60),
         partition=partition_model(specs, method="uniform", num_stages=2),
-        micro_batches=fields["micro_batches"],
-        seed=fields["seed"],
-        optimizer=OptimizerSpec(name="sgd", lr=fields["lr"], momentum=fields["momentum"]),
-        options=EngineOptions(clip_grad_norm=fields["clip_grad_norm"]),
+        micro_batches=config.micro_batches,
+        seed=config.seed,
+        optimizer=config.optimizer_spec(),
+        options=config.engine_options(),
     )
     assert engine.optimizer is not None
-    schedule = json.loads(fields["lr_schedule_args"])
+    multiplier = lr_multiplier(config)
     losses = []
     for step, (inputs, targets) in enumerate(_batches()):
         for group in engine.optimizer.param_groups:
-            group["lr"] = deepspeed_lr(step, "WarmupLR", schedule, fields["lr"])
+            group["lr"] = config.lr * multiplier(step)
         losses.append(engine.train_step(inputs, targets).loss)
-    return losses
+    return {"losses": losses, "hyperparameters": _hyperparameters(engine.optimizer)}
 
 
-def test_same_json_gives_deepspeeds_loss_curve() -> None:
+def _both(ds_config: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meshpipe's, DeepSpeed's) run of one JSON, each on two pipeline ranks: the losses and
+    the optimizer's hyper-parameters after the last step."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install .[deepspeed])")
-    theirs = run_ranks(_deepspeed_losses, 2, timeout_s=300)
-    ours = run_ranks(_meshpipe_losses, 2, timeout_s=300)
-    assert ours[0] == ours[1]
-    assert ours[0] == pytest.approx(theirs[1], rel=1e-5)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config))
+    theirs = run_ranks(_deepspeed_run, 2, ds_config, timeout_s=300)
+    ours = run_ranks(_meshpipe_run, 2, str(path), timeout_s=300)
+    assert ours[0]["losses"] == ours[1]["losses"]
+    return ours[0], theirs[1]
+
+
+def test_same_json_gives_deepspeeds_loss_curve(tmp_path: Path) -> None:
+    ours, theirs = _both(DS_CONFIG, tmp_path)
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+
+
+ADAM_WITHOUT_SCHEDULER = {k: v for k, v in DS_CONFIG.items() if k != "scheduler"}
+
+
+def test_an_adam_json_omitting_params_builds_deepspeeds_optimizer(tmp_path: Path) -> None:
+    """DeepSpeed's betas (0.9, 0.999), torch AdamW's decay 0.01 and a constant lr, not
+    meshpipe's defaults (0.9, 0.95, 0.1, cosine)."""
+    adam = {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "torch_adam": True}}
+    ours, theirs = _both({**ADAM_WITHOUT_SCHEDULER, "optimizer": adam}, tmp_path)
+    expected = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.01}
+    assert ours["hyperparameters"] == theirs["hyperparameters"] == expected
+
+
+def test_an_adam_json_gives_deepspeeds_loss_curve(tmp_path: Path) -> None:
+    """Without decay, as DeepSpeed decays every parameter it is given and meshpipe matrices."""
+    adam = {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.0,
+                                        "torch_adam": True}}  # fmt: skip
+    ours, theirs = _both({**ADAM_WITHOUT_SCHEDULER, "optimizer": adam}, tmp_path)
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
 
 
 def test_deepspeed_schedulers_are_reproduced_step_by_step() -> None:
@@ -213,13 +251,41 @@ def _with_optimizer(kind: str, **params: Any) -> dict[str, Any]:
     return {**BATCH_ONLY, "optimizer": {"type": kind, "params": params}}
 
 
-def test_an_adam_eps_other_than_meshpipes_is_rejected_by_name() -> None:
-    with pytest.raises(ValueError, match="eps=0.001 is not supported.*set it to 1e-08"):
-        deepspeed_overrides(_with_optimizer("AdamW", eps=1e-3), dp=1)
+def test_an_adam_eps_becomes_the_adam_eps_flag(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_with_optimizer("Adam", eps=1e-5)))
+    config = TrainConfig.from_deepspeed(str(path), dp=2)
+    assert (config.optimizer, config.adam_eps, config.optimizer_spec().eps) == ("adamw", 1e-5, 1e-5)
 
 
-def test_an_adam_eps_equal_to_meshpipes_is_accepted() -> None:
-    assert deepspeed_overrides(_with_optimizer("Adam", eps=1e-8), dp=1)["optimizer"] == "adamw"
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"lr": 0.01}, {"betas": "0.9,0.999", "adam_eps": 1e-8, "weight_decay": 0.0}),
+        ({"torch_adam": True}, {"lr": 1e-3, "weight_decay": 0.01}),
+    ],
+)
+def test_adam_params_the_json_omits_take_deepspeeds_defaults(
+    tmp_path: Path, params: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_with_optimizer("AdamW", **params)))
+    config = TrainConfig.from_deepspeed(str(path), dp=2).to_dict()
+    assert {name: config[name] for name in expected} == expected
+
+
+def test_a_flag_given_for_an_omitted_param_wins_over_deepspeeds_default(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_with_optimizer("AdamW", lr=0.01)))
+    config = TrainConfig.from_deepspeed(str(path), dp=2, weight_decay=0.05, betas="0.8,0.9")
+    assert (config.weight_decay, config.betas, config.adam_eps) == (0.05, "0.8,0.9", 1e-8)
+
+
+def test_a_json_without_an_optimizer_keeps_meshpipes_optimizer_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BATCH_ONLY))
+    config = TrainConfig.from_deepspeed(str(path), dp=2)
+    assert (config.weight_decay, config.betas) == (TrainConfig.weight_decay, TrainConfig.betas)
 
 
 def test_adam_with_l2_regularisation_is_rejected_by_name() -> None:
@@ -284,3 +350,25 @@ def test_a_key_the_json_has_overrides_the_flag(
     flags = {"precision": "bf16", "zero": 1, "clip_grad_norm": 0.5}
     fields = deepspeed_overrides({**BATCH_ONLY, key: value}, dp=2)
     assert {**flags, **fields}[flag] == expected
+
+
+def _from_command_line(tmp_path: Path, ds_config: dict[str, Any], *flags: str) -> TrainConfig:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config))
+    argv = ["train", "--deepspeed_config", str(path), "--dp", "2", *flags]
+    return train_config(build_parser().parse_args(argv), argv)
+
+
+def test_a_flag_given_at_meshpipes_default_still_counts(tmp_path: Path) -> None:
+    adam = _with_optimizer("AdamW", lr=0.01)
+    config = _from_command_line(tmp_path, adam, "--weight-decay", "0.1", "--clip-grad-norm", "0")
+    assert (config.weight_decay, config.clip_grad_norm, config.betas) == (0.1, 0.0, "0.9,0.999")
+
+
+def test_flags_not_given_take_deepspeeds_defaults(tmp_path: Path) -> None:
+    config = _from_command_line(tmp_path, _with_optimizer("AdamW", lr=0.01), "--no-progress")
+    assert (config.weight_decay, config.clip_grad_norm, config.lr_schedule) == (
+        0.0,
+        1.0,
+        "constant",
+    )

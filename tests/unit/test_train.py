@@ -135,3 +135,17 @@ def test_train_help_names_every_schedule(capsys: pytest.CaptureFixture[str]) -> 
         build_parser().parse_args(["train", "--help"])
     help_text = capsys.readouterr().out
     assert [name for name in SCHEDULES if not re.search(rf"\b{name}\b", help_text)] == []
+
+
+@pytest.mark.parametrize("impl", ["fused", "per_tensor", "deepspeed_cpu"])
+def test_adam_eps_reaches_every_optimizer_implementation(impl: str) -> None:
+    if impl == "deepspeed_cpu":
+        pytest.importorskip("deepspeed", reason="deepspeed is not installed")
+    spec = TrainConfig(adam_eps=1e-5, optimizer_impl=impl).optimizer_spec()
+    optimizer = spec.build(torch.nn.Linear(2, 2))
+    assert {group["eps"] for group in optimizer.param_groups} == {1e-5}
+
+
+def test_a_non_positive_adam_eps_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="eps=0.0 must be a positive number"):
+        TrainConfig(adam_eps=0.0)
