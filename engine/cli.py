@@ -22,6 +22,7 @@ from engine.checkpoint_cli import add_commands as add_checkpoint_commands
 from engine.checkpoint_cli import run_command as run_checkpoint_command
 from engine.config import TrainConfig
 from engine.data import prepare
+from engine.launch import RankFailed
 from engine.memory_report import add_memory_parser, run_memory
 from engine.metrics import plot_metrics
 from engine.schedule_cli import add_schedule_parser, run_schedule
@@ -205,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_data(args)
     except ValueError as error:
         parser.exit(2, f"meshpipe: error: {error}\n")
+    except RankFailed as error:
+        parser.exit(1, f"meshpipe: error: {error}\n")
 
 
 if __name__ == "__main__":

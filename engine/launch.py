@@ -7,15 +7,18 @@ as cluster runs.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-__all__ = ["free_port", "is_launched", "launch_local"]
+__all__ = ["RankFailed", "free_port", "is_launched", "launch_local"]
 
 T = TypeVar("T")
 
@@ -32,10 +35,38 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class RankFailed(RuntimeError):
+    """A local rank failed: the message is that rank's own error, where the agent's report
+    would bury it under its tracebacks."""
+
+
+def _first_failure(error: ChildFailedError) -> RankFailed:
+    rank, failure = error.get_first_failure()
+    message = failure.message
+    text = str(message.get("message", "")) if isinstance(message, dict) else str(message)
+    where = f" (its traceback: {failure.error_file})" if os.path.isfile(failure.error_file) else ""
+    return RankFailed(f"rank {rank} failed: {text.strip()}{where}")
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The agent logs each failed rank's traceback as errors; `RankFailed` says it once."""
+    agent = logging.getLogger("torch.distributed.elastic")
+    level = agent.level
+    agent.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        agent.setLevel(level)
+
+
 def launch_local(
     entrypoint: Callable[..., T], nproc: int, *args: Any, max_restarts: int = 0
 ) -> dict[int, T]:
-    """Run `entrypoint(*args)` on `nproc` local ranks; returns each rank's return value."""
+    """Run `entrypoint(*args)` on `nproc` local ranks; returns each rank's return value.
+
+    Raises `RankFailed` with the first failed rank's error when a rank fails (after
+    `max_restarts` restarts of all of them)."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -52,4 +83,8 @@ def launch_local(
         # may dial a dead peer's gloo address (pytorch/pytorch#135712): give each attempt a
         # store of its own, hosted by its rank 0.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return elastic_launch(config, entrypoint)(*args)
+    try:
+        with _quiet_agent():
+            return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as error:
+        raise _first_failure(error) from None

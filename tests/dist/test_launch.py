@@ -81,3 +81,18 @@ def test_metrics_are_written_by_rank_zero_only(tokens: str, tmp_path: Path) -> N
     assert main(["train", *ARGS, "--data", tokens, "--pp", "2", "--metrics-file", str(metrics)]) == 0
     lines = metrics.read_text().splitlines()
     assert len(lines) == 3 and all('"bubble"' in line for line in lines)
+
+
+def test_a_failing_rank_is_reported_in_one_line_with_its_own_error(
+    tokens: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "trainer.json").write_text("{not json")
+    (tmp_path / "latest").write_text("step-00000001\n")
+    argv = ["train", *ARGS, "--data", tokens, "--pp", "2", "--checkpoint-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--resume"])
+    err = capfd.readouterr().err
+    assert exit_info.value.code == 1
+    assert re.search(r"^meshpipe: error: rank \d failed: CheckpointError: .*step-00000001", err, re.M)
+    assert "Traceback" not in err
