@@ -120,6 +120,10 @@ class TrainConfig:
         _require(self.lr > 0, f"lr={self.lr} must be positive")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
         _require(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps} must be >= 0")
+        _require(
+            0.0 < self.adam_eps < float("inf"),
+            f"adam_eps={self.adam_eps} must be a positive number such as 1e-8",
+        )
         deepspeed_schedules = [f"deepspeed:{k}" for k in DEEPSPEED_SCHEDULERS]
         _require(
             self.lr_schedule in (*LR_SCHEDULES, *deepspeed_schedules),

@@ -147,5 +147,5 @@ def test_adam_eps_reaches_every_optimizer_implementation(impl: str) -> None:
 
 
 def test_a_non_positive_adam_eps_is_rejected_by_name() -> None:
-    with pytest.raises(ValueError, match="eps=0.0 must be a positive number"):
+    with pytest.raises(ValueError, match="adam_eps=0.0 must be a positive number"):
         TrainConfig(adam_eps=0.0)
