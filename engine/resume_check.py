@@ -8,6 +8,7 @@ change, unless the user asks for the new values: then all of them apply from the
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,7 +62,9 @@ def check_resumable(saved: Mapping[str, Any], config: TrainConfig, step: int) ->
     listed = "; ".join(f"{name}: {old!r} → {new!r}" for name, (old, new) in changes.items())
     if not changes or config.resume_with_new_hparams:
         return listed
-    flags = " ".join(f"--{name.replace('_', '-')} {old}" for name, (old, _) in changes.items())
+    flags = " ".join(
+        f"--{name.replace('_', '-')} {shlex.quote(str(old))}" for name, (old, _) in changes.items()
+    )
     raise ValueError(
         f"the checkpoint of step {step} was trained with other settings ({listed}): resume with "
         f"the checkpoint's ({flags}), or add --resume-with-new-hparams to continue with the new "

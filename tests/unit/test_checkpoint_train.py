@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,14 @@ def test_a_longer_run_is_refused_when_its_schedule_decays_to_the_last_step(
 ) -> None:
     with pytest.raises(ValueError, match="steps: 6 → 8"):
         _resume_changed(runs, tokens, tmp_path, steps=8)
+
+
+def test_the_refusal_spells_the_checkpoints_values_as_flags_a_shell_takes() -> None:
+    kind = {"lr_schedule": "deepspeed:WarmupLR"}
+    saved = TrainConfig(**kind, lr_schedule_args='{"warmup_num_steps": 5}').to_dict()
+    flag = re.escape("""--lr-schedule-args '{"warmup_num_steps": 5}'""")
+    with pytest.raises(ValueError, match=flag):
+        check_resumable(saved, TrainConfig(**kind, lr_schedule_args="{}"), 3)
 
 
 def test_a_longer_run_with_a_constant_schedule_is_the_same_run() -> None:
