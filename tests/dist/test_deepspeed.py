@@ -49,6 +49,13 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: tuple(group[k]) if k == "betas" else group[k] for k in HYPERPARAMETERS if k in group}
 
 
+def _written(tmp_path: Path, ds_config: dict[str, Any]) -> str:
+    """`ds_config` saved as the JSON file a --deepspeed_config flag names."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config))
+    return str(path)
+
+
 def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
 
@@ -96,10 +103,9 @@ def _both(ds_config: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], di
     """(meshpipe's, DeepSpeed's) run of one JSON, each on two pipeline ranks: the losses and
     the optimizer's hyper-parameters after the last step."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install .[deepspeed])")
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds_config))
+    path = _written(tmp_path, ds_config)
     theirs = run_ranks(_deepspeed_run, 2, ds_config, timeout_s=300)
-    ours = run_ranks(_meshpipe_run, 2, str(path), timeout_s=300)
+    ours = run_ranks(_meshpipe_run, 2, path, timeout_s=300)
     assert ours[0]["losses"] == ours[1]["losses"]
     return ours[0], theirs[1]
 
@@ -252,9 +258,8 @@ def _with_optimizer(kind: str, **params: Any) -> dict[str, Any]:
 
 
 def test_an_adam_eps_becomes_the_adam_eps_flag(tmp_path: Path) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_with_optimizer("Adam", eps=1e-5)))
-    config = TrainConfig.from_deepspeed(str(path), dp=2)
+    path = _written(tmp_path, _with_optimizer("Adam", eps=1e-5))
+    config = TrainConfig.from_deepspeed(path, dp=2)
     assert (config.optimizer, config.adam_eps, config.optimizer_spec().eps) == ("adamw", 1e-5, 1e-5)
 
 
@@ -268,23 +273,20 @@ def test_an_adam_eps_becomes_the_adam_eps_flag(tmp_path: Path) -> None:
 def test_adam_params_the_json_omits_take_deepspeeds_defaults(
     tmp_path: Path, params: dict[str, Any], expected: dict[str, Any]
 ) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_with_optimizer("AdamW", **params)))
-    config = TrainConfig.from_deepspeed(str(path), dp=2).to_dict()
+    path = _written(tmp_path, _with_optimizer("AdamW", **params))
+    config = TrainConfig.from_deepspeed(path, dp=2).to_dict()
     assert {name: config[name] for name in expected} == expected
 
 
 def test_a_flag_given_for_an_omitted_param_wins_over_deepspeeds_default(tmp_path: Path) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(_with_optimizer("AdamW", lr=0.01)))
-    config = TrainConfig.from_deepspeed(str(path), dp=2, weight_decay=0.05, betas="0.8,0.9")
+    path = _written(tmp_path, _with_optimizer("AdamW", lr=0.01))
+    config = TrainConfig.from_deepspeed(path, dp=2, weight_decay=0.05, betas="0.8,0.9")
     assert (config.weight_decay, config.betas, config.adam_eps) == (0.05, "0.8,0.9", 1e-8)
 
 
 def test_a_json_without_an_optimizer_keeps_meshpipes_optimizer_defaults(tmp_path: Path) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(BATCH_ONLY))
-    config = TrainConfig.from_deepspeed(str(path), dp=2)
+    path = _written(tmp_path, BATCH_ONLY)
+    config = TrainConfig.from_deepspeed(path, dp=2)
     assert (config.weight_decay, config.betas) == (TrainConfig.weight_decay, TrainConfig.betas)
 
 
@@ -310,9 +312,8 @@ def test_a_param_the_optimizer_does_not_take_is_rejected_by_name(
 
 
 def test_config_maps_to_train_fields(tmp_path: Path) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(
-        json.dumps({**DS_CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}})
+    path = _written(
+        tmp_path, {**DS_CONFIG, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
     )
     fields = deepspeed_overrides(path, dp=1)
     assert fields["precision"] == "bf16" and fields["zero"] == 1
@@ -324,16 +325,14 @@ def test_config_maps_to_train_fields(tmp_path: Path) -> None:
     ("flag", "value"), [("precision", "bf16"), ("zero", 1), ("clip_grad_norm", 0.5)]
 )
 def test_a_key_the_json_omits_leaves_the_flag(tmp_path: Path, flag: str, value: Any) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(BATCH_ONLY))
-    config = TrainConfig.from_deepspeed(str(path), dp=2, **{flag: value})
+    path = _written(tmp_path, BATCH_ONLY)
+    config = TrainConfig.from_deepspeed(path, dp=2, **{flag: value})
     assert getattr(config, flag) == value
 
 
 def test_a_json_and_flags_without_clipping_clip_at_deepspeeds_default(tmp_path: Path) -> None:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(BATCH_ONLY))
-    assert TrainConfig.from_deepspeed(str(path), dp=2).clip_grad_norm == 1.0
+    path = _written(tmp_path, BATCH_ONLY)
+    assert TrainConfig.from_deepspeed(path, dp=2).clip_grad_norm == 1.0
 
 
 @pytest.mark.parametrize(
@@ -353,9 +352,8 @@ def test_a_key_the_json_has_overrides_the_flag(
 
 
 def _from_command_line(tmp_path: Path, ds_config: dict[str, Any], *flags: str) -> TrainConfig:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds_config))
-    argv = ["train", "--deepspeed_config", str(path), "--dp", "2", *flags]
+    path = _written(tmp_path, ds_config)
+    argv = ["train", "--deepspeed_config", path, "--dp", "2", *flags]
     return train_config(build_parser().parse_args(argv), argv)
 
 
