@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.deepspeed_config import DEEPSPEED_SCHEDULERS, deepspeed_defaults, deepspeed_overrides
+from engine.deepspeed_config import (
+    DEEPSPEED_SCHEDULERS,
+    deepspeed_defaults,
+    deepspeed_overrides,
+    read_deepspeed_config,
+)
 from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.options import EngineOptions
 from engine.schedules import SCHEDULES
@@ -226,8 +231,9 @@ class TrainConfig:
         and must not contradict the JSON. A setting the JSON omits takes DeepSpeed's default
         (`deepspeed_defaults`: clipping at 1.0, its optimizer's betas, eps and weight decay, a
         constant lr) unless `fields` give it, so a DeepSpeed config trains alike."""
-        overrides = deepspeed_overrides(path, dp=int(fields.get("dp", 1)))
-        for name, value in deepspeed_defaults(path).items():
+        json_config = read_deepspeed_config(path)
+        overrides = deepspeed_overrides(json_config, dp=int(fields.get("dp", 1)))
+        for name, value in deepspeed_defaults(json_config).items():
             if name not in overrides and name not in fields:
                 overrides[name] = value
         if isinstance(overrides.get("betas"), tuple):

@@ -19,6 +19,7 @@ __all__ = [
     "deepspeed_defaults",
     "deepspeed_lr",
     "deepspeed_overrides",
+    "read_deepspeed_config",
 ]
 
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -189,7 +190,8 @@ def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
     return {"recompute": "every:1"}
 
 
-def _read(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def read_deepspeed_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config as a dict, from its JSON file's path or already parsed."""
     return dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
 
 
@@ -198,7 +200,7 @@ def deepspeed_defaults(config: str | Path | Mapping[str, Any]) -> dict[str, Any]
     1.0 and, when the config names an optimizer (so DeepSpeed builds it), that optimizer's own
     defaults (betas 0.9,0.999 and no weight decay for Adam, not meshpipe's 0.9,0.95 and 0.1)
     and, without a scheduler, its constant learning rate."""
-    cfg = _read(config)
+    cfg = read_deepspeed_config(config)
     defaults: dict[str, Any] = {"clip_grad_norm": DEEPSPEED_DEFAULT_CLIPPING}
     if "optimizer" in cfg:
         section = cfg["optimizer"]
@@ -214,7 +216,7 @@ def deepspeed_defaults(config: str | Path | Mapping[str, Any]) -> dict[str, Any]
 def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
     """`TrainConfig` fields from the keys a DeepSpeed config (a path or a parsed dict) has;
     `deepspeed_defaults` gives what DeepSpeed would use for the keys it omits."""
-    cfg = _read(config)
+    cfg = read_deepspeed_config(config)
     fields: dict[str, Any] = _batch_fields(cfg, dp)
     handlers = {
         "optimizer": _optimizer_fields,
