@@ -337,12 +337,17 @@ def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
          reference: list[float]) -> str:  # fmt: skip
     step = _slowest(results)
     losses = next(r["losses"] for r in reversed(results) if r["losses"][0] == r["losses"][0])
-    match = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference, strict=True))
+    if not reference:
+        match = "– (no single-1t in this run)"
+    elif all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference, strict=True)):
+        match = "yes"
+    else:
+        match = "NO"
     bubble = results[0]["bubble"]
     rss = ", ".join(f"{r['rss_mib']:.0f}" for r in results)
     return (
         f"| {name} | {step:.3f} | {tokens / step:,.0f} | {best / (tokens / step):.2f} | {rss} "
-        f"| {'–' if bubble is None else f'{bubble:.1%}'} | {'yes' if match else 'NO'} |"
+        f"| {'–' if bubble is None else f'{bubble:.1%}'} | {match} |"
     )
 
 
