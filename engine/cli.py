@@ -15,11 +15,13 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from engine.checkpoint_cli import COMMANDS as CHECKPOINT_COMMANDS
 from engine.checkpoint_cli import add_commands as add_checkpoint_commands
 from engine.checkpoint_cli import run_command as run_checkpoint_command
+from engine.checkpoint_files import step_dirs
 from engine.config import TrainConfig
 from engine.data import prepare
 from engine.launch import RankFailed
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
     plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")
-    plot.add_argument("--out", required=True, help="PNG to write")
+    plot.add_argument("--out", default=None, help="PNG to write (default: METRICS with .png)")
     plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
     plan.add_argument("--model", default="gpt-tiny", help="a registered model name")
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
@@ -131,12 +133,31 @@ def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
     )
 
 
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) ended a run: the message says where it can go on from."""
+
+
+def _go_on_from(config: TrainConfig) -> str:
+    """What an interrupted run kept, and how to continue it."""
+    saved = step_dirs(Path(config.checkpoint_dir)) if config.checkpoint_dir else []
+    if not saved:
+        return "no checkpoint was written (--checkpoint-dir D --save-every N keep progress)"
+    return f"the newest checkpoint is {saved[-1]}: the same command with --resume goes on from it"
+
+
 def _run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    config = train_config(args, argv)
+    try:
+        return _train(config, args)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {_go_on_from(config)}") from None
+
+
+def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.launch import is_launched, launch_local
     from engine.mesh import launcher_world_size
     from engine.train import train_worker
 
-    config = train_config(args, argv)
     ranks = config.pp * config.dp
     if ranks > 1 and not is_launched():
         progress = not args.no_progress
@@ -151,10 +172,15 @@ def _run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         result = train_worker(config, not args.no_progress)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
-    bubble = sum(result.bubbles[1:]) / max(1, len(result.bubbles) - 1)
+    if not result.losses:
+        print(
+            f"nothing to train: the checkpoint is at step {result.first_step} and --steps is "
+            f"{config.steps} (give a larger --steps to train on)"
+        )
+        return 0
     print(
         f"final loss {result.final_loss:.4f} after {config.steps} steps "
-        f"({result.tokens_per_s:,.0f} tokens/s, bubble {bubble:.1%})"
+        f"({result.tokens_per_s:,.0f} tokens/s, bubble {result.mean_bubble:.1%})"
     )
     return 0
 
@@ -196,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schedule":
             return run_schedule(args)
         if args.command == "plot":
-            plot_metrics(args.metrics, args.out)
-            print(f"wrote {args.out}")
+            print(f"wrote {plot_metrics(args.metrics, args.out)}")
             return 0
         if args.command == "memory":
             return run_memory(args)
@@ -208,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"meshpipe: error: {error}\n")
     except RankFailed as error:
         parser.exit(1, f"meshpipe: error: {error}\n")
+    except OSError as error:
+        parser.exit(1, f"meshpipe: error: {error}\n")
+    except Interrupted as interrupted:
+        parser.exit(130, f"meshpipe: {interrupted}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "meshpipe: interrupted\n")
 
 
 if __name__ == "__main__":

@@ -57,12 +57,34 @@ DEEPSPEED_DEFAULT_CLIPPING = 1.0
 """DeepSpeed's GRADIENT_CLIPPING_DEFAULT: what it clips at when a config says nothing."""
 
 
+def _no_auto(value: Any, key: str) -> None:
+    if value == "auto":
+        raise ValueError(
+            f'{key}="auto": only the Hugging Face Trainer fills in "auto" values, DeepSpeed and '
+            "meshpipe need a number: write the value (or remove the key for the default)"
+        )
+
+
+def _number(value: Any, key: str, kind: type[float] | type[int] = float) -> Any:
+    """`value` as a float (or int), or an error naming the key."""
+    _no_auto(value, key)
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or isinstance(value, bool) or (kind is int and number != value):
+        noun = "a whole number" if kind is int else "a number"
+        raise ValueError(f"{key}={value!r}: give {noun}")
+    return number
+
+
 def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
     """train_batch_size = micro × accumulation × dp, completed the way DeepSpeed's
     `_set_batch_related_parameters` does: any two determine the third, and one batch size
     alone means no gradient accumulation."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     for name in names:
+        _no_auto(cfg.get(name), name)
         if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
             raise ValueError(f"{name}={cfg[name]!r}: give a whole number of at least 1")
     total: int | None = cfg.get(names[0])
@@ -113,16 +135,24 @@ def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
         )
     fields: dict[str, Any] = {"optimizer": _OPTIMIZERS[kind]}
     if "lr" in params:
-        fields["lr"] = float(params["lr"])
+        fields["lr"] = _number(params["lr"], "optimizer.params.lr")
     if "weight_decay" in params:
-        fields["weight_decay"] = float(params["weight_decay"])
+        fields["weight_decay"] = _number(params["weight_decay"], "optimizer.params.weight_decay")
     if "betas" in params:
-        fields["betas"] = tuple(float(b) for b in params["betas"])
+        fields["betas"] = _betas(params["betas"])
     if "eps" in params:
-        fields["adam_eps"] = float(params["eps"])
+        fields["adam_eps"] = _number(params["eps"], "optimizer.params.eps")
     if "momentum" in params:
-        fields["momentum"] = float(params["momentum"])
+        fields["momentum"] = _number(params["momentum"], "optimizer.params.momentum")
     return fields
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    _no_auto(value, "optimizer.params.betas")
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"optimizer.params.betas={value!r}: give two numbers, e.g. [0.9, 0.999]")
+    first, second = (_number(b, "optimizer.params.betas") for b in value)
+    return first, second
 
 
 def check_scheduler_params(kind: str, params: Mapping[str, Any]) -> None:
@@ -134,6 +164,8 @@ def check_scheduler_params(kind: str, params: Mapping[str, Any]) -> None:
         raise ValueError(
             f"scheduler type {kind!r} is not supported: use {', '.join(DEEPSPEED_SCHEDULERS)}"
         )
+    for key, value in params.items():
+        _no_auto(value, f"scheduler.params.{key}")
     accepted = _SCHEDULER_PARAMS[kind]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
@@ -192,7 +224,20 @@ def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_deepspeed_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config as a dict, from its JSON file's path or already parsed."""
-    return dict(config) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    try:
+        parsed = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"DeepSpeed config {path} does not exist: check the path") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read DeepSpeed config {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"DeepSpeed config {path} holds a {type(parsed).__name__}, not an object")
+    return parsed
 
 
 def deepspeed_defaults(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -228,11 +273,11 @@ def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> d
             fields.update(handler(cfg[key]))
     fields.update(_precision_fields(cfg))
     if "gradient_clipping" in cfg:
-        fields["clip_grad_norm"] = float(cfg["gradient_clipping"])
+        fields["clip_grad_norm"] = _number(cfg["gradient_clipping"], "gradient_clipping")
     if "seed" in cfg:
-        fields["seed"] = int(cfg["seed"])
+        fields["seed"] = _number(cfg["seed"], "seed", int)
     if "zero_optimization" in cfg:
-        stage = int(cfg["zero_optimization"].get("stage", 0))
+        stage = _number(cfg["zero_optimization"].get("stage", 0), "zero_optimization.stage", int)
         if stage > 1:
             raise ValueError(
                 f"zero_optimization.stage={stage}: meshpipe supports ZeRO stage 0 or 1"

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -50,14 +51,19 @@ def _first_failure(error: ChildFailedError) -> RankFailed:
 
 @contextlib.contextmanager
 def _quiet_agent() -> Iterator[None]:
-    """The agent logs each failed rank's traceback as errors; `RankFailed` says it once."""
-    agent = logging.getLogger("torch.distributed.elastic")
-    level = agent.level
-    agent.setLevel(logging.CRITICAL)
+    """The agent logs each failed rank's traceback as errors and a Ctrl-C as a warning;
+    `RankFailed` and the CLI say each once. Its loggers carry their own levels, so each is set."""
+    prefix = "torch.distributed.elastic"
+    names = [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        agent.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def launch_local(
@@ -66,7 +72,8 @@ def launch_local(
     """Run `entrypoint(*args)` on `nproc` local ranks; returns each rank's return value.
 
     Raises `RankFailed` with the first failed rank's error when a rank fails (after
-    `max_restarts` restarts of all of them)."""
+    `max_restarts` restarts of all of them), and `KeyboardInterrupt` when the agent is
+    interrupted (Ctrl-C, SIGTERM): it has stopped the ranks by then."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -88,3 +95,5 @@ def launch_local(
             return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         raise _first_failure(error) from None
+    except SignalException as error:
+        raise KeyboardInterrupt(str(error)) from None

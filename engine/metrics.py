@@ -88,8 +88,9 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_metrics(path: str | Path, out: str | Path) -> None:
-    """Loss (and, when present, tokens/s) per step from a metrics file, as a PNG."""
+def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path:
+    """Loss per step from a metrics file, as a PNG at `out` (default: the metrics file's name
+    with `.png`; a name without a suffix gets `.png`, as matplotlib would); returns its path."""
     try:
         import matplotlib
 
@@ -108,5 +109,9 @@ def plot_metrics(path: str | Path, out: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.set_title(f"{Path(path).name}: final loss {records[-1]['loss']:.3f}")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    target = Path(path).with_suffix(".png") if out is None else Path(out)
+    target = target if target.suffix else target.with_suffix(".png")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=120)
     plt.close(fig)
+    return target

@@ -4,6 +4,9 @@ A checkpoint's optimizer state carries the learning rate, weight decay, betas an
 trained with, while clipping, precision and the learning-rate schedule come from this run's
 flags. Resuming with changed flags would silently mix the two, so it is refused, naming each
 change, unless the user asks for the new values: then all of them apply from the resumed step.
+The model, the data order (seed, sequence length, global batch) and the optimizer's kind are
+what the checkpoint's weights, data position and optimizer state mean: those never change in a
+resumed run; a new run can start from the weights instead (`--init-from`).
 """
 
 from __future__ import annotations
@@ -17,14 +20,20 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import TrainConfig
 
-__all__ = ["check_resumable", "keep_new_hyperparameters", "optimizer_hyperparameters"]
+__all__ = [
+    "FIXED_BY_CHECKPOINT",
+    "NEW_WITH_FLAG",
+    "check_resumable",
+    "keep_new_hyperparameters",
+    "optimizer_hyperparameters",
+]
 
-RUN_DEFINING = (
-    "model",
-    "seed",
-    "seq_len",
-    "global_batch",
-    "optimizer",
+FIXED_BY_CHECKPOINT = ("model", "seed", "seq_len", "global_batch", "optimizer")
+"""Settings the checkpoint's state is made of: its weights' shapes, its data order and its
+optimizer state. No resume changes them."""
+
+NEW_WITH_FLAG = (
+    "data",
     "lr",
     "lr_schedule",
     "lr_schedule_args",
@@ -37,7 +46,8 @@ RUN_DEFINING = (
     "clip_grad_norm",
     "precision",
 )
-"""Settings a resume must share with its checkpoint's run (layout and speed flags may change)."""
+"""Settings a resume shares with its checkpoint's run unless --resume-with-new-hparams asks
+for the new ones (layout and speed flags may always change)."""
 
 _DECAYING = ("cosine", "linear")
 """Schedules whose learning rate depends on --steps: longer runs change them too."""
@@ -45,30 +55,49 @@ _DECAYING = ("cosine", "linear")
 _OPTIMIZER_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "momentum")
 
 
-def _changes(saved: Mapping[str, Any], config: TrainConfig) -> dict[str, tuple[Any, Any]]:
-    """(checkpoint's, this run's) value of each run-defining setting that differs; settings
-    the checkpoint does not record are not compared."""
+def _changes(
+    saved: Mapping[str, Any], config: TrainConfig, names: tuple[str, ...]
+) -> dict[str, tuple[Any, Any]]:
+    """(checkpoint's, this run's) value of each of `names` that differs; settings the
+    checkpoint does not record are not compared."""
     now = config.to_dict()
-    names = list(RUN_DEFINING)
-    if saved.get("lr_schedule") in _DECAYING or config.lr_schedule in _DECAYING:
-        names.append("steps")
     return {n: (saved[n], now[n]) for n in names if n in saved and saved[n] != now[n]}
 
 
-def check_resumable(saved: Mapping[str, Any], config: TrainConfig, step: int) -> str:
-    """The changed run-defining settings, listed (empty when none); raises unless
-    --resume-with-new-hparams asks for the new ones."""
-    changes = _changes(saved, config)
-    listed = "; ".join(f"{name}: {old!r} → {new!r}" for name, (old, new) in changes.items())
-    if not changes or config.resume_with_new_hparams:
-        return listed
-    flags = " ".join(
-        f"--{name.replace('_', '-')} {shlex.quote(str(old))}" for name, (old, _) in changes.items()
+def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{name}: {old!r} → {new!r}" for name, (old, new) in changes.items())
+
+
+def _flags(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """The checkpoint's values as flags a shell takes ("no --data" for the default corpus)."""
+    flags = {name: f"--{name.replace('_', '-')}" for name in changes}
+    return " ".join(
+        f"no {flags[name]}" if old is None else f"{flags[name]} {shlex.quote(str(old))}"
+        for name, (old, _) in changes.items()
     )
+
+
+def check_resumable(saved: Mapping[str, Any], config: TrainConfig, step: int, where: str) -> str:
+    """The changed settings, listed (empty when none). Raises when a setting the checkpoint is
+    made of changed, or a hyper-parameter did without --resume-with-new-hparams."""
+    fixed = _changes(saved, config, FIXED_BY_CHECKPOINT)
+    if fixed:
+        raise ValueError(
+            f"the checkpoint of step {step} ({where}) was trained with other settings "
+            f"({_listed(fixed)}), and a resumed run cannot change them: its data position and "
+            f"optimizer state are made of them. Resume with the checkpoint's ({_flags(fixed)}), "
+            f"or start a new run from its weights: --init-from {shlex.quote(where)} and another "
+            "--checkpoint-dir"
+        )
+    decaying = saved.get("lr_schedule") in _DECAYING or config.lr_schedule in _DECAYING
+    names = (*NEW_WITH_FLAG, "steps") if decaying else NEW_WITH_FLAG
+    changes = _changes(saved, config, names)
+    if not changes or config.resume_with_new_hparams:
+        return _listed(changes)
     raise ValueError(
-        f"the checkpoint of step {step} was trained with other settings ({listed}): resume with "
-        f"the checkpoint's ({flags}), or add --resume-with-new-hparams to continue with the new "
-        "ones from this step"
+        f"the checkpoint of step {step} was trained with other settings ({_listed(changes)}): "
+        f"resume with the checkpoint's ({_flags(changes)}), or add --resume-with-new-hparams to "
+        "continue with the new ones from this step"
     )
 
 

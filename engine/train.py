@@ -35,6 +35,7 @@ from engine.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
+from engine.checkpoint_files import CheckpointError, checkpoint_candidates, read_trainer
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
 from engine.deepspeed_config import deepspeed_lr
@@ -73,7 +74,7 @@ class TrainResult:
     losses: tuple[float, ...]
     """Mean loss of every step, in order."""
     tokens_per_s: float
-    """Throughput over the whole run after the first step."""
+    """Throughput over the run after its first step (warm-up), or of that step if alone."""
     bubbles: tuple[float, ...] = ()
     """Measured pipeline bubble of every step."""
     first_step: int = 0
@@ -83,6 +84,12 @@ class TrainResult:
     def final_loss(self) -> float:
         """Loss of the last step run here (NaN when a resumed run had no steps left)."""
         return self.losses[-1] if self.losses else math.nan
+
+    @property
+    def mean_bubble(self) -> float:
+        """Mean measured bubble after the first step (warm-up), or of that step if alone."""
+        steady = self.bubbles[1:] or self.bubbles
+        return sum(steady) / len(steady) if steady else math.nan
 
 
 def open_dataset(config: TrainConfig) -> TokenDataset:
@@ -193,11 +200,12 @@ class _Run:
         root = config.checkpoint_dir
         if config.resume and root is not None and has_checkpoint(root):
             assert engine.optimizer is not None
+            _check_before_loading(root, config)
             built = optimizer_hyperparameters(engine.optimizer)
             where, state = load_checkpoint(
                 engine, self.specs, root, fallback=config.resume_fallback
             )
-            changed = check_resumable(state.config, config, state.step)
+            changed = check_resumable(state.config, config, state.step, str(where))
             self.scheduler.load_state_dict(state.scheduler)
             if changed:
                 keep_new_hyperparameters(engine.optimizer, self.scheduler, built)
@@ -213,6 +221,17 @@ class _Run:
             load_model_weights(engine, self.specs, source)
             _say(engine.mesh, f"initialised from {config.init_from}")
         return 0
+
+
+def _check_before_loading(root: str, config: TrainConfig) -> None:
+    """Refuse changed settings before loading: a checkpoint of another optimizer or model
+    fails to load, which would hide the plain reason and its fix."""
+    try:
+        directory = checkpoint_candidates(root, fallback=config.resume_fallback)[0]
+        trainer = read_trainer(directory)
+    except CheckpointError:
+        return  # loading reports it, or falls back to an older checkpoint
+    check_resumable(trainer.get("config", {}), config, trainer.get("step", 0), str(directory))
 
 
 def _log_line(record: dict[str, Any], skipped: int) -> str:
@@ -323,8 +342,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     if trace is not None and config.trace is not None:
         trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
         _say(mesh, f"wrote trace {config.trace}")
-    timed = sum(wall[1:])
-    steady = tokens_per_step * (len(wall) - 1) / timed if timed else 0.0
+    timed = wall[1:] or wall
+    steady = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     return TrainResult(
         losses=tuple(s.loss for s in stats),
         tokens_per_s=steady,
@@ -334,9 +353,15 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
 
 
 def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
-    """Entry point of each locally launched rank."""
+    """Entry point of each locally launched rank. Ctrl-C reaches every rank of the terminal's
+    process group; the launcher reports it once, so a rank ends without a traceback."""
     try:
         return train(config, progress=progress)
+    except KeyboardInterrupt:
+        if "LOCAL_RANK" not in os.environ:
+            raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent passes the signal on too
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

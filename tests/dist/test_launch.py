@@ -3,7 +3,12 @@ deepspeed-style environments, and in one process."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,3 +101,35 @@ def test_a_failing_rank_is_reported_in_one_line_with_its_own_error(
     assert exit_info.value.code == 1
     assert re.search(r"^meshpipe: error: rank \d failed: CheckpointError: .*step-00000001", err, re.M)
     assert "Traceback" not in err
+
+
+def test_ctrl_c_stops_every_rank_and_names_the_checkpoint_to_resume_from(
+    tokens: str, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", "engine.cli", "train", *ARGS, "--data", tokens, "--pp", "2",
+            "--checkpoint-dir", str(tmp_path), "--save-every", "1"]  # fmt: skip
+    argv[argv.index("--steps") + 1] = "100000"
+    # A terminal's Ctrl-C signals its whole process group: here, a session of its own.
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert re.search(r"^meshpipe: interrupted; the newest checkpoint is .*step-\d{8}: the same "
+                     r"command with --resume goes on from it$", err, re.M), err  # fmt: skip
+    assert "Traceback" not in err and "death signal" not in err, err
+
+
+def test_ctrl_c_in_one_process_says_no_checkpoint_was_written(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys.modules["engine.train"], "train_worker", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *ARGS])
+    assert exit_info.value.code == 130
+    assert "interrupted; no checkpoint was written" in capsys.readouterr().err

@@ -306,12 +306,12 @@ def test_the_refusal_spells_the_checkpoints_values_as_flags_a_shell_takes() -> N
     saved = TrainConfig(**kind, lr_schedule_args='{"warmup_num_steps": 5}').to_dict()
     flag = re.escape("""--lr-schedule-args '{"warmup_num_steps": 5}'""")
     with pytest.raises(ValueError, match=flag):
-        check_resumable(saved, TrainConfig(**kind, lr_schedule_args="{}"), 3)
+        check_resumable(saved, TrainConfig(**kind, lr_schedule_args="{}"), 3, "ck/step-3")
 
 
 def test_a_longer_run_with_a_constant_schedule_is_the_same_run() -> None:
     saved = TrainConfig(lr_schedule="constant", steps=6).to_dict()
-    assert check_resumable(saved, TrainConfig(lr_schedule="constant", steps=8), 6) == ""
+    assert check_resumable(saved, TrainConfig(lr_schedule="constant", steps=8), 6, "ck") == ""
 
 
 def test_a_resume_may_change_the_layout(runs: dict[str, Any], tokens: str, tmp_path: Path) -> None:
@@ -333,4 +333,54 @@ def test_resume_with_new_hparams_continues_with_them_from_the_resumed_step(
     assert [(g["initial_lr"], g["weight_decay"]) for g in groups] == [(1e-3, 0.0), (1e-3, 0.0)]
     assert (
         "continuing with new settings (lr: 0.003 → 0.001; weight_decay" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "listed"),
+    [
+        ({"global_batch": 8}, "global_batch: 4 → 8"),
+        ({"seq_len": 16}, "seq_len: 32 → 16"),
+        ({"seed": 3}, "seed: 0 → 3"),
+        ({"optimizer": "sgd"}, "optimizer: 'adamw' → 'sgd'"),
+    ],
+)
+def test_what_the_checkpoint_is_made_of_cannot_change_even_with_new_hparams(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, change: dict[str, Any], listed: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        _resume_changed(runs, tokens, tmp_path, resume_with_new_hparams=True, **change)
+    message = str(refused.value)
+    assert listed in message
+    assert "a resumed run cannot change them" in message
+    assert f"--init-from {tmp_path / 'step-00000003'}" in message
+
+
+def test_a_longer_run_with_new_hparams_decays_over_the_new_length(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    resumed = _resume_changed(runs, tokens, tmp_path, steps=8, resume_with_new_hparams=True)
+    assert (resumed.first_step, len(resumed.losses)) == (3, 5)
+    lrs = [r["lr"] for r in _records(tmp_path / "metrics.jsonl") if r["step"] >= 3]
+    schedule = {"schedule": "cosine", "warmup_steps": 2, "total_steps": 8, "min_ratio": 0.1}
+    assert lrs == pytest.approx([3e-3 * lr_factor(s, **schedule) for s in range(3, 8)])
+
+
+def test_other_data_is_refused_by_name_unless_asked_for(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    expected = r"data: .* → None\): resume with the checkpoint's \(--data"
+    with pytest.raises(ValueError, match=expected):
+        _resume_changed(runs, None, tmp_path)  # type: ignore[arg-type]
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(
+    runs: dict[str, Any], tokens: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = runs["root"] / "full"
+    argv = ["train", "--model", "llama-tiny", "--data", tokens, "--checkpoint-dir", str(root)]
+    settings = ["--steps", "6", "--global-batch", "4", "--micro-batches", "2", "--seq-len", "32"]
+    assert main([*argv, *settings, "--warmup-steps", "2", "--threads", "1", "--resume"]) == 0
+    assert "nothing to train: the checkpoint is at step 6 and --steps is 6" in (
+        capsys.readouterr().out
     )

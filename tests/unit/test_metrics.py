@@ -42,3 +42,17 @@ def test_a_line_that_is_not_a_step_record_is_named(tmp_path: Path) -> None:
     path = _write(tmp_path / "m.jsonl", [json.dumps(RECORDS[0]), json.dumps({"step": 1})])
     with pytest.raises(ValueError, match=r"m\.jsonl, line 2: not a step record"):
         read_records(path)
+
+
+def test_plot_writes_next_to_the_metrics_file_by_default(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib")
+    path = _write(tmp_path / "m.jsonl", [json.dumps(r) for r in RECORDS])
+    assert plot_metrics(path) == tmp_path / "m.png"
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_plot_names_the_file_it_wrote_and_makes_its_folder(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib")
+    path = _write(tmp_path / "m.jsonl", [json.dumps(r) for r in RECORDS])
+    written = plot_metrics(path, tmp_path / "new" / "curve")
+    assert written == tmp_path / "new" / "curve.png" and written.is_file()

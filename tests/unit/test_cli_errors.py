@@ -1,0 +1,76 @@
+"""Mistakes on the command line end in one line naming the problem, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return int(exit_info.value.code or 0), err
+
+
+def test_an_output_path_under_a_file_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    argv = ["schedule", "--pp", "2", "--micro-batches", "2", "--out", str(tmp_path / "afile/s")]
+    code, err = _error(argv, capsys)
+    assert code == 1
+    assert err.startswith("meshpipe: error: ") and "afile" in err
+
+
+def test_a_missing_deepspeed_config_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "ds.json"
+    code, err = _error(["train", "--deepspeed_config", str(missing)], capsys)
+    assert code == 2
+    assert f"DeepSpeed config {missing} does not exist" in err
+
+
+def test_a_deepspeed_config_that_is_not_json_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text("train_batch_size: 8\n")
+    code, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    assert code == 2
+    assert f"DeepSpeed config {path} is not valid JSON" in err
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"gradient_clipping": "auto"}, "gradient_clipping"),
+        ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
+            "scheduler.params.warmup_max_lr",
+        ),
+    ],
+)
+def test_an_auto_value_names_its_key_and_who_fills_it_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], section: dict[str, object], key: str
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **section}))
+    code, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    assert code == 2
+    assert f'{key}="auto": only the Hugging Face Trainer fills in "auto" values' in err
+
+
+def test_a_non_number_names_its_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": "one"}))
+    _, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    assert "gradient_clipping='one': give a number" in err
