@@ -13,7 +13,7 @@ from engine.deepspeed_config import (
 )
 from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.options import EngineOptions
-from engine.schedules import SCHEDULES
+from engine.timeline import schedule_for
 from models import get_config, layer_specs
 
 __all__ = ["TrainConfig"]
@@ -65,7 +65,8 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel replicas of the pipeline."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2 or zb_drain."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2 or zb_drain,
+    or a schedule file (meshpipe schedule --out FILE, or rows of actions written by hand)."""
     partition: str = "balanced"
     """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
     timeout: float = 300.0
@@ -155,9 +156,11 @@ class TrainConfig:
             f"global batch {self.global_batch} does not split into {self.dp} replicas × "
             f"{self.micro_batches} micro-batches: use a multiple of {self.dp * self.micro_batches}",
         )
-        _require(
-            self.schedule in SCHEDULES,
-            f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+        schedule_for(
+            self.schedule,
+            num_ranks=self.pp,
+            micro_batches=self.micro_batches,
+            stages_per_rank=self.stages_per_rank,
         )
         self._check_checkpointing()
         num_layers = len(layer_specs(self.model))

@@ -40,11 +40,12 @@ from engine.passes import add_communication, forward_only
 from engine.precision import LossScaler
 from engine.reference import LossFn
 from engine.runtime import ActionTiming, execute
-from engine.schedules import Schedule, make_schedule
+from engine.schedules import Schedule
 from engine.stage import PipelineStage
 from engine.step import StepRun
 from engine.step_clock import step_clock
 from engine.step_report import StepReports
+from engine.timeline import schedule_for
 from engine.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
@@ -107,7 +108,7 @@ class PipelineEngine:
         *,
         partition: Partition,
         micro_batches: int,
-        schedule: str = "1f1b",
+        schedule: str | Schedule = "1f1b",
         stages_per_rank: int = 1,
         seed: int = 0,
         optimizer: OptimizerFactory | OptimizerSpec | None = None,
@@ -118,12 +119,17 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches = mesh, micro_batches
-        compute = make_schedule(
-            schedule,
-            num_ranks=mesh.pp,
-            micro_batches=micro_batches,
-            stages_per_rank=stages_per_rank,
+        compute = (
+            schedule
+            if isinstance(schedule, Schedule)
+            else schedule_for(
+                schedule,
+                num_ranks=mesh.pp,
+                micro_batches=micro_batches,
+                stages_per_rank=stages_per_rank,
+            )
         )
+        _check_schedule(compute, mesh, micro_batches, stages_per_rank)
         self.schedule = add_communication(compute)
         validate(self.schedule)
         self.eval_schedule = add_communication(forward_only(compute))
@@ -364,6 +370,19 @@ def _bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
     """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
     slowest = max(step_s)
     return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0
+
+
+def _check_schedule(
+    schedule: Schedule, mesh: Mesh, micro_batches: int, stages_per_rank: int
+) -> None:
+    """A schedule given as data fits the engine's mesh and micro-batching."""
+    expected = (mesh.pp, micro_batches, mesh.pp * stages_per_rank, False)
+    found = (schedule.num_ranks, schedule.micro_batches, schedule.num_stages, schedule.lowered)
+    if found != expected:
+        raise ValueError(
+            f"schedule {schedule.name!r} (ranks, micro-batches, stages, lowered) = {found}, but "
+            f"the engine needs {expected}: build it for this layout, compute actions only"
+        )
 
 
 def _check_layout(

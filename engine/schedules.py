@@ -315,6 +315,9 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 VIRTUAL_SCHEDULES = frozenset({"interleaved_1f1b", "looped_bfs"})
 """Generators that take `stages_per_rank` (v > 1 stages per rank)."""
 
+_ONE_STAGE_EQUIVALENT = {"interleaved_1f1b": "1f1b", "looped_bfs": "gpipe"}
+"""What a virtual schedule does with one stage per rank (at its bubble, more in flight)."""
+
 
 def make_schedule(
     name: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
@@ -324,6 +327,12 @@ def make_schedule(
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     _check_sizes(num_ranks, micro_batches)
     if name in VIRTUAL_SCHEDULES:
+        if stages_per_rank == 1:
+            plain = _ONE_STAGE_EQUIVALENT[name]
+            raise ValueError(
+                f"schedule {name!r} with 1 stage per rank is {plain} with more micro-batches in "
+                f"flight: give --stages-per-rank 2 or more, or use --schedule {plain}"
+            )
         return SCHEDULES[name](num_ranks, micro_batches, stages_per_rank)
     if stages_per_rank != 1:
         raise ValueError(

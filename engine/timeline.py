@@ -12,11 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from engine.actions import Action, ActionKind, format_actions, parse_actions
-from engine.schedules import Schedule
+from engine.schedules import SCHEDULES, Schedule, make_schedule
 from engine.simulate import SimResult, TimedAction
 from engine.validate import validate
 
-__all__ = ["KIND_COLOURS", "chrome_trace", "load_schedule", "plot_timeline", "save_schedule"]
+__all__ = [
+    "KIND_COLOURS",
+    "chrome_trace",
+    "load_schedule",
+    "plot_timeline",
+    "save_schedule",
+    "schedule_for",
+]
 
 KIND_COLOURS = {
     ActionKind.F: "#4C72B0",
@@ -50,6 +57,49 @@ def _header(lines: Sequence[str]) -> dict[str, str]:
                 if sep:
                     fields[key] = value
     return fields
+
+
+def schedule_for(
+    name_or_file: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
+) -> Schedule:
+    """The compute schedule a run executes: a registered generator by name, or a schedule file
+    (`meshpipe schedule --out`, or written by hand) checked against the run's layout."""
+    if name_or_file in SCHEDULES:
+        return make_schedule(
+            name_or_file,
+            num_ranks=num_ranks,
+            micro_batches=micro_batches,
+            stages_per_rank=stages_per_rank,
+        )
+    if not Path(name_or_file).is_file():
+        raise ValueError(
+            f"unknown schedule {name_or_file!r}: choose one of {', '.join(SCHEDULES)}, or give "
+            "a schedule file (meshpipe schedule --out FILE writes one)"
+        )
+    schedule = load_schedule(name_or_file)
+    where = f"schedule file {name_or_file}"
+    if schedule.lowered:
+        raise ValueError(
+            f"{where} holds SEND/RECV actions: a run takes compute actions only (F, B, I, W) "
+            "and places the communication itself; remove them"
+        )
+    if schedule.num_ranks != num_ranks:
+        raise ValueError(
+            f"{where} has {schedule.num_ranks} rank rows but the run has {num_ranks} pipeline "
+            f"ranks: use --pp {schedule.num_ranks} or a file for {num_ranks}"
+        )
+    if schedule.micro_batches != micro_batches:
+        raise ValueError(
+            f"{where} runs {schedule.micro_batches} micro-batches but the run has "
+            f"{micro_batches}: use --micro-batches {schedule.micro_batches}"
+        )
+    if schedule.num_stages != num_ranks * stages_per_rank:
+        raise ValueError(
+            f"{where} places {schedule.num_stages} stages on {num_ranks} ranks but the run has "
+            f"{stages_per_rank} stage(s) per rank: use --stages-per-rank "
+            f"{schedule.num_stages // num_ranks}"
+        )
+    return schedule
 
 
 def load_schedule(path: str | Path) -> Schedule:

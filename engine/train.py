@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from engine.resume_check import (
 )
 from engine.trace import TraceRecorder
 from models import LayerSpec, get_config, layer_specs
-from partitioners import partition_model
+from partitioners import Partition, partition_model
 
 __all__ = [
     "KILL_AT_STEP_ENV",
@@ -112,18 +112,23 @@ def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
-    partition = partition_model(
+def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
+    """The run's stages; a launcher calls it before starting ranks, so a bad --partition
+    fails once, in the terminal, not in every rank."""
+    return partition_model(
         specs,
         method=config.partition,
         num_stages=config.pp * config.stages_per_rank,
         batch_size=config.global_batch // (config.dp * config.micro_batches),
         seq_len=config.seq_len,
     )
+
+
+def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
     return PipelineEngine(
         specs,
         mesh,
-        partition=partition,
+        partition=stage_partition(config, specs),
         micro_batches=config.micro_batches,
         schedule=config.schedule,
         stages_per_rank=config.stages_per_rank,

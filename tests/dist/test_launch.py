@@ -3,6 +3,7 @@ deepspeed-style environments, and in one process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -133,3 +134,18 @@ def test_ctrl_c_in_one_process_says_no_checkpoint_was_written(
         main(["train", *ARGS])
     assert exit_info.value.code == 130
     assert "interrupted; no checkpoint was written" in capsys.readouterr().err
+
+
+def test_a_schedule_file_trains_as_the_schedule_it_was_saved_from(
+    tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "zb.csv"
+    assert main(["schedule", "--schedule", "zb_h1", "--pp", "2", "--micro-batches", "2",
+                 "--out", str(path)]) == 0  # fmt: skip
+    runs = {}
+    for schedule in ("zb_h1", str(path)):
+        metrics = tmp_path / f"{len(runs)}.jsonl"
+        argv = ["train", *ARGS, "--data", tokens, "--pp", "2", "--schedule", schedule]
+        assert main([*argv, "--metrics-file", str(metrics)]) == 0
+        runs[schedule] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert runs[str(path)] == runs["zb_h1"]

@@ -8,6 +8,8 @@ import pytest
 
 from engine.actions import ActionKind, format_actions
 from engine.schedules import (
+    SCHEDULES,
+    VIRTUAL_SCHEDULES,
     interleaved_1f1b,
     looped_bfs,
     make_schedule,
@@ -100,9 +102,20 @@ def test_looped_bfs_runs_every_micro_batch_through_a_chunk_before_the_next() -> 
 def test_every_generated_schedule_is_valid_and_deadlock_free(
     name: str, ranks: int, m: int, v: int
 ) -> None:
-    schedule = make_schedule(name, num_ranks=ranks, micro_batches=m, stages_per_rank=v)
+    virtual = name in VIRTUAL_SCHEDULES
+    schedule = SCHEDULES[name](ranks, m, v) if virtual else SCHEDULES[name](ranks, m)
     validate(schedule)
     simulate(schedule)
+
+
+@pytest.mark.parametrize(("name", "plain"), [("interleaved_1f1b", "1f1b"), ("looped_bfs", "gpipe")])
+def test_a_virtual_schedule_with_one_stage_per_rank_points_to_its_plain_form(
+    name: str, plain: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=f"give --stages-per-rank 2 or more, or use --schedule {plain}"
+    ):
+        make_schedule(name, num_ranks=2, micro_batches=4, stages_per_rank=1)
 
 
 @pytest.mark.parametrize(("p", "v", "m"), list(itertools.product((2, 3, 4), (2, 3), (1, 2, 3))))

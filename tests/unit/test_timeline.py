@@ -9,10 +9,18 @@ import pytest
 
 from engine.actions import format_actions
 from engine.cli import main
+from engine.config import TrainConfig
 from engine.passes import add_communication
 from engine.schedules import gpipe, interleaved_1f1b, make_schedule, zb_h1
 from engine.simulate import ActionCosts, simulate
-from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
+from engine.timeline import (
+    chrome_trace,
+    load_schedule,
+    plot_timeline,
+    save_schedule,
+    schedule_for,
+)
+from engine.train import train
 from engine.validate import ScheduleError
 from models import layer_specs
 from partitioners import Partition, partition_model
@@ -145,3 +153,43 @@ def test_schedule_command_rejects_unparsable_costs(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["schedule", "--costs", "fast,slow"])
     assert "give F,B,I,W or F,B,I,W,comm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"num_ranks": 3, "micro_batches": 4}, "has 2 rank rows but the run has 3 .*--pp 2"),
+        ({"num_ranks": 2, "micro_batches": 8}, "runs 4 micro-batches but the run has 8"),
+        (
+            {"num_ranks": 2, "micro_batches": 4, "stages_per_rank": 2},
+            "places 2 stages on 2 ranks .* --stages-per-rank 1",
+        ),
+    ],
+)
+def test_a_schedule_file_for_another_layout_is_refused_naming_the_fix(
+    tmp_path: Path, layout: dict[str, int], message: str
+) -> None:
+    save_schedule(zb_h1(2, 4), tmp_path / "s.csv")
+    with pytest.raises(ValueError, match=message):
+        schedule_for(str(tmp_path / "s.csv"), **layout)
+
+
+def test_a_schedule_file_with_communication_is_refused(tmp_path: Path) -> None:
+    save_schedule(add_communication(zb_h1(2, 4)), tmp_path / "s.csv")
+    with pytest.raises(ValueError, match="holds SEND/RECV actions"):
+        schedule_for(str(tmp_path / "s.csv"), num_ranks=2, micro_batches=4)
+
+
+def test_a_schedule_file_gives_the_schedule_it_holds(tmp_path: Path) -> None:
+    save_schedule(zb_h1(2, 4), tmp_path / "s.txt", fmt="text")
+    assert schedule_for(str(tmp_path / "s.txt"), num_ranks=2, micro_batches=4) == zb_h1(2, 4)
+
+
+def test_a_one_rank_run_trains_from_a_schedule_file_as_from_its_name(tmp_path: Path) -> None:
+    save_schedule(make_schedule("1f1b", num_ranks=1, micro_batches=2), tmp_path / "s.csv")
+    run = {"model": "gpt-tiny", "steps": 2, "global_batch": 4, "micro_batches": 2, "seq_len": 32}
+    by_name = train(TrainConfig(**run, threads=1), progress=False).losses
+    from_file = train(
+        TrainConfig(**run, threads=1, schedule=str(tmp_path / "s.csv")), progress=False
+    )
+    assert from_file.losses == by_name

@@ -119,6 +119,10 @@ def test_cli_data_prepare_writes_a_token_file(tmp_path: Path) -> None:
         (["--seq-len", "512"], "longer than gpt-tiny's context of 128"),
         (["--data", "/nonexistent/tokens"], "nonexistent"),
         (["--optimizer", "lion"], "unknown optimizer 'lion'"),
+        (["--pp", "2", "--partition", "bogus"], "unknown partition method 'bogus'"),
+        (["--pp", "2", "--stages-per-rank", "2"], "'1f1b' runs one stage per rank"),
+        (["--pp", "2", "--schedule", "interleaved_1f1b"], "give --stages-per-rank 2 or more"),
+        (["--schedule", "nowhere.csv"], "unknown schedule 'nowhere.csv'.*schedule file"),
     ],
 )
 def test_cli_rejects_bad_input_before_compute(
