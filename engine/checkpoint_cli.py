@@ -12,13 +12,30 @@ __all__ = ["COMMANDS", "add_commands", "run_command"]
 COMMANDS = ("export", "import", "generate")
 
 
+def _shard_bytes(text: str) -> int:
+    """`--max-shard-bytes`: a positive int, refused by argparse (with the usage) otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive number of bytes; pass e.g. {5 << 30} (5 GiB, the "
+            "default when the flag is left out)"
+        )
+    return value
+
+
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the checkpoint commands on `meshpipe`'s subparsers."""
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model")
     export.add_argument("--checkpoint", required=True, help="checkpoint dir or its root")
     export.add_argument("--out", required=True, help="folder for config.json + safetensors")
     export.add_argument(
-        "--max-shard-bytes", type=int, default=5 << 30, help="split larger models into shards"
+        "--max-shard-bytes",
+        type=_shard_bytes,
+        default=5 << 30,
+        help="start a new shard past this many bytes (default 5 GiB)",
     )
     imp = commands.add_parser("import", help="turn a Hugging Face GPT-2/Llama into a checkpoint")
     imp.add_argument("source", help="folder with config.json and model.safetensors")

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.atomic import atomic_write_text, fsync_dir, fsync_file
+from engine.atomic import atomic_write_text, fsync_dir, fsync_file, make_shareable
 from models import GPTConfig, LayerSpec, LlamaConfig, ModelConfig
 
 __all__ = [
@@ -32,6 +32,8 @@ __all__ = [
     "LATEST",
     "MODEL_INDEX",
     "OPTIM_INDEX",
+    "PASS_IT_FIX",
+    "RESUME_FALLBACK_FIX",
     "TRAINER_FILE",
     "CheckpointError",
     "ShardRecord",
@@ -94,6 +96,7 @@ def write_shard(directory: Path, file: str, tensors: Mapping[str, torch.Tensor])
     path = directory / file
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     save_file(cpu, str(path), metadata={"format": "pt"})
+    make_shareable(path)  # safetensors writes through a 0600 temp file
     fsync_file(path)
     size = sum(t.numel() * t.element_size() for t in cpu.values())
     return ShardRecord(file=file, sha256=sha256_file(path), size=size, names=tuple(sorted(cpu)))
@@ -238,22 +241,44 @@ def has_checkpoint(root: str | Path) -> bool:
     return (root / LATEST).is_file() or bool(step_dirs(root))
 
 
-def _latest_target(root: Path) -> Path:
+RESUME_FALLBACK_FIX = "pass --resume-fallback to resume from it"
+"""How a resumed `meshpipe train` uses the newest complete checkpoint when `latest` is bad."""
+PASS_IT_FIX = "pass that directory instead"
+"""How a command that reads one checkpoint (export, generate, --init-from) uses it."""
+
+
+def _newest_complete(root: Path, fix: str) -> str:
+    """The end of an error about `latest`: the checkpoint to use instead, and how."""
+    complete = step_dirs(root)
+    if not complete:
+        return "no complete step-NNNNNNNN directory is left under it"
+    return f"the newest complete one is {complete[-1]}: {fix}"
+
+
+def _latest_target(root: Path, fix: str) -> Path:
     pointer = root / LATEST
     if not pointer.is_file():
         raise CheckpointError(
-            f"{root} holds checkpoints but no {LATEST!r} pointer (a save was cut off): "
-            "pass --resume-fallback to use the newest complete one"
+            f"{root} holds checkpoints but no {LATEST!r} pointer (a save was cut off); "
+            + _newest_complete(root, fix)
         )
     name = pointer.read_text(encoding="utf-8").strip()
     if not _STEP_DIR.match(name) or not (root / name).is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint under {root}")
+        raise CheckpointError(
+            f"{pointer} names {name!r}, which is not a checkpoint under {root}; "
+            + _newest_complete(root, fix)
+        )
     return root / name
 
 
-def checkpoint_candidates(path: str | Path, *, fallback: bool = False) -> list[Path]:
+def checkpoint_candidates(
+    path: str | Path, *, fallback: bool = False, fix: str = RESUME_FALLBACK_FIX
+) -> list[Path]:
     """Checkpoint directories to try, best first: `path` itself if it is one, else what its
-    `latest` points at, then (with `fallback`) the older complete ones, newest first."""
+    `latest` points at, then (with `fallback`) the older complete ones, newest first.
+
+    Without a usable `latest` (and without `fallback`) the error names the newest complete
+    checkpoint and ends with `fix`: how the caller's command can use it."""
     path = Path(path)
     if (path / TRAINER_FILE).is_file():
         return [path]
@@ -261,7 +286,7 @@ def checkpoint_candidates(path: str | Path, *, fallback: bool = False) -> list[P
         raise CheckpointError(f"{path} holds no checkpoint ({LATEST!r} or step-NNNNNNNN)")
     older = list(reversed(step_dirs(path)))
     try:
-        target = _latest_target(path)
+        target = _latest_target(path, fix)
     except CheckpointError:
         if fallback and older:
             return older

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.atomic import atomic_write
+from engine.atomic import atomic_write, fsync_dir
 
 __all__ = [
     "VOCAB_SIZE",
@@ -83,6 +84,18 @@ def _info(bin_path: Path, json_path: Path, header: dict[str, Any]) -> TokenFileI
     return TokenFileInfo(bin_path=bin_path, json_path=json_path, **{k: header[k] for k in keys})
 
 
+def _quote(path: Path) -> str:
+    return shlex.quote(str(path))
+
+
+def _prepare_fix(prefix: Path) -> str:
+    """How to (re)create the token files `prefix`.bin/.json, from the shell and from Python."""
+    return (
+        f"run `meshpipe data prepare SOURCE --out {_quote(prefix)}` with SOURCE your text file or "
+        "folder (engine.data.prepare() from Python)"
+    )
+
+
 def _split_prefix(path: str | Path) -> tuple[Path, Path]:
     """Accept a prefix, a ``.bin`` or a ``.json`` path and return the (bin, json) pair."""
     path = Path(path)
@@ -105,8 +118,10 @@ def _collect_files(
         found.extend(Path(root, n) for n in names if n.endswith(wanted))
     if not found:
         raise ValueError(
-            f"no files ending in {list(wanted)} under {str(source)!r}; "
-            "add text files there or pass suffixes=(...) to match the ones you have"
+            f"no files ending in {' '.join(wanted)} under {str(source)!r}: from a folder, "
+            "`meshpipe data prepare` reads only files with those suffixes. Add or rename text "
+            "files there to match, or pass one file of any name as SOURCE (e.g. the folder's "
+            "files joined with `cat`); from Python, prepare(..., suffixes=(...)) picks others"
         )
     return sorted(found, key=lambda p: p.relative_to(source).parts)
 
@@ -130,13 +145,16 @@ def _write_token_file(
     files: list[Path], out: str | Path, max_bytes: int | None, origin: object
 ) -> TokenFileInfo:
     if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"max_bytes={max_bytes} must be >= 1; pass None for no cap")
+        raise ValueError(
+            f"max_bytes={max_bytes} (--max-bytes) must be >= 1; leave it out (None) for no cap"
+        )
     bin_path, json_path = _split_prefix(out)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     num_tokens, used = atomic_write(bin_path, lambda f: _concat(files, f, max_bytes))
     if num_tokens == 0:
         bin_path.unlink()
         raise ValueError(f"source {str(origin)!r} holds no bytes; give it some text")
+    fsync_dir(bin_path.parent)  # the tokens are on disk before the header that vouches for them
     header = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -147,6 +165,7 @@ def _write_token_file(
         "sources": used,
     }
     atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
+    fsync_dir(json_path.parent)
     return _info(bin_path, json_path, header)
 
 
@@ -191,8 +210,31 @@ def default_corpus(cache_dir: Path | None = None, max_bytes: int = 8_000_000) ->
     return _write_token_file(files, prefix, max_bytes, stdlib)
 
 
+def _not_token_file(given: Path, bin_path: Path, json_path: Path) -> str | None:
+    """Why `given` (as the user passed it) names no token file, or None to read its header."""
+    if json_path.exists():
+        return None
+    if given.is_dir() or (given.is_file() and given.suffix not in (".bin", ".json")):
+        what = "a folder" if given.is_dir() else "a file"
+        prefix = given.with_suffix("") if given.is_file() else given
+        return (
+            f"{str(given)!r} is {what}, not a token file (a pair PREFIX.bin + PREFIX.json): "
+            f"tokenize it with `meshpipe data prepare {_quote(given)} --out {_quote(prefix)}`, "
+            f"then pass --data {_quote(prefix)} (engine.data.prepare() and load_tokens() from "
+            "Python)"
+        )
+    prefix = bin_path.with_name(bin_path.name.removesuffix(".bin"))
+    if not bin_path.exists():
+        return f"token file {str(bin_path)!r} does not exist; to create it, {_prepare_fix(prefix)}"
+    return (
+        f"token header {str(json_path)!r} does not exist next to {str(bin_path)!r}, so the "
+        f"tokens cannot be read; to re-create both, {_prepare_fix(prefix)}"
+    )
+
+
 def _read_header(json_path: Path) -> dict[str, Any]:
-    where, fix = f"token header {str(json_path)!r}", "re-create it with engine.data.prepare()"
+    prefix = json_path.with_name(json_path.name.removesuffix(".json"))
+    where, fix = f"token header {str(json_path)!r}", f"to re-create it, {_prepare_fix(prefix)}"
     try:
         header = json.loads(json_path.read_text())
     except FileNotFoundError:
@@ -221,12 +263,16 @@ class TokenDataset:
     def __init__(self, path: str | Path) -> None:
         """Open ``path`` (the ``.bin``, the ``.json`` or their prefix) after validating it."""
         bin_path, json_path = _split_prefix(path)
+        prefix = bin_path.with_name(bin_path.name.removesuffix(".bin"))
+        problem = _not_token_file(Path(path), bin_path, json_path)
+        if problem is not None:
+            raise ValueError(problem)
         header = _read_header(json_path)
         self.info = _info(bin_path, json_path, header)
         if not bin_path.is_file():
             raise ValueError(
                 f"token file {str(bin_path)!r} is missing next to its header; "
-                "re-create both with engine.data.prepare()"
+                f"to re-create both, {_prepare_fix(prefix)}"
             )
         expected = self.info.num_tokens * np.dtype(self.info.dtype).itemsize
         actual = bin_path.stat().st_size
@@ -234,7 +280,7 @@ class TokenDataset:
             raise ValueError(
                 f"token file {str(bin_path)!r} has {actual} bytes but its header promises "
                 f"{expected} (num_tokens={self.info.num_tokens}); the file is truncated or "
-                "stale, re-create it with engine.data.prepare()"
+                f"stale; to re-create it, {_prepare_fix(prefix)}"
             )
         self.tokens: npt.NDArray[Any] = np.memmap(bin_path, dtype=self.info.dtype, mode="r")
 

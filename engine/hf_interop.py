@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from engine.checkpoint_files import (
     MODEL_INDEX,
+    PASS_IT_FIX,
     TRAINER_FILE,
     CheckpointError,
     TensorReader,
@@ -107,6 +108,12 @@ def hf_rules(config: ModelConfig) -> list[_Rule]:
     return [_Rule(hf=k, ours=tuple(v), transpose=t) for k, (v, t) in groups.items()]
 
 
+_NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+"""The byte tokenizer (`engine.data`) has no begin/end-of-text or padding token: its 256 ids
+are the 256 byte values, and files are joined by a plain newline byte. Left out, HF would
+fill in GPT-2's 50256 (outside our vocabulary) or Llama's 1 and 2 (real bytes, not markers)."""
+
+
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """`config.json` for HF's `GPT2LMHeadModel` or `LlamaForCausalLM`."""
     if isinstance(config, GPTConfig):
@@ -128,6 +135,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
             "attn_pdrop": 0.0,
             "tie_word_embeddings": config.tie_embeddings,
             "torch_dtype": "float32",
+            **_NO_SPECIAL_TOKENS,
         }
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -148,6 +156,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
+        **_NO_SPECIAL_TOKENS,
     }
 
 
@@ -285,7 +294,7 @@ def open_model(path: str | Path) -> tuple[ModelConfig, TensorSource]:
     if (path / HF_CONFIG).is_file() and not (path / TRAINER_FILE).is_file():
         source = HFSource(path)
         return source.config, source
-    directory = checkpoint_candidates(path)[0]
+    directory = checkpoint_candidates(path, fix=PASS_IT_FIX)[0]
     config = model_config_from_dict(read_trainer(directory).get("model", {}))
     return config, TensorReader(directory, MODEL_INDEX)
 
@@ -319,6 +328,15 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int =
 
     Everything is checked before the first byte is written, and the folder appears at `out`
     complete or not at all."""
+    if (
+        isinstance(max_shard_bytes, bool)
+        or not isinstance(max_shard_bytes, int)
+        or max_shard_bytes < 1
+    ):
+        raise ValueError(
+            f"max_shard_bytes={max_shard_bytes!r} (--max-shard-bytes) must be a positive int: "
+            f"the largest shard in bytes, e.g. {5 << 30} (5 GiB, the default when left out)"
+        )
     config, source = open_model(checkpoint)
     hf = hf_config(config)  # refuses what HF cannot represent before any tensor is read
     check_names(source, config.layer_specs())

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -331,9 +334,41 @@ def test_checkpoints_without_a_latest_pointer_need_fallback(tmp_path: Path) -> N
     holder = _holder("llama-tiny", (0, 7))
     _save(holder, tmp_path, step=2)
     (tmp_path / "latest").unlink()
-    with pytest.raises(CheckpointError, match="no 'latest' pointer.*--resume-fallback"):
+    newest = tmp_path / "step-00000002"
+    with pytest.raises(
+        CheckpointError,
+        match=f"no 'latest' pointer.*newest complete one is {re.escape(str(newest))}: "
+        "pass --resume-fallback",
+    ):
         checkpoint_candidates(tmp_path)
-    assert checkpoint_candidates(tmp_path, fallback=True) == [tmp_path / "step-00000002"]
+    assert checkpoint_candidates(tmp_path, fallback=True) == [newest]
+
+
+def test_a_latest_naming_no_checkpoint_names_the_newest_complete_one(tmp_path: Path) -> None:
+    holder = _holder("llama-tiny", (0, 7))
+    _save(holder, tmp_path, step=2)
+    (tmp_path / "latest").write_text("step-00000009\n")
+    newest = re.escape(str(tmp_path / "step-00000002"))
+    with pytest.raises(
+        CheckpointError, match=f"names 'step-00000009'.*newest complete one is {newest}"
+    ):
+        checkpoint_candidates(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_checkpoint_files_get_the_mode_open_gives(tmp_path: Path, umask: int) -> None:
+    """Shards, indexes, trainer.json, rng states and `latest`: readable as the umask allows,
+    not the owner-only 0600 of a temp file."""
+    old = os.umask(umask)
+    try:
+        _, directory = _trained_checkpoint(tmp_path)
+    finally:
+        os.umask(old)
+    files = [*directory.iterdir(), tmp_path / "ck" / "latest"]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {
+        p.name: 0o666 & ~umask for p in files
+    }
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o777 & ~umask
 
 
 def test_a_folder_without_checkpoints_is_named(tmp_path: Path) -> None:

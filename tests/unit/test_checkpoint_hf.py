@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +157,85 @@ def test_a_sharded_hf_folder_opens_as_hugging_face_not_as_a_checkpoint(
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_the_exported_config_names_no_special_token_outside_the_byte_vocabulary(
+    checkpoints: dict[str, Path], tmp_path: Path, model: str
+) -> None:
+    """The byte tokenizer has no begin/end-of-text token: null, not HF's 50256 (or 1 and 2),
+    and such a folder still imports."""
+    export_hf(checkpoints[model], tmp_path / "hf")
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (None, None, None)
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    assert open_model(tmp_path / "back")[0] == layer_specs(model)[0].config
+
+
+def test_export_refuses_a_max_shard_size_below_one_byte(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match=rf"max_shard_bytes={bad} \(--max-shard-bytes\)"):
+            export_hf(checkpoints["gpt-tiny"], tmp_path / "hf", max_shard_bytes=bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad", ["-5", "0", "5GB"])
+def test_the_cli_refuses_a_max_shard_size_below_one_byte(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    argv = ["export", "--checkpoint", str(checkpoints["gpt-tiny"]), "--out", str(tmp_path / "hf")]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--max-shard-bytes", bad])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --max-shard-bytes: {bad!r} is not a positive number of bytes" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_an_export_gets_the_modes_open_and_mkdir_give(
+    checkpoints: dict[str, Path], tmp_path: Path, umask: int
+) -> None:
+    old = os.umask(umask)
+    try:
+        export_hf(checkpoints["llama-tiny"], tmp_path / "hf", max_shard_bytes=200_000)
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "hf").iterdir())
+    assert len(files) > 3  # config, index and shards
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {
+        f.name: 0o666 & ~umask for f in files
+    }
+    assert stat.S_IMODE((tmp_path / "hf").stat().st_mode) == 0o777 & ~umask
+
+
+def _root_without_latest(checkpoints: dict[str, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint root whose `latest` was lost, as a save cut off before it moved leaves it."""
+    root = tmp_path / "root"
+    shutil.copytree(checkpoints["gpt-tiny"], root)
+    (root / "latest").unlink()
+    return root, max(root.glob("step-*"))
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_root_without_latest_names_the_directory_to_pass_instead(
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """generate and export have no --resume-fallback: the fix is a path they take."""
+    root, newest = _root_without_latest(checkpoints, tmp_path)
+    rest = ["--prompt", "hi", "--max-new-tokens", "2"] if command == "generate" else []
+    out = ["--out", str(tmp_path / "hf")] if command == "export" else []
+    with pytest.raises(SystemExit):
+        main([command, "--checkpoint", str(root), *rest, *out])
+    err = capsys.readouterr().err
+    assert f"the newest complete one is {newest}: pass that directory instead" in err
+    assert "--resume-fallback" not in err
+    assert main([command, "--checkpoint", str(newest), *rest, *out]) == 0
+
+
 def test_import_refuses_an_architecture_it_cannot_represent(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="model_type 'bert'"):
@@ -225,6 +307,20 @@ def test_import_does_not_overwrite_a_folder(
 
 
 # Logits equal transformers' own models (optional dependency).
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_transformers_loads_an_export_without_foreign_special_tokens(
+    checkpoints: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str], model: str
+) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    export_hf(checkpoints[model], tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (loaded.config.bos_token_id, loaded.config.eos_token_id) == (None, None)
+    assert "50256" not in capfd.readouterr().err
+    prompt = torch.tensor([[104, 105]])
+    out = loaded.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 5) and int(out.max()) < 256
 
 
 def _hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:

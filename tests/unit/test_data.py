@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from engine.cli import main
 from engine.data import (
     BatchLoader,
     TokenDataset,
@@ -170,8 +173,16 @@ def test_resume_refuses_a_different_batch_recipe(dataset: TokenDataset) -> None:
 
 def test_prepare_rejects_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no files ending in"):
+    with pytest.raises(ValueError, match="no files ending in .py .txt .md .rst") as error:
         prepare(tmp_path / "empty", tmp_path / "out")
+    assert "`meshpipe data prepare` reads only files with those suffixes" in str(error.value)
+    assert "pass one file of any name as SOURCE" in str(error.value)
+
+
+def test_prepare_rejects_a_zero_cap_naming_the_flag(tmp_path: Path) -> None:
+    src = _write(tmp_path / "src", {"a.txt": "abc"})
+    with pytest.raises(ValueError, match=r"max_bytes=0 \(--max-bytes\) must be >= 1; leave it out"):
+        prepare(src, tmp_path / "out", max_bytes=0)
 
 
 def test_prepare_rejects_nonexistent_source(tmp_path: Path) -> None:
@@ -179,9 +190,51 @@ def test_prepare_rejects_nonexistent_source(tmp_path: Path) -> None:
         prepare(tmp_path / "nope", tmp_path / "out")
 
 
-def test_load_rejects_missing_header(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"header .* does not exist"):
-        load_tokens(tmp_path / "nothing")
+def test_load_rejects_missing_files_with_the_command_that_makes_them(tmp_path: Path) -> None:
+    prefix = tmp_path / "nothing"
+    with pytest.raises(ValueError, match=r"token file .*nothing\.bin' does not exist") as error:
+        load_tokens(f"{prefix}.bin")
+    assert f"`meshpipe data prepare SOURCE --out {prefix}`" in str(error.value)
+    assert "engine.data.prepare()" in str(error.value)
+
+
+def test_load_rejects_a_bin_without_its_header(tmp_path: Path) -> None:
+    (tmp_path / "raw.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"header .*raw\.json' does not exist next to") as error:
+        load_tokens(tmp_path / "raw.bin")
+    assert f"`meshpipe data prepare SOURCE --out {tmp_path / 'raw'}`" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["small.txt", "corpus"])
+def test_load_of_a_raw_text_file_says_to_prepare_it(tmp_path: Path, name: str) -> None:
+    """`meshpipe train --data small.txt`: the text, not the token file made from it."""
+    text = _write(tmp_path, {name: "hello world\n"}) / name
+    with pytest.raises(ValueError, match="is a file, not a token file") as error:
+        load_tokens(text)
+    prefix = text.with_suffix("")
+    assert f"`meshpipe data prepare {text} --out {prefix}`" in str(error.value)
+    assert f"--data {prefix}" in str(error.value)
+    prepare(text, prefix)  # the advice works
+    assert decode(load_tokens(prefix).tokens) == "hello world\n"
+
+
+def test_load_of_a_folder_says_to_prepare_it(tmp_path: Path) -> None:
+    src = _write(tmp_path / "texts", {"a.txt": "abc"})
+    with pytest.raises(ValueError, match="is a folder, not a token file") as error:
+        load_tokens(src)
+    assert f"`meshpipe data prepare {src} --out {src}`" in str(error.value)
+
+
+def test_the_cli_names_the_prepare_command_for_a_raw_text_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = _write(tmp_path, {"small.txt": "hello world\n" * 20}) / "small.txt"
+    argv = ["train", "--model", "gpt-tiny", "--steps", "1", "--global-batch", "4"]
+    with pytest.raises(SystemExit):
+        main([*argv, "--micro-batches", "2", "--seq-len", "32", "--data", str(text)])
+    err = capsys.readouterr().err
+    assert f"meshpipe data prepare {text} --out {tmp_path / 'small'}" in err
+    assert f"--data {tmp_path / 'small'}" in err
 
 
 def test_load_rejects_corrupt_header(tmp_path: Path) -> None:
@@ -201,8 +254,22 @@ def test_load_rejects_foreign_header(tmp_path: Path) -> None:
 def test_load_rejects_size_mismatch(tmp_path: Path) -> None:
     info = prepare(_write(tmp_path / "src", {"a.txt": "abcdef"}), tmp_path / "out")
     info.bin_path.write_bytes(b"abc")
-    with pytest.raises(ValueError, match="has 3 bytes but its header promises 6"):
+    with pytest.raises(ValueError, match="has 3 bytes but its header promises 6") as error:
         load_tokens(info.bin_path)
+    assert f"`meshpipe data prepare SOURCE --out {tmp_path / 'out'}`" in str(error.value)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_prepared_files_get_the_mode_open_gives(tmp_path: Path, umask: int) -> None:
+    """Not the owner-only 0600 of a temp file: token files are read by other users' runs."""
+    old = os.umask(umask)
+    try:
+        info = prepare(_write(tmp_path / "src", {"a.txt": "abc"}), tmp_path / "out" / "tokens")
+    finally:
+        os.umask(old)
+    for path in (info.bin_path, info.json_path):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
 
 
 def test_default_corpus_rebuilds_an_invalid_cache(tmp_path: Path) -> None:
