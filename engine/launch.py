@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -73,7 +76,9 @@ def launch_local(
 
     Raises `RankFailed` with the first failed rank's error when a rank fails (after
     `max_restarts` restarts of all of them), and `KeyboardInterrupt` when the agent is
-    interrupted (Ctrl-C, SIGTERM): it has stopped the ranks by then."""
+    interrupted (Ctrl-C, SIGTERM): it has stopped the ranks by then. The agent's per-rank
+    folder (error files) is kept only when a rank failed: the error names its file."""
+    log_dir = tempfile.mkdtemp(prefix="meshpipe-ranks-")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -84,6 +89,7 @@ def launch_local(
         max_restarts=max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     if max_restarts > 0:
         # The agent's shared TCPStore keeps the previous attempt's keys, so a restarted rank
@@ -92,8 +98,11 @@ def launch_local(
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         with _quiet_agent():
-            return elastic_launch(config, entrypoint)(*args)
+            results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as error:
         raise _first_failure(error) from None
     except SignalException as error:
+        shutil.rmtree(log_dir, ignore_errors=True)
         raise KeyboardInterrupt(str(error)) from None
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return results

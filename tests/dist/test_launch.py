@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,3 +150,12 @@ def test_a_schedule_file_trains_as_the_schedule_it_was_saved_from(
         assert main([*argv, "--metrics-file", str(metrics)]) == 0
         runs[schedule] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert runs[str(path)] == runs["zb_h1"]
+
+
+def test_a_finished_local_run_leaves_no_rank_folders_behind(
+    tokens: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert main(["train", *ARGS, "--data", tokens, "--pp", "2"]) == 0
+    rank_folders = ("torchelastic_", "meshpipe-ranks-")  # the agent's default, and ours
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(rank_folders)] == []
