@@ -156,12 +156,11 @@ def _run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.launch import is_launched, launch_local
     from engine.mesh import launcher_world_size
-    from engine.train import stage_partition, train_worker
-    from models import layer_specs
+    from engine.train import preflight, train_worker
 
     ranks = config.pp * config.dp
+    preflight(config)
     if ranks > 1 and not is_launched():
-        stage_partition(config, layer_specs(config.model))
         progress = not args.no_progress
         restarts = config.max_restarts
         result = launch_local(train_worker, ranks, config, progress, max_restarts=restarts)[0]

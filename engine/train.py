@@ -113,8 +113,7 @@ def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
 
 
 def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
-    """The run's stages; a launcher calls it before starting ranks, so a bad --partition
-    fails once, in the terminal, not in every rank."""
+    """The run's stages, partitioned as the config asks."""
     return partition_model(
         specs,
         method=config.partition,
@@ -122,6 +121,40 @@ def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partitio
         batch_size=config.global_batch // (config.dp * config.micro_batches),
         seq_len=config.seq_len,
     )
+
+
+def _writable_folder(folder: Path, flag: str, given: str) -> None:
+    """Create `folder` now, so a path that cannot be written fails before the first step,
+    not after the last one."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(
+            f"{flag} {given}: {folder} is a file, not a folder: pick another path"
+        ) from None
+    except OSError as error:
+        raise ValueError(f"{flag} {given}: cannot create {folder} ({error.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {given}: {folder} is not writable: pick another path")
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """Every path the run writes (checkpoints, metrics, trace) can be written."""
+    if config.checkpoint_dir is not None:
+        _writable_folder(Path(config.checkpoint_dir), "--checkpoint-dir", config.checkpoint_dir)
+    for flag, path in (("--metrics-file", config.metrics_file), ("--trace", config.trace)):
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a folder: give a file name")
+        _writable_folder(Path(path).parent, flag, path)
+
+
+def preflight(config: TrainConfig) -> None:
+    """What a launcher checks before starting ranks, so that a mistake fails once, in the
+    terminal, rather than in every rank: the partition and the output paths."""
+    stage_partition(config, layer_specs(config.model))
+    check_outputs(config)
 
 
 def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
@@ -294,6 +327,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    check_outputs(config)
     mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout)
     _set_threads(config, mesh)
     run = _open_run(config, mesh)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,32 @@ def test_a_non_number_names_its_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": "one"}))
     _, err = _error(["train", "--deepspeed_config", str(path)], capsys)
     assert "gradient_clipping='one': give a number" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "message"),
+    [
+        ("--checkpoint-dir", "afile", "afile is a file, not a folder"),
+        ("--metrics-file", "afile/m.jsonl", "afile is a file, not a folder"),
+        ("--trace", "afile/sub/t.json", r"cannot create .*afile/sub \(Not a directory\)"),
+        ("--metrics-file", ".", "is a folder: give a file name"),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: str,
+    path: str,
+    message: str,
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.chdir(tmp_path)
+
+    def no_training(*_: object) -> None:
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(sys.modules["engine.train"], "train_worker", no_training)
+    code, err = _error(["train", "--steps", "1", flag, path], capsys)
+    assert code == 2
+    assert re.search(message, err), err
