@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 from engine.schedules import SCHEDULES, Schedule, format_schedule, make_schedule
 from engine.simulate import ActionCosts, simulate, steady_state_bubble
@@ -15,11 +17,17 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     parser = commands.add_parser(
         "schedule", help="generate or load a pipeline schedule, simulate, plot and save it"
     )
-    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
+    parser.add_argument(
+        "--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default 1f1b)"
+    )
     parser.add_argument("--load", default=None, help="a schedule file (csv or text) to check")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks")
-    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--stages-per-rank", type=int, default=1, help="v (interleaved, looped)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 4)")
+    parser.add_argument(
+        "--micro-batches", type=int, default=None, help="micro-batches per step (default 8)"
+    )
+    parser.add_argument(
+        "--stages-per-rank", type=int, default=None, help="v (interleaved, looped; default 1)"
+    )
     parser.add_argument(
         "--costs",
         default="1,2,1,1,0",
@@ -36,7 +44,12 @@ def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         default=None,
         help="write the simulated timeline as a Chrome trace (unit costs as ms, profile: as s)",
     )
-    parser.add_argument("--format", default="text", choices=("text", "csv"), help="for --out")
+    parser.add_argument(
+        "--format",
+        default=None,
+        choices=("text", "csv"),
+        help="for --out (default: csv for a .csv name, else text)",
+    )
     parser.add_argument("--out", default=None, help="write the schedule to this file")
 
 
@@ -82,17 +95,37 @@ def _trace_unit_s(costs_text: str) -> float:
     return 1.0 if costs_text.startswith("profile:") else 1e-3
 
 
-def run_schedule(args: argparse.Namespace) -> int:
-    schedule = (
-        load_schedule(args.load)
-        if args.load
-        else make_schedule(
-            args.schedule,
-            num_ranks=args.pp,
-            micro_batches=args.micro_batches,
-            stages_per_rank=args.stages_per_rank,
-        )
+_GENERATOR_FLAGS: dict[str, Any] = {
+    "schedule": "1f1b",
+    "pp": 4,
+    "micro_batches": 8,
+    "stages_per_rank": 1,
+}
+"""What --schedule, --pp, --micro-batches and --stages-per-rank default to without --load."""
+
+
+def _schedule(args: argparse.Namespace) -> Schedule:
+    """The loaded file, or the generated schedule; a file fixes ranks and micro-batches."""
+    given = [f"--{k.replace('_', '-')}" for k in _GENERATOR_FLAGS if getattr(args, k) is not None]
+    if args.load:
+        if given:
+            raise ValueError(
+                f"--load takes the schedule, ranks and micro-batches from {args.load}: drop "
+                f"{', '.join(given)}"
+            )
+        return load_schedule(args.load)
+    values: dict[str, Any] = {k: default if getattr(args, k) is None else getattr(args, k)
+              for k, default in _GENERATOR_FLAGS.items()}  # fmt: skip
+    return make_schedule(
+        values["schedule"],
+        num_ranks=values["pp"],
+        micro_batches=values["micro_batches"],
+        stages_per_rank=values["stages_per_rank"],
     )
+
+
+def run_schedule(args: argparse.Namespace) -> int:
+    schedule = _schedule(args)
     costs = parse_costs(args.costs, schedule, args)
     result = simulate(schedule, costs)
     print(format_schedule(schedule))
@@ -115,6 +148,8 @@ def run_schedule(args: argparse.Namespace) -> int:
         chrome_trace(slices, args.trace, unit_s=_trace_unit_s(args.costs), process=title)
         print(f"wrote {args.trace}")
     if args.out:
-        save_schedule(schedule, args.out, fmt=args.format)
-        print(f"wrote {args.out}")
+        fmt = args.format or ("csv" if Path(args.out).suffix.lower() == ".csv" else "text")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        save_schedule(schedule, args.out, fmt=fmt)
+        print(f"wrote {args.out} ({fmt})")
     return 0

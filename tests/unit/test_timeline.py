@@ -193,3 +193,19 @@ def test_a_one_rank_run_trains_from_a_schedule_file_as_from_its_name(tmp_path: P
         TrainConfig(**run, threads=1, schedule=str(tmp_path / "s.csv")), progress=False
     )
     assert from_file.losses == by_name
+
+
+def test_schedule_out_writes_csv_for_a_csv_name(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "s.csv"
+    assert main(["schedule", "--pp", "2", "--micro-batches", "2", "--out", str(out)]) == 0
+    assert "0F0,0F1" in out.read_text()
+    assert load_schedule(out) == make_schedule("1f1b", num_ranks=2, micro_batches=2)
+
+
+def test_schedule_load_refuses_generator_flags_it_would_ignore(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_schedule(zb_h1(2, 3), tmp_path / "s.csv")
+    with pytest.raises(SystemExit):
+        main(["schedule", "--load", str(tmp_path / "s.csv"), "--schedule", "gpipe", "--pp", "2"])
+    assert "drop --schedule, --pp" in capsys.readouterr().err
