@@ -187,10 +187,16 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from models import layer_specs
+    from models import get_config, layer_specs
     from partitioners import layer_costs, partition_model
 
     specs = layer_specs(args.model)
+    context = get_config(args.model).max_seq_len
+    if args.micro_batch_size < 1 or not 1 <= args.seq_len <= context:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size} --seq-len {args.seq_len}: give at least "
+            f"1 sequence of 1 to {context} tokens ({args.model}'s context)"
+        )
     kwargs = {"batch_size": args.micro_batch_size, "seq_len": args.seq_len}
     partition = partition_model(
         specs, method=args.partition, num_stages=args.pp, cost_model=args.cost_model, **kwargs

@@ -105,3 +105,12 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
     code, err = _error(["train", "--steps", "1", flag, path], capsys)
     assert code == 2
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("shape", [["--micro-batch-size", "0"], ["--seq-len", "100000"]])
+def test_plan_refuses_a_shape_the_model_cannot_run(
+    shape: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _error(["plan", "--model", "gpt-tiny", "--pp", "2", *shape], capsys)
+    assert code == 2
+    assert "1 to 128 tokens (gpt-tiny's context)" in err
