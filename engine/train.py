@@ -152,9 +152,13 @@ def check_outputs(config: TrainConfig) -> None:
 
 def preflight(config: TrainConfig) -> None:
     """What a launcher checks before starting ranks, so that a mistake fails once, in the
-    terminal, rather than in every rank: the partition and the output paths."""
+    terminal, rather than in every rank: the partition, the output paths and, for --resume,
+    the checkpoint's settings."""
     stage_partition(config, layer_specs(config.model))
     check_outputs(config)
+    root = config.checkpoint_dir
+    if config.resume and root is not None and has_checkpoint(root):
+        _check_before_loading(root, config)
 
 
 def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:

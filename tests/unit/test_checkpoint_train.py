@@ -384,3 +384,17 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(
     assert "nothing to train: the checkpoint is at step 6 and --steps is 6" in (
         capsys.readouterr().out
     )
+
+
+def test_a_refused_resume_fails_before_any_rank_is_launched(
+    runs: dict[str, Any], tokens: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = runs["root"] / "full"
+    argv = ["train", "--model", "llama-tiny", "--data", tokens, "--checkpoint-dir", str(root)]
+    settings = ["--steps", "6", "--global-batch", "8", "--micro-batches", "2", "--seq-len", "32"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *settings, "--pp", "2", "--warmup-steps", "2", "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshpipe: error: the checkpoint of step 6")
+    assert "global_batch: 4 → 8" in err
