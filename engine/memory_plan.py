@@ -3,7 +3,8 @@
 Candidates: recompute the forward (on every stage, or only on those over), ZeRO-1, a
 memory-balanced partition (boundaries chosen against per-layer memory, each stage weighted by its
 in-flight micro-batches), more pipeline stages, smaller micro-batches. Every candidate runs
-through `estimate_memory`, so a suggestion is what the estimator predicts, not a rule of thumb.
+through `estimate_memory`, so a suggestion is what the estimator predicts, not a rule of thumb,
+and only candidates the estimator puts below the layout's own peak are offered.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from engine.actions import Action, ActionKind
 from engine.memory import (
     MemoryConfig,
     MemoryReport,
@@ -20,9 +22,9 @@ from engine.memory import (
     estimate_memory,
     resolve,
     stage_memory,
+    stage_params,
 )
-from engine.memory_replay import build_stage, in_flight, stage_actions
-from engine.memory_states import param_info
+from engine.memory_replay import in_flight, stage_actions
 from engine.memory_tracker import round_up
 from engine.schedules import make_schedule
 from partitioners import Partition
@@ -57,7 +59,7 @@ def _layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...
     received = round_up(boundary, layout.block)
     states, kept = [], []
     for i, spec in enumerate(layout.specs):
-        params = param_info(build_stage((spec,)))
+        params = stage_params((spec,))
         states.append(sum(4 * round_up(4 * p.numel, layout.block) for p in params))
         trace = cached_trace((spec,), i == 0, i == last, (False,), shape, config.device)
         kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
@@ -65,26 +67,47 @@ def _layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def memory_balanced(
-    states: Sequence[int], kept: Sequence[int], weights: Sequence[int]
+    states: Sequence[int],
+    kept: Sequence[int],
+    weights: Sequence[int],
+    *,
+    grads: Sequence[int] | None = None,
+    after: Sequence[int] | None = None,
 ) -> Partition:
-    """Contiguous stages minimising the largest `sum(states) + weights[s] · sum(kept)`.
+    """Contiguous stages minimising the largest
+    `sum(states) + max(weights[s] · sum(kept), sum(grads) + after[s] · sum(kept))`.
 
-    Stages weigh their layers differently (1F1B's stage s holds P - s micro-batches), which
+    `weights[s]` is stage s's in-flight peak (1F1B's stage s holds P - s micro-batches), which
     `partitioners.balanced` cannot express; an exact dynamic program over (stages, layers
-    covered) can, in O(S·L²). Ties go to the earliest boundary.
+    covered) can, in O(S·L²). Ties go to the earliest boundary. With `grads` (then left out
+    of `states`) and `after[s]`, the micro-batches stage s holds once its gradients exist, a
+    stage that runs all its forwards before its first backward is not charged its gradients
+    on top of all its stashes: they never coexist. Without them: `sum(states) + w · sum(kept)`.
     """
     num_layers, num_stages = len(states), len(weights)
-    if len(kept) != num_layers or not 1 <= num_stages <= num_layers:
+    grads = [0] * num_layers if grads is None else grads
+    after = weights if after is None else after
+    if len(kept) != num_layers or len(grads) != num_layers or len(after) != num_stages:
         raise ValueError(
-            f"{num_layers} states, {len(kept)} kept sizes and {num_stages} stage weights: give "
-            "one state and one kept size per layer and at most one stage per layer"
+            f"{num_layers} states, {len(kept)} kept sizes, {len(grads)} gradient sizes, "
+            f"{num_stages} stage weights and {len(after)} later weights: give one state, kept "
+            "and gradient size per layer and one weight and later weight per stage"
         )
-    ps, pk = list(accumulate(states, initial=0)), list(accumulate(kept, initial=0))
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(
+            f"{num_stages} stages for {num_layers} layers: give at most one stage per layer"
+        )
+    ps, pk, pg = (list(accumulate(v, initial=0)) for v in (states, kept, grads))
+
+    def cost(s: int, a: int, end: int) -> int:
+        k = pk[end] - pk[a]
+        return ps[end] - ps[a] + max(weights[s] * k, pg[end] - pg[a] + after[s] * k)
+
     best: dict[tuple[int, int], tuple[int, int]] = {(0, 0): (0, 0)}
     for s in range(1, num_stages + 1):
         for end in range(s, num_layers - (num_stages - s) + 1):
             best[s, end] = min(
-                (max(best[s - 1, a][0], ps[end] - ps[a] + weights[s - 1] * (pk[end] - pk[a])), a)
+                (max(best[s - 1, a][0], cost(s - 1, a, end)), a)
                 for a in range(s - 1, end)
                 if (s - 1, a) in best
             )
@@ -94,12 +117,40 @@ def memory_balanced(
     return Partition(boundaries=tuple(reversed(bounds)))
 
 
+def _held_with_gradients(actions: Sequence[Action]) -> int:
+    """Most micro-batches holding a stash once the stage's first backward has begun (its
+    gradients then exist): F opens a stash, B or W closes it, as `in_flight` counts."""
+    live = peak = 0
+    started = False
+    for action in actions:
+        if action.kind is ActionKind.F:
+            live += 1
+        elif action.kind in (ActionKind.B, ActionKind.I):
+            started = True
+        if action.kind in (ActionKind.B, ActionKind.W):
+            live -= 1
+        if started:
+            peak = max(peak, live)
+    return peak
+
+
 def _balanced_for(config: MemoryConfig, pp: int) -> Partition:
-    """The memory-balanced partition for `pp` stages, from the per-layer sums."""
+    """The memory-balanced partition for `pp` stages, from the per-layer sums.
+
+    `layer_memory`'s states are four equal fp32 copies (weights, gradients, AdamW's two), so a
+    quarter of them are the gradients.
+    """
     schedule = make_schedule(config.schedule, num_ranks=pp, micro_batches=config.micro_batches)
-    weights = [in_flight(stage_actions(schedule, s)) for s in range(pp)]
+    rows = [stage_actions(schedule, s) for s in range(pp)]
     states, kept = layer_memory(config)
-    return memory_balanced(states, kept, weights)
+    grads = [state // 4 for state in states]
+    return memory_balanced(
+        [state - grad for state, grad in zip(states, grads, strict=True)],
+        kept,
+        [in_flight(row) for row in rows],
+        grads=grads,
+        after=[_held_with_gradients(row) for row in rows],
+    )
 
 
 def _layout_flags(partition: Partition) -> str:
@@ -114,7 +165,7 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
     leave out transients but also overcount (gpt-tiny's 3 stages under GPipe sum to more than
     their estimate), so they are no lower bound: skipping on them passed over the smallest size
     that fits. Only `_states_floor`, a true lower bound, skips a size unestimated. Stages built
-    alike share one traced replay, so even scanning every size of llama-70b takes about 20 s.
+    alike share one traced replay, so llama-70b's scan at pp 8 takes about 6 s.
     """
     best: MemoryReport | None = None
     for pp in range(config.pp + 1, len(resolve(config).specs) + 1):
@@ -136,16 +187,20 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
 
 
 def _states_floor(config: MemoryConfig) -> int:
-    """The largest rank's weights and optimizer states, as `estimate_memory` counts them.
+    """The largest rank's weights, gradients and optimizer states, as `estimate_memory`
+    counts them.
 
-    A rank's estimated peak is these plus its step's peak, which is never negative, so a
-    layout whose floor exceeds the device cannot fit: a true lower bound, with no replay.
+    A rank's estimated peak is its weights and optimizer states plus its step's peak, and the
+    step ends with every gradient allocated (the replay's final live bytes hold them, and the
+    optimizer steps on them), so the step's peak is at least the gradients. A layout whose
+    floor exceeds the device cannot fit: a true lower bound, with no replay.
     """
     layout = resolve(config)
-    floors = [
-        stage_memory(config, layout, s, kept=0, weight_copies=0, step_peak=0).peak
+    alone = [
+        stage_memory(config, layout, s, kept=0, weight_copies=0, step_peak=0)
         for s in range(layout.partition.num_stages)
     ]
+    floors = [stage.peak + stage.gradients for stage in alone]
     return max(sum(floors[s] for s in layout.schedule.stages_of(r)) for r in range(config.pp))
 
 
@@ -176,7 +231,11 @@ def _candidates(
         if partition != report.partition:
             flags = _layout_flags(partition)
             found.append(
-                (f"--partition {flags}", replace(config, partition=flags), "memory-balanced")
+                (
+                    f"--partition {flags}",
+                    replace(config, partition=flags),
+                    "boundaries balancing per-layer memory sums",
+                )
             )
     if config.micro_batch_size % 2 == 0:
         mbs, m = config.micro_batch_size // 2, 2 * config.micro_batches
@@ -210,7 +269,12 @@ def _lighter_schedules(config: MemoryConfig, report: MemoryReport) -> list[Sugge
 
 
 def suggest(config: MemoryConfig, report: MemoryReport, device_memory: int) -> list[Suggestion]:
-    """Alternatives for a layout whose peak exceeds `device_memory` on some rank, estimated."""
+    """Alternatives for a layout whose peak exceeds `device_memory` on some rank, estimated.
+
+    Only alternatives whose estimated peak is below the layout's are offered: a heuristic
+    candidate (the memory-balanced boundaries come from per-layer sums, not the replay) can
+    come out worse, and a suggestion that raises the peak is no suggestion.
+    """
     over = report.ranks_over(device_memory)
     if not over:
         return []
@@ -225,4 +289,4 @@ def suggest(config: MemoryConfig, report: MemoryReport, device_memory: int) -> l
             more = _more_stages(variant, device_memory)
             if more is not None:
                 found.append(replace(more, change=prefix + more.change))
-    return found
+    return [s for s in found if s.report.peak < report.peak]

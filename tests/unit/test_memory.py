@@ -14,21 +14,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.memory import MemoryConfig, estimate_memory, resolve
+from engine.memory import MemoryConfig, estimate_memory, resolve, stage_params
 from engine.memory_measure import measure_memory
-from engine.memory_plan import memory_balanced, suggest
-from engine.memory_replay import stage_actions
+from engine.memory_plan import _held_with_gradients, _states_floor, memory_balanced, suggest
+from engine.memory_replay import build_stage, stage_actions
 from engine.memory_report import add_memory_parser, parse_size, run_memory
 from engine.memory_states import (
     ParamInfo,
     deepspeed_zero2_model_states,
     dp_buckets,
     megatron_activations,
+    param_info,
     zero_shards,
 )
 from engine.memory_tracker import MemoryTracker, fake_device
-from engine.schedules import SCHEDULES, VIRTUAL_SCHEDULES
+from engine.schedules import SCHEDULES, VIRTUAL_SCHEDULES, make_schedule
 from engine.simulate import simulate
+from models import layer_specs
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
@@ -270,6 +272,75 @@ def test_more_stages_suggests_the_fewest_that_fits() -> None:
     more = [s for s in found if s.change.startswith("--pp ")]
     assert [s.change for s in more] == ["--pp 3 --partition boundaries:0,2,4,7"]
     assert more[0].report.peak <= budget
+
+
+def test_memory_balanced_with_gradients_minimises_the_largest_modelled_stage() -> None:
+    states, grads, kept = [5, 1, 2, 1, 3, 5], [2, 1, 1, 1, 1, 2], [1, 4, 3, 4, 2, 1]
+    flight, after = [3, 2, 1], [2, 2, 1]
+    partition = memory_balanced(states, kept, flight, grads=grads, after=after)
+
+    def worst(bounds: tuple[int, ...]) -> int:
+        stages = zip(flight, after, itertools.pairwise(bounds), strict=True)
+        return max(
+            sum(states[a:b]) + max(w * sum(kept[a:b]), sum(grads[a:b]) + h * sum(kept[a:b]))
+            for w, h, (a, b) in stages
+        )
+
+    every = [(0, *cut, 6) for cut in itertools.combinations(range(1, 6), 2)]
+    assert worst(partition.boundaries) == min(map(worst, every))
+
+
+@pytest.mark.parametrize(
+    ("micro_batches", "held"), [(4, [3, 3, 2, 1]), (8, [4, 3, 2, 1]), (2, [1, 1, 1, 1])]
+)
+def test_stashes_held_once_gradients_exist_follow_the_1f1b_rows(
+    micro_batches: int, held: list[int]
+) -> None:
+    """With m <= P, 1F1B's first stages run every forward before their first B: the
+    gradients that B allocates never meet all of their stashes."""
+    schedule = make_schedule("1f1b", num_ranks=4, micro_batches=micro_batches)
+    assert [_held_with_gradients(stage_actions(schedule, s)) for s in range(4)] == held
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MemoryConfig(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64),
+        MemoryConfig(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64, precision="fp32"),
+        MemoryConfig(
+            model="gpt-tiny", pp=3, micro_batches=2, seq_len=64, schedule="zb_h1", precision="fp32"
+        ),
+        MemoryConfig(model="llama-tiny", pp=3, micro_batches=2, seq_len=16, schedule="zb_h1"),
+    ],
+    ids=["1f1b-bf16", "1f1b-fp32", "zb-h1-gpt", "zb-h1-llama"],
+)
+def test_no_suggestion_is_worse_than_the_layout(config: MemoryConfig) -> None:
+    """Layouts where the per-layer sums' memory-balanced boundaries (old or new model) come
+    out above the layout's own peak (as llama-70b's did at pp 8): such a candidate is dropped."""
+    report = estimate_memory(config)
+    found = suggest(config, report, report.peak - 1)
+    assert found
+    assert all(s.report.peak < report.peak for s in found)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"schedule": "gpipe"}, {"schedule": "zb_h1"}, {"dp": 2, "zero": 1}, {"dp": 2}],
+)
+def test_states_floor_is_a_lower_bound_of_the_estimate(changes: dict[str, object]) -> None:
+    """Weights, gradients and optimizer states: `_more_stages` skips sizes on it unestimated."""
+    config = _tiny(pp=3, **changes)
+    assert _states_floor(config) <= estimate_memory(config).peak
+    assert _states_floor(config) > max(
+        s.weights + s.optimizer for s in estimate_memory(config).stages
+    )
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_stage_params_equal_a_built_stage_with_its_ties(model: str) -> None:
+    specs = layer_specs(model)
+    for layers in (specs, specs[:1], specs[-1:], specs[1:3]):
+        assert stage_params(layers) == param_info(build_stage(layers))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_drain"])

@@ -1,0 +1,156 @@
+"""`profile:` costs: one stage built at a time, once, and refused when this host cannot hold it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine.profile
+import engine.stage
+from engine.cli import main
+from engine.profile import profile_stage_costs, stage_profile_bytes
+from engine.stage import PipelineStage
+from models import LayerSpec, layer_specs
+from partitioners import Partition, partition_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Timings on one thread: a benchmark beside the tests skews two-thread medians most."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _partition(model: str, stages: int, seq_len: int) -> tuple[list[LayerSpec], Partition]:
+    specs = layer_specs(model)
+    return specs, partition_model(
+        specs, method="balanced", num_stages=stages, batch_size=1, seq_len=seq_len
+    )
+
+
+def test_a_stage_too_large_for_the_available_memory_is_refused_before_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine.profile, "_available_memory", lambda: 8 * 2**30)
+
+    def built(*_: object, **__: object) -> None:
+        raise AssertionError("a stage was built before the memory check")
+
+    monkeypatch.setattr(engine.profile, "PipelineStage", built)
+    specs, partition = _partition("llama-7b", 4, 64)
+    with pytest.raises(ValueError) as error:
+        profile_stage_costs(specs, partition, seq_len=64)
+    message = str(error.value)
+    assert "profiling stage 3 (layers [25, 35)) needs about 13.9 GiB" in message
+    assert "8.0 GiB available" in message
+    for fix in ("--pp", "--seq-len", "--micro-batch-size", "--costs F,B,I,W"):
+        assert fix in message
+
+
+def test_the_schedule_command_exits_2_with_the_refusal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(engine.profile, "_available_memory", lambda: 2**30)
+    argv = ["schedule", "--pp", "4", "--costs", "profile:llama-7b", "--seq-len", "64"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "1.0 GiB available" in capsys.readouterr().err
+
+
+def test_the_estimate_holds_weights_and_gradients_in_fp32() -> None:
+    specs, partition = _partition("llama-7b", 4, 64)
+    layers = partition.layers_of(1)
+    params = sum(specs[i].num_parameters() for i in layers)
+    estimate = stage_profile_bytes(specs, layers, batch_size=1, seq_len=64)
+    assert 8 * params < estimate < 9 * params
+
+
+def test_available_memory_reads_meminfo_and_is_skipped_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    monkeypatch.setattr(engine.profile, "_MEMINFO", meminfo)
+    assert engine.profile._available_memory() == 20000000 * 1024
+    monkeypatch.setattr(engine.profile, "_MEMINFO", tmp_path / "missing")
+    assert engine.profile._available_memory() is None
+    specs, partition = _partition("gpt-tiny", 2, 16)
+    per_stage = profile_stage_costs(specs, partition, seq_len=16, repeats=1).per_stage
+    assert per_stage is not None and len(per_stage) == 2
+
+
+def test_each_stage_is_built_once_and_its_w_runs_the_deferred_gemms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[int] = []
+    gemms: list[int] = []
+
+    class Counted(PipelineStage):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            built.append(self.stage)
+
+    linear_grads = engine.stage._linear_weight_grads
+
+    def counted(*args: object) -> list[torch.Tensor]:
+        gemms.append(1)
+        return linear_grads(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.profile, "PipelineStage", Counted)
+    monkeypatch.setattr(engine.stage, "_linear_weight_grads", counted)
+    specs, partition = _partition("llama-tiny", 2, 32)
+    profile_stage_costs(specs, partition, seq_len=32, repeats=2)
+    assert built == [0, 1]
+    linears = sum(
+        isinstance(m, torch.nn.Linear) for spec in specs for m in spec.build("meta").modules()
+    )
+    assert len(gemms) == 3 * linears  # warm-up and two timed micro-batches, every Linear
+
+
+def test_a_stage_is_freed_before_the_next_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    alive: list[list[bool]] = []
+    stages: list[weakref.ref[PipelineStage]] = []
+
+    class Watched(PipelineStage):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            alive.append([ref() is not None for ref in stages])
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            stages.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine.profile, "PipelineStage", Watched)
+    specs, partition = _partition("llama-tiny", 3, 16)
+    with _collector_off():
+        profile_stage_costs(specs, partition, seq_len=16, repeats=1)
+    assert alive == [[], [False], [False, False]]
+
+
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """Automatic collection off, so only an explicit `gc.collect()` frees a cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_tiny_model_gets_four_positive_costs_per_stage_with_i_and_w_splitting_b() -> None:
+    specs, partition = _partition("llama-tiny", 2, 128)
+    per_stage = profile_stage_costs(
+        specs, partition, batch_size=2, seq_len=128, repeats=5
+    ).per_stage
+    assert per_stage is not None and len(per_stage) == 2
+    for f, b, i, w in per_stage:
+        assert min(f, b, i, w) > 0
+        assert 0.3 * b < i + w < 3 * b  # the same kernels as B, split in two
