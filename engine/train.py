@@ -35,7 +35,12 @@ from engine.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from engine.checkpoint_files import CheckpointError, checkpoint_candidates, read_trainer
+from engine.checkpoint_files import (
+    CheckpointError,
+    checkpoint_candidates,
+    read_trainer,
+    step_dirs,
+)
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
 from engine.deepspeed_config import deepspeed_lr
@@ -139,9 +144,19 @@ def _writable_folder(folder: Path, flag: str, given: str) -> None:
 
 
 def check_outputs(config: TrainConfig) -> None:
-    """Every path the run writes (checkpoints, metrics, trace) can be written."""
-    if config.checkpoint_dir is not None:
-        _writable_folder(Path(config.checkpoint_dir), "--checkpoint-dir", config.checkpoint_dir)
+    """Every path the run writes (checkpoints, metrics, trace) can be written, and a new run
+    does not write over another run's checkpoints (same-named steps would be replaced and
+    --keep would delete the rest)."""
+    root = config.checkpoint_dir
+    if root is not None:
+        _writable_folder(Path(root), "--checkpoint-dir", root)
+        if not config.resume and has_checkpoint(root):
+            newest = step_dirs(Path(root))
+            held = f" (newest {newest[-1].name})" if newest else ""
+            raise ValueError(
+                f"--checkpoint-dir {root} already holds a run's checkpoints{held}: add --resume "
+                "to continue it, or give another --checkpoint-dir to start a new run"
+            )
     for flag, path in (("--metrics-file", config.metrics_file), ("--trace", config.trace)):
         if path is None:
             continue

@@ -398,3 +398,15 @@ def test_a_refused_resume_fails_before_any_rank_is_launched(
     err = capsys.readouterr().err
     assert err.startswith("meshpipe: error: the checkpoint of step 6")
     assert "global_batch: 4 → 8" in err
+
+
+def test_a_new_run_does_not_write_over_another_runs_checkpoints(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    _copy_step(runs["root"] / "full", 3, tmp_path)
+    before = _tensors(tmp_path / "step-00000003")
+    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(tmp_path), save_every=3)
+    with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-0+3\)"):
+        train(config, progress=False)
+    after = _tensors(tmp_path / "step-00000003")
+    assert all(torch.equal(before[k], after[k]) for k in before)
