@@ -217,10 +217,21 @@ def _run_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name`: its usage is the one a mistake in its flags needs."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _subcommand(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "train":
             return _run_train(args, argv)

@@ -114,3 +114,12 @@ def test_plan_refuses_a_shape_the_model_cannot_run(
     code, err = _error(["plan", "--model", "gpt-tiny", "--pp", "2", *shape], capsys)
     assert code == 2
     assert "1 to 128 tokens (gpt-tiny's context)" in err
+
+
+def test_an_unknown_flag_is_reported_with_its_subcommands_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, err = _error(["plan", "--model", "gpt-tiny", "--bogus"], capsys)
+    assert code == 2
+    assert err.startswith("usage: meshpipe plan")
+    assert "meshpipe plan: error: unrecognized arguments: --bogus" in err
