@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +62,19 @@ def _changes(
     """(checkpoint's, this run's) value of each of `names` that differs; settings the
     checkpoint does not record are not compared."""
     now = config.to_dict()
-    return {n: (saved[n], now[n]) for n in names if n in saved and saved[n] != now[n]}
+    return {
+        n: (saved[n], now[n])
+        for n in names
+        if n in saved and _comparable(n, saved[n]) != _comparable(n, now[n])
+    }
+
+
+def _comparable(name: str, value: Any) -> Any:
+    """A token file named by its prefix, .bin or .json, relative or not, is the same data."""
+    if name != "data" or value is None:
+        return value
+    path = Path(value)
+    return (path.with_suffix("") if path.suffix in (".bin", ".json") else path).resolve()
 
 
 def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:

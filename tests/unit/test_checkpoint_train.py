@@ -410,3 +410,10 @@ def test_a_new_run_does_not_write_over_another_runs_checkpoints(
         train(config, progress=False)
     after = _tensors(tmp_path / "step-00000003")
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_same_token_file_named_another_way_is_the_same_data(tokens: str) -> None:
+    saved = TrainConfig(data=tokens).to_dict()
+    prefix = tokens.removesuffix(".bin")
+    assert check_resumable(saved, TrainConfig(data=prefix), 3, "ck") == ""
+    assert check_resumable(saved, TrainConfig(data=prefix + ".json"), 3, "ck") == ""
