@@ -45,7 +45,7 @@ from engine.stage import PipelineStage
 from engine.step import StepRun
 from engine.step_clock import step_clock
 from engine.step_report import StepReports
-from engine.timeline import schedule_for
+from engine.timeline import check_fits, schedule_for
 from engine.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
@@ -119,17 +119,16 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches = mesh, micro_batches
+        layout = {
+            "num_ranks": mesh.pp,
+            "micro_batches": micro_batches,
+            "stages_per_rank": stages_per_rank,
+        }
         compute = (
-            schedule
+            check_fits(schedule, where=f"schedule {schedule.name!r}", **layout)
             if isinstance(schedule, Schedule)
-            else schedule_for(
-                schedule,
-                num_ranks=mesh.pp,
-                micro_batches=micro_batches,
-                stages_per_rank=stages_per_rank,
-            )
+            else schedule_for(schedule, **layout)
         )
-        _check_schedule(compute, mesh, micro_batches, stages_per_rank)
         self.schedule = add_communication(compute)
         validate(self.schedule)
         self.eval_schedule = add_communication(forward_only(compute))
@@ -370,19 +369,6 @@ def _bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
     """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
     slowest = max(step_s)
     return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0
-
-
-def _check_schedule(
-    schedule: Schedule, mesh: Mesh, micro_batches: int, stages_per_rank: int
-) -> None:
-    """A schedule given as data fits the engine's mesh and micro-batching."""
-    expected = (mesh.pp, micro_batches, mesh.pp * stages_per_rank, False)
-    found = (schedule.num_ranks, schedule.micro_batches, schedule.num_stages, schedule.lowered)
-    if found != expected:
-        raise ValueError(
-            f"schedule {schedule.name!r} (ranks, micro-batches, stages, lowered) = {found}, but "
-            f"the engine needs {expected}: build it for this layout, compute actions only"
-        )
 
 
 def _check_layout(

@@ -18,6 +18,7 @@ from engine.validate import validate
 
 __all__ = [
     "KIND_COLOURS",
+    "check_fits",
     "chrome_trace",
     "load_schedule",
     "plot_timeline",
@@ -76,8 +77,20 @@ def schedule_for(
             f"unknown schedule {name_or_file!r}: choose one of {', '.join(SCHEDULES)}, or give "
             "a schedule file (meshpipe schedule --out FILE writes one)"
         )
-    schedule = load_schedule(name_or_file)
-    where = f"schedule file {name_or_file}"
+    return check_fits(
+        load_schedule(name_or_file),
+        where=f"schedule file {name_or_file}",
+        num_ranks=num_ranks,
+        micro_batches=micro_batches,
+        stages_per_rank=stages_per_rank,
+    )
+
+
+def check_fits(
+    schedule: Schedule, *, where: str, num_ranks: int, micro_batches: int, stages_per_rank: int
+) -> Schedule:
+    """`schedule`, once it is known to be compute-only and built for the run's ranks,
+    micro-batches and stages per rank; otherwise an error naming `where` and the fix."""
     if schedule.lowered:
         raise ValueError(
             f"{where} holds SEND/RECV actions: a run takes compute actions only (F, B, I, W) "

@@ -9,13 +9,14 @@ from engine.engine import PipelineEngine
 from engine.mesh import init_mesh
 from engine.optim import build_optimizer
 from engine.reference import reference_step
+from engine.schedules import Schedule, one_f_one_b
 from models import build_layers, layer_specs
 from partitioners import Partition
 
 torch.set_num_threads(1)
 
 
-def _engine(schedule: str, micro_batches: int) -> PipelineEngine:
+def _engine(schedule: str | Schedule, micro_batches: int) -> PipelineEngine:
     specs = layer_specs("llama-tiny")
     return PipelineEngine(
         specs,
@@ -60,6 +61,15 @@ def test_partition_must_have_one_stage_per_pipeline_rank() -> None:
         PipelineEngine(
             specs, init_mesh(1), partition=Partition(boundaries=(0, 3, 7)), micro_batches=2
         )
+
+
+def test_a_schedule_given_as_data_runs_like_its_name() -> None:
+    assert _engine(one_f_one_b(1, 2), 2).schedule == _engine("1f1b", 2).schedule
+
+
+def test_a_schedule_given_as_data_for_another_layout_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="schedule '1f1b' runs 4 micro-batches .* has 2"):
+        _engine(one_f_one_b(1, 4), 2)
 
 
 def test_unknown_schedule_lists_the_known_ones() -> None:
