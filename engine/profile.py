@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.memory import stage_params
+from engine.memory_report import format_size
 from engine.simulate import ActionCosts
 from engine.stage import PipelineStage
 from models import LayerSpec
@@ -70,10 +71,6 @@ def stage_profile_bytes(
     return states + 2 * saved + 3 * _output_bytes(stage_specs[-1], batch_size, seq_len)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
-
-
 def _check_fits(
     specs: Sequence[LayerSpec], partition: Partition, batch_size: int, seq_len: int
 ) -> None:
@@ -92,8 +89,9 @@ def _check_fits(
     layers = partition.layers_of(stage)
     raise ValueError(
         f"profiling stage {stage} (layers [{layers.start}, {layers.stop})) needs about "
-        f"{_gib(needs[stage])} (fp32 weights and gradients plus activations for micro-batches "
-        f"of {batch_size} × {seq_len} tokens) but this machine has {_gib(available)} available: "
+        f"{format_size(needs[stage])} (fp32 weights and gradients plus activations for "
+        f"micro-batches of {batch_size} × {seq_len} tokens) but this machine has "
+        f"{format_size(available)} available: "
         "use more stages (--pp), a smaller --seq-len or --micro-batch-size, or give the "
         "costs explicitly (--costs F,B,I,W)"
     )
