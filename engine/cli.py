@@ -156,7 +156,8 @@ def _run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.launch import is_launched, launch_local
     from engine.mesh import launcher_world_size
-    from engine.train import preflight, train_worker
+    from engine.preflight import preflight
+    from engine.train import train_worker
 
     ranks = config.pp * config.dp
     preflight(config)

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +35,6 @@ from engine.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from engine.checkpoint_files import (
-    CheckpointError,
-    checkpoint_candidates,
-    read_trainer,
-    step_dirs,
-)
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
 from engine.deepspeed_config import deepspeed_lr
@@ -49,6 +43,7 @@ from engine.hf_interop import open_weights
 from engine.mesh import Mesh, init_mesh
 from engine.metrics import MetricsLog
 from engine.optim import lr_factor
+from engine.preflight import check_before_loading, check_outputs, stage_partition
 from engine.resume_check import (
     check_resumable,
     keep_new_hyperparameters,
@@ -56,7 +51,6 @@ from engine.resume_check import (
 )
 from engine.trace import TraceRecorder
 from models import LayerSpec, get_config, layer_specs
-from partitioners import Partition, partition_model
 
 __all__ = [
     "KILL_AT_STEP_ENV",
@@ -115,65 +109,6 @@ def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
     elif mesh.world_size > 1:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-
-def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
-    """The run's stages, partitioned as the config asks."""
-    return partition_model(
-        specs,
-        method=config.partition,
-        num_stages=config.pp * config.stages_per_rank,
-        batch_size=config.global_batch // (config.dp * config.micro_batches),
-        seq_len=config.seq_len,
-    )
-
-
-def _writable_folder(folder: Path, flag: str, given: str) -> None:
-    """Create `folder` now, so a path that cannot be written fails before the first step,
-    not after the last one."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ValueError(
-            f"{flag} {given}: {folder} is a file, not a folder: pick another path"
-        ) from None
-    except OSError as error:
-        raise ValueError(f"{flag} {given}: cannot create {folder} ({error.strerror})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {given}: {folder} is not writable: pick another path")
-
-
-def check_outputs(config: TrainConfig) -> None:
-    """Every path the run writes (checkpoints, metrics, trace) can be written, and a new run
-    does not write over another run's checkpoints (same-named steps would be replaced and
-    --keep would delete the rest)."""
-    root = config.checkpoint_dir
-    if root is not None:
-        _writable_folder(Path(root), "--checkpoint-dir", root)
-        if not config.resume and has_checkpoint(root):
-            newest = step_dirs(Path(root))
-            held = f" (newest {newest[-1].name})" if newest else ""
-            raise ValueError(
-                f"--checkpoint-dir {root} already holds a run's checkpoints{held}: add --resume "
-                "to continue it, or give another --checkpoint-dir to start a new run"
-            )
-    for flag, path in (("--metrics-file", config.metrics_file), ("--trace", config.trace)):
-        if path is None:
-            continue
-        if Path(path).is_dir():
-            raise ValueError(f"{flag} {path} is a folder: give a file name")
-        _writable_folder(Path(path).parent, flag, path)
-
-
-def preflight(config: TrainConfig) -> None:
-    """What a launcher checks before starting ranks, so that a mistake fails once, in the
-    terminal, rather than in every rank: the partition, the output paths and, for --resume,
-    the checkpoint's settings."""
-    stage_partition(config, layer_specs(config.model))
-    check_outputs(config)
-    root = config.checkpoint_dir
-    if config.resume and root is not None and has_checkpoint(root):
-        _check_before_loading(root, config)
 
 
 def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
@@ -257,7 +192,7 @@ class _Run:
         root = config.checkpoint_dir
         if config.resume and root is not None and has_checkpoint(root):
             assert engine.optimizer is not None
-            _check_before_loading(root, config)
+            check_before_loading(root, config)
             built = optimizer_hyperparameters(engine.optimizer)
             where, state = load_checkpoint(
                 engine, self.specs, root, fallback=config.resume_fallback
@@ -278,17 +213,6 @@ class _Run:
             load_model_weights(engine, self.specs, source)
             _say(engine.mesh, f"initialised from {config.init_from}")
         return 0
-
-
-def _check_before_loading(root: str, config: TrainConfig) -> None:
-    """Refuse changed settings before loading: a checkpoint of another optimizer or model
-    fails to load, which would hide the plain reason and its fix."""
-    try:
-        directory = checkpoint_candidates(root, fallback=config.resume_fallback)[0]
-        trainer = read_trainer(directory)
-    except CheckpointError:
-        return  # loading reports it, or falls back to an older checkpoint
-    check_resumable(trainer.get("config", {}), config, trainer.get("step", 0), str(directory))
 
 
 def _log_line(record: dict[str, Any], skipped: int) -> str:
