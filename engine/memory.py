@@ -30,6 +30,7 @@ from engine.memory_states import (
     ParamInfo,
     StateLayout,
     optimizer_bytes,
+    stage_params,
     tail_peak,
 )
 from engine.memory_tracker import CUDA_BLOCK, round_up
@@ -50,7 +51,6 @@ __all__ = [
     "estimate_memory",
     "resolve",
     "stage_memory",
-    "stage_params",
     "stage_trace",
 ]
 
@@ -245,32 +245,6 @@ class Layout:
 
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
         return [p for s in stages for p in stage_params(self.stage_specs(s))]
-
-
-def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
-    """`param_info(build_stage(specs))` without building the stage: each distinct layer spec
-    is built on `meta` once (planning asks for the same blocks thousands of times), and a
-    weight tied to an earlier layer of the stage counts once, where it first appears."""
-    found: list[ParamInfo] = []
-    tied: set[str] = set()
-    for spec in specs:
-        for name, info in _layer_params(spec):
-            if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
-                continue
-            found.append(info)
-        if spec.tie_key is not None:
-            tied.add(spec.tie_key)
-    return found
-
-
-@functools.lru_cache(maxsize=256)
-def _layer_params(spec: LayerSpec) -> tuple[tuple[str, ParamInfo], ...]:
-    module = spec.build("meta")
-    return tuple(
-        (name, ParamInfo(p.numel(), p.dim() >= 2))
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    )
 
 
 def resolve(config: MemoryConfig) -> Layout:

@@ -22,9 +22,9 @@ from engine.memory import (
     estimate_memory,
     resolve,
     stage_memory,
-    stage_params,
 )
 from engine.memory_replay import in_flight, stage_actions
+from engine.memory_states import stage_params
 from engine.memory_tracker import round_up
 from engine.schedules import make_schedule
 from partitioners import Partition

@@ -9,12 +9,14 @@ temporaries the size of a parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from engine.memory_tracker import round_up
+from models import LayerSpec
 
 __all__ = [
     "DP_BUCKET_BYTES",
@@ -26,6 +28,7 @@ __all__ = [
     "megatron_activations",
     "optimizer_bytes",
     "param_info",
+    "stage_params",
     "tail_peak",
     "zero_shards",
 ]
@@ -74,6 +77,32 @@ class ParamInfo:
 def param_info(module: nn.Module) -> list[ParamInfo]:
     """Parameters in `module.parameters()` order (shared ones once), as the engine sees them."""
     return [ParamInfo(p.numel(), p.dim() >= 2) for p in module.parameters() if p.requires_grad]
+
+
+def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
+    """`param_info(build_stage(specs))` without building the stage: each distinct layer spec
+    is built on `meta` once (planning asks for the same blocks thousands of times), and a
+    weight tied to an earlier layer of the stage counts once, where it first appears."""
+    found: list[ParamInfo] = []
+    tied: set[str] = set()
+    for spec in specs:
+        for name, info in _layer_params(spec):
+            if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
+                continue
+            found.append(info)
+        if spec.tie_key is not None:
+            tied.add(spec.tie_key)
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(spec: LayerSpec) -> tuple[tuple[str, ParamInfo], ...]:
+    module = spec.build("meta")
+    return tuple(
+        (name, ParamInfo(p.numel(), p.dim() >= 2))
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    )
 
 
 def zero_shards(params: Sequence[ParamInfo], dp: int) -> list[list[ParamInfo]]:

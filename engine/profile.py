@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from engine.memory import stage_params
 from engine.memory_report import format_size
+from engine.memory_states import stage_params
 from engine.simulate import ActionCosts
 from engine.stage import PipelineStage
 from models import LayerSpec

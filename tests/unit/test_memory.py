@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.memory import MemoryConfig, estimate_memory, resolve, stage_params
+from engine.memory import MemoryConfig, estimate_memory, resolve
 from engine.memory_measure import measure_memory
 from engine.memory_plan import _held_with_gradients, _states_floor, memory_balanced, suggest
 from engine.memory_replay import build_stage, stage_actions
@@ -25,6 +25,7 @@ from engine.memory_states import (
     dp_buckets,
     megatron_activations,
     param_info,
+    stage_params,
     zero_shards,
 )
 from engine.memory_tracker import MemoryTracker, fake_device
