@@ -57,11 +57,16 @@ class StepRun:
         if engine.is_last and targets is None:
             raise ValueError("the last pipeline stage needs the batch's targets")
         self.engine, self.training = engine, training
+        device = engine.mesh.device  # a loader's CPU batch goes to the GPU once per step
         self.inputs = (
-            split_micro_batches(inputs, m) if engine.is_first and inputs is not None else ()
+            split_micro_batches(inputs.to(device, non_blocking=True), m)
+            if engine.is_first and inputs is not None
+            else ()
         )
         self.targets = (
-            split_micro_batches(targets, m) if engine.is_last and targets is not None else ()
+            split_micro_batches(targets.to(device, non_blocking=True), m)
+            if engine.is_last and targets is not None
+            else ()
         )
         self.activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
