@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engine.actions import split_units
 from engine.deepspeed_config import (
     DEEPSPEED_SCHEDULERS,
     deepspeed_defaults,
     deepspeed_overrides,
     read_deepspeed_config,
 )
+from engine.mesh import DEVICES
 from engine.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.options import EngineOptions
 from engine.timeline import schedule_for
@@ -58,6 +60,10 @@ class TrainConfig:
     """Prepared token file; None uses the embedded default corpus."""
     threads: int = 0
     """Intra-op threads per process; 0 leaves torch's default."""
+    device: str = "auto"
+    """auto: CUDA with NCCL when the host has a GPU per rank, else the CPU with gloo. cuda:
+    on GPUs even when ranks share them (gloo then, activations staged through host memory).
+    cpu: on the CPU with gloo."""
     metrics_file: str | None = None
     """Path of a JSON-lines file receiving one record per step."""
     pp: int = 1
@@ -79,6 +85,8 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0 disables)."""
     recompute: str = "none"
     """Activation recomputation per stage: none, full or every:N layers."""
+    compile: bool = False
+    """torch.compile each layer (fused norms, rotary, activations; not with zb_* schedules)."""
     zero: int = 0
     """1 shards the optimizer state over the data-parallel replicas (ZeRO-1)."""
     no_nonfinite_guard: bool = False
@@ -136,13 +144,7 @@ class TrainConfig:
             f"unknown lr schedule {self.lr_schedule!r}: choose one of "
             f"{', '.join((*LR_SCHEDULES, *deepspeed_schedules))}",
         )
-        EngineOptions(
-            precision=self.precision,
-            clip_grad_norm=self.clip_grad_norm,
-            recompute=self.recompute,
-            zero=self.zero,
-            nonfinite_guard=not self.no_nonfinite_guard,
-        )
+        self.engine_options()
         self.optimizer_spec()
         _require(
             self.optimizer in OPTIMIZERS,
@@ -156,11 +158,21 @@ class TrainConfig:
             f"global batch {self.global_batch} does not split into {self.dp} replicas × "
             f"{self.micro_batches} micro-batches: use a multiple of {self.dp * self.micro_batches}",
         )
-        schedule_for(
+        schedule = schedule_for(
             self.schedule,
             num_ranks=self.pp,
             micro_batches=self.micro_batches,
             stages_per_rank=self.stages_per_rank,
+        )
+        _require(
+            not (self.compile and any(split_units(row) for row in schedule.rows)),
+            f"--compile with schedule {self.schedule}: its split backward defers each Linear's "
+            "weight gradient, which a compiled layer hides; use 1f1b, gpipe, interleaved_1f1b "
+            "or looped_bfs with --compile, or drop --compile",
+        )
+        _require(
+            self.device in DEVICES,
+            f"unknown device {self.device!r}: choose one of {', '.join(DEVICES)}",
         )
         self._check_checkpointing()
         num_layers = len(layer_specs(self.model))
@@ -224,6 +236,7 @@ class TrainConfig:
             clip_grad_norm=self.clip_grad_norm,
             recompute=self.recompute,
             zero=self.zero,
+            compile=self.compile,
             nonfinite_guard=not self.no_nonfinite_guard,
         )
 

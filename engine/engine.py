@@ -144,6 +144,7 @@ class PipelineEngine:
                 loss_fn=loss_fn,
                 precision=self.options.precision,
                 recompute=self.options.recompute,
+                compile=self.options.compile,
             )
             for s in self.schedule.stages_of(mesh.pp_rank)
         }
@@ -164,6 +165,7 @@ class PipelineEngine:
             global_rank_of_stage=rank_of_stage,
             device=mesh.device,
             timeout_s=timeout_s,
+            wire_device=mesh.wire_device,
         )
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
@@ -174,7 +176,7 @@ class PipelineEngine:
             ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
             me=mesh.rank,
             last=self._last_rank,
-            device=mesh.device,
+            device=mesh.wire_device,
             timeout_s=timeout_s,
         )
         self._previous_figures: Callable[[], tuple[float, float]] | None = None

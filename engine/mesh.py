@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "init_mesh", "launcher_world_size"]
+__all__ = ["DEVICES", "Mesh", "init_mesh", "launcher_world_size"]
+
+DEVICES = ("auto", "cuda", "cpu")
+"""Where `init_mesh` may place ranks (`meshpipe train --device`)."""
 
 
 def launcher_world_size() -> int:
@@ -40,12 +43,24 @@ class Mesh:
     """Which replica."""
     device: torch.device
     """Where this rank computes."""
+    backend: str | None = None
+    """The process groups' backend, `nccl` or `gloo` (None in one process)."""
     pp_group: dist.ProcessGroup | None = None
     """The ranks of this pipeline (None in one process)."""
     dp_group: dist.ProcessGroup | None = None
     """The replicas of this stage (None in one process)."""
     device_mesh: DeviceMesh | None = None
     """The named `("dp", "pp")` DeviceMesh (None in one process)."""
+
+    @property
+    def staged(self) -> bool:
+        """Whether CUDA tensors travel through host memory: gloo cannot send them."""
+        return self.device.type == "cuda" and self.backend == "gloo"
+
+    @property
+    def wire_device(self) -> torch.device:
+        """Where tensors sent point to point live: the host when gloo carries CUDA tensors."""
+        return torch.device("cpu") if self.staged else self.device
 
     @property
     def world_size(self) -> int:
@@ -86,64 +101,88 @@ def _group_options(backend: str, timeout: timedelta) -> object:
     return options
 
 
-def _uses_cuda(backend: str | None) -> bool:
-    """CUDA when this host has a GPU for each of its ranks (NCCL needs one per rank); otherwise
-    gloo on the CPU, which an explicit `backend="nccl"` refuses instead of falling back to."""
-    if backend == "gloo":
-        return False
-    if not torch.cuda.is_available():
-        if backend == "nccl":
-            raise ValueError(
-                "backend nccl needs CUDA and this machine has no GPU: run on the CPU with the "
-                "gloo backend (or leave the backend unset), or launch on a GPU host"
-            )
-        return False
+def _local_ranks() -> tuple[int, int]:
+    """(this rank's index on its host, ranks on its host), from the launcher's environment."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    local_ranks = max(local_ranks, local_rank + 1)
+    return local_rank, max(local_ranks, local_rank + 1)
+
+
+def _placement(backend: str | None, device: str) -> tuple[torch.device, str]:
+    """Where this rank computes and which backend carries its traffic.
+
+    `auto`: CUDA with NCCL when the host has a GPU for each of its ranks (NCCL needs one per
+    rank), otherwise the CPU with gloo; an explicit `backend="gloo"` means the CPU, and an
+    explicit `nccl` refuses to fall back. `cuda`: GPUs even when ranks share them, over gloo,
+    which cannot send CUDA tensors, so the exchange stages them through host memory. `cpu`.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    cpu = torch.device("cpu")
+    if device == "cpu" or (device == "auto" and backend == "gloo"):
+        if backend == "nccl":
+            raise ValueError("backend nccl needs CUDA: use gloo on the CPU, or --device cuda")
+        return cpu, "gloo"
+    if not torch.cuda.is_available():
+        if device == "cuda" or backend == "nccl":
+            raise ValueError(
+                f"{'--device cuda' if device == 'cuda' else 'backend nccl'} needs CUDA and this "
+                "machine has no GPU: run on the CPU (--device cpu, gloo), or launch on a GPU host"
+            )
+        return cpu, "gloo"
+    local_rank, local_ranks = _local_ranks()
     devices = torch.cuda.device_count()
     if local_ranks <= devices:
-        return True
+        return torch.device("cuda", local_rank), backend or "nccl"
     message = (
         f"{local_ranks} ranks on this host but {devices} CUDA device(s): NCCL needs one GPU per "
         "rank"
     )
     if backend == "nccl":
         raise ValueError(
-            f"{message}; launch one rank per GPU ({devices} per host), or use the gloo backend "
-            "to run on the CPU"
+            f"{message}; launch one rank per GPU ({devices} per host), or let ranks share GPUs "
+            "over gloo (--device cuda), or run on the CPU (--device cpu)"
         )
+    if device == "cuda":
+        return torch.device("cuda", local_rank % devices), "gloo"
     if local_rank == 0:  # once per host, not once per rank
-        warnings.warn(f"{message}: running on the CPU with gloo", stacklevel=3)
-    return False
+        warnings.warn(
+            f"{message}: running on the CPU with gloo (--device cuda shares the GPUs instead, "
+            "over gloo through host memory)",
+            stacklevel=3,
+        )
+    return cpu, "gloo"
 
 
 def init_mesh(
-    pp: int, dp: int = 1, *, timeout_s: float = 300.0, backend: str | None = None
+    pp: int,
+    dp: int = 1,
+    *,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    device: str = "auto",
 ) -> Mesh:
     """Join the launcher's process group and build the named pp × dp grid.
 
-    Ranks compute on CUDA (NCCL) when the host has a GPU for each of its ranks, otherwise on the
-    CPU (gloo): four local ranks on a one-GPU laptop run on its CPU, with a warning.
+    `device` says where ranks compute (see `_placement`): by default CUDA with NCCL when the
+    host has a GPU for each of its ranks, otherwise the CPU with gloo (four local ranks on a
+    one-GPU laptop run on its CPU, with a warning); `cuda` lets ranks share the GPUs over gloo.
 
     Every group gets `timeout_s`, so a dead or stalled peer raises instead of hanging.
     """
     world_size = launcher_world_size()
     _check_layout(pp, dp, world_size)
-    use_cuda = _uses_cuda(backend)
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    place, backend = _placement(backend, device)
+    if place.type == "cuda":
+        torch.cuda.set_device(place)
     if world_size == 1:
-        return Mesh(pp=1, dp=1, rank=0, pp_rank=0, dp_rank=0, device=device)
-    backend = backend or ("nccl" if use_cuda else "gloo")
+        return Mesh(pp=1, dp=1, rank=0, pp_rank=0, dp_rank=0, device=place)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     override = {dim: (backend, _group_options(backend, timeout)) for dim in ("dp", "pp")}
     device_mesh = init_device_mesh(
-        device.type,
+        place.type,
         (dp, pp),
         mesh_dim_names=("dp", "pp"),
         backend_override=override,  # type: ignore[arg-type]
@@ -155,7 +194,8 @@ def init_mesh(
         rank=rank,
         pp_rank=rank % pp,
         dp_rank=rank // pp,
-        device=device,
+        device=place,
+        backend=backend,
         pp_group=device_mesh.get_group("pp"),
         dp_group=device_mesh.get_group("dp"),
         device_mesh=device_mesh,

@@ -42,6 +42,11 @@ class EngineOptions:
     """Activation recomputation per stage: `none`, `full` or `every:N` layers."""
     zero: int = 0
     """1 shards optimizer state over the data-parallel replicas (ZeRO-1)."""
+    compile: bool = False
+    """`torch.compile` each layer (regional compilation: one graph per layer class, reused by
+    every block). Fuses the norms, rotary and activations that eager runs as separate memory-
+    bound kernels; numbers agree with eager to rounding, not bit for bit. Not with a split
+    backward: a compiled layer hides the Linears whose weight gradients W defers."""
     nonfinite_guard: bool = True
     """Skip a step whose loss or gradients are not finite on every rank together. Costs one
     blocking all-reduce per step when neither clipping nor fp16 needs one anyway: the next

@@ -6,7 +6,8 @@ negotiation) and the sender checks every message against it, so a stage whose ou
 shape fails with both shapes named instead of corrupting its peer. Sends are posted
 asynchronously and awaited at the end of the step; every wait has a timeout. Each edge
 travels over its own process group (`engine.channels`), in order, without tags: what NCCL
-needs, and what gloo then tests on the CPU.
+needs, and what gloo then tests on the CPU. Gloo cannot send CUDA tensors, so ranks that share
+a GPU over gloo stage each message through host memory (the *wire* device).
 """
 
 from __future__ import annotations
@@ -98,10 +99,13 @@ class StageExchange:
         global_rank_of_stage: dict[int, int],
         device: torch.device,
         timeout_s: float,
+        wire_device: torch.device | None = None,
     ) -> None:
         self._groups = groups
         self._rank_of = global_rank_of_stage
         self._device = device
+        self._wire = wire_device or device
+        """Where messages live in transit: the host when gloo carries a GPU's tensors."""
         self._timeout = timedelta(seconds=timeout_s)
         self._sent: dict[tuple[int, int, bool], tuple[TensorMeta, ...]] = {}
         self._received: dict[tuple[int, int, bool], tuple[TensorMeta, ...]] = {}
@@ -116,7 +120,7 @@ class StageExchange:
         group, peer = self._groups[(src, dst)], self._rank_of[dst]
         if key not in self._sent:
             self._sent[key] = metas
-            header = _encode(metas, self._device)
+            header = _encode(metas, self._wire)
             self._pending.append((self._isend(header, peer, group), (header,), action))
         elif metas != self._sent[key]:
             raise ExchangeError(
@@ -126,9 +130,7 @@ class StageExchange:
                 f"(dtypes {[m.dtype for m in self._sent[key]]}): every micro-batch must have "
                 "the same shapes; check the layers at the stage boundary and the batch size"
             )
-        payload = tuple(
-            t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors
-        )
+        payload = tuple(t.detach().contiguous().to(self._wire) for t in tensors)
         for tensor in payload:
             self._pending.append((self._isend(tensor, peer, group), payload, action))
 
@@ -144,7 +146,7 @@ class StageExchange:
             return
         group, peer = self._groups[(src, dst)], self._rank_of[src]
         tensors = tuple(
-            torch.empty(m.shape, dtype=m.dtype, device=self._device) for m in self._received[key]
+            torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in self._received[key]
         )
         works = [self._irecv(t, peer, group) for t in tensors]
         self._posted[action] = (tensors, works)
@@ -154,7 +156,7 @@ class StageExchange:
         src, dst, what = _edge(action)
         key = (src, dst, training)
         if key not in self._received:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._wire)
             header_work = self._irecv(header, self._rank_of[src], self._groups[(src, dst)])
             self._wait(header_work, action, what)
             self._received[key] = _decode(header.cpu())
@@ -163,7 +165,8 @@ class StageExchange:
         for work in works:
             self._wait(work, action, what)
         grads = [m.requires_grad and training for m in self._received[key]]
-        return tuple(t.requires_grad_(g) for t, g in zip(tensors, grads, strict=True))
+        arrived = (t.to(self._device) for t in tensors)
+        return tuple(t.requires_grad_(g) for t, g in zip(arrived, grads, strict=True))
 
     def wait_sends(self) -> None:
         """Wait until every posted send was delivered (end of step: buffers may be freed)."""

@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from engine.checkpoint_files import (
     CheckpointError,
     checkpoint_candidates,
@@ -76,6 +78,11 @@ def check_outputs(config: TrainConfig) -> None:
 
 def preflight(config: TrainConfig) -> None:
     """Everything a launcher checks before starting ranks."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda: this machine has no CUDA device; train on the CPU with --device cpu "
+            "(or leave --device auto)"
+        )
     stage_partition(config, layer_specs(config.model))
     check_outputs(config)
     root = config.checkpoint_dir

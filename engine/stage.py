@@ -57,6 +57,7 @@ class PipelineStage:
         loss_fn: LossFn = lm_loss,
         precision: str = "fp32",
         recompute: str = "none",
+        compile: bool = False,
     ) -> None:
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
@@ -64,6 +65,10 @@ class PipelineStage:
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
+        self.compiled = compile
+        if compile:
+            for module in modules:
+                module.compile()  # in place: parameter names and state dicts stay as they are
         self._runs = [
             (nn.Sequential(*(modules[i] for i in run)), again)
             for run, again in recompute_groups(len(modules), recompute)
@@ -88,6 +93,13 @@ class PipelineStage:
         """
         if self._hooks_on or self._fused_weight_grads:
             return
+        if self.compiled:
+            raise ValueError(
+                f"stage {self.stage} is compiled, and a compiled layer hides the Linears whose "
+                "weight gradients a split backward (I now, W later) defers: use a schedule "
+                "without I/W actions (1f1b, gpipe, interleaved_1f1b, looped_bfs) with compile, "
+                "or run the zero-bubble schedule uncompiled"
+            )
         owners = [m for m in self.module.modules() if list(m.parameters(recurse=False))]
         uses = [id(p) for m in owners for p in m.parameters(recurse=False)]
         recomputed = any(again for _, again in self._runs)

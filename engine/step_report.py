@@ -59,7 +59,7 @@ class StepReports:
 
     def send_loss(self, loss: torch.Tensor) -> None:
         """On the last stage, after its last forward: the step's mean loss to every peer."""
-        self._loss = loss.detach().to(torch.float32).reshape(())
+        self._loss = loss.detach().to(self._device, torch.float32).reshape(())
         for peer in self._peers:
             work = dist.isend(self._loss, dst=peer, group=self._group)
             assert work is not None

@@ -271,7 +271,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
     check_outputs(config)
-    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout)
+    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout, device=config.device)
     _set_threads(config, mesh)
     run = _open_run(config, mesh)
     first = run.restore()

@@ -58,6 +58,7 @@ class StageResult:
     micro_batch_size: int
     seq_len: int
     split: bool
+    compiled: bool
     forward_ms: float
     backward_ms: float
     tokens_per_s: float
@@ -115,6 +116,7 @@ def measure_stage(
     steps: int = 10,
     warmup: int = 2,
     split: bool = False,
+    compile: bool = False,
     peak: float | None = None,
 ) -> StageResult:
     """Median forward and backward time of one micro-batch through a stage of `model`;
@@ -131,6 +133,7 @@ def measure_stage(
         seed=0,
         device=target,
         precision=precision,
+        compile=compile,
     )
     if split:
         stage.enable_split_backward()
@@ -171,6 +174,7 @@ def measure_stage(
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
         split=split,
+        compiled=compile,
         forward_ms=forward * 1e3,
         backward_ms=backward * 1e3,
         tokens_per_s=micro_batch_size * seq_len / (forward + backward),
@@ -208,6 +212,7 @@ def measure_runtime_overhead(
     micro_batches: int = 8,
     steps: int = 5,
     warmup: int = 1,
+    compile: bool = False,
 ) -> RuntimeOverhead:
     """Engine steps and bare micro-batch loops, alternated so both see the same machine."""
     specs = layer_specs(MODEL_CONFIGS[model])
@@ -219,11 +224,11 @@ def measure_runtime_overhead(
         mesh,
         partition=Partition(boundaries=(0, len(specs))),
         micro_batches=micro_batches,
-        options=EngineOptions(precision=precision),
+        options=EngineOptions(precision=precision, compile=compile),
     )
     bare = PipelineStage(
         specs, stage=0, layers=range(len(specs)), num_stages=1, seed=0, device=mesh.device,
-        precision=precision,
+        precision=precision, compile=compile,
     )  # fmt: skip
     vocab = specs[0].config.vocab_size
     tokens = torch.randint(0, vocab, (micro_batch_size * micro_batches, seq_len + 1))
@@ -267,6 +272,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--split", action="store_true", help="I + W instead of a fused B")
     parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each layer (not with --split)"
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="the device's peak (default: known GPUs)"
     )
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU)")
@@ -280,6 +288,8 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
+    if args.compile and args.split:
+        parser.error("--compile hides the Linears whose weight gradients --split defers: drop one")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.threads:
@@ -294,6 +304,7 @@ def main() -> None:
         steps=args.steps,
         warmup=args.warmup,
         split=args.split,
+        compile=args.compile,
         peak=args.peak_tflops,
     )
     overhead = None
@@ -306,6 +317,7 @@ def main() -> None:
             seq_len=args.seq_len,
             micro_batches=args.runtime_overhead,
             steps=args.steps,
+            compile=args.compile,
         )
     if args.json:
         extra = {} if overhead is None else {"runtime": asdict(overhead)}
@@ -313,12 +325,13 @@ def main() -> None:
         return
     mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
     memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
-    print("| model | layers | params | device | precision | B × T | F ms | B ms | tokens/s "
+    mode = ("compiled" if result.compiled else "eager") + (", I + W" if result.split else "")
+    print("| model | layers | params | device | precision | mode | B × T | F ms | B ms | tokens/s "
           "| TFLOP/s | MFU | peak GiB |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(
         f"| {result.model} | {result.layers} | {result.params / 1e6:,.1f}M | {result.device} "
-        f"| {result.precision} | {result.micro_batch_size} × {result.seq_len} "
+        f"| {result.precision} | {mode} | {result.micro_batch_size} × {result.seq_len} "
         f"| {result.forward_ms:.1f} | {result.backward_ms:.1f} | {result.tokens_per_s:,.0f} "
         f"| {result.tflops:.2f} | {mfu} | {memory} |"
     )
