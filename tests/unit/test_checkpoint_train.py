@@ -240,31 +240,19 @@ def test_checkpoint_flags_reach_the_config() -> None:
     assert build_parser().parse_args(["train"]).resume is False
 
 
+def _run_argv(tokens: str, root: Path, **changes: Any) -> list[str]:
+    """`meshpipe train` arguments of the `runs` job (RUN, with `changes`) saving to `root`."""
+    argv = ["train", "--data", tokens, "--checkpoint-dir", str(root)]
+    for name, value in {**RUN, **changes}.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
 def test_cli_resume_says_where_it_resumed_from(
     runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _copy_step(runs["root"] / "full", 3, tmp_path)
-    argv = [
-        "train",
-        "--model",
-        "llama-tiny",
-        "--steps",
-        "6",
-        "--global-batch",
-        "4",
-        "--micro-batches",
-        "2",
-        "--seq-len",
-        "32",
-        "--warmup-steps",
-        "2",
-        "--data",
-        tokens,
-        "--checkpoint-dir",
-        str(tmp_path),
-        "--resume",
-        "--no-progress",
-    ]
+    argv = [*_run_argv(tokens, tmp_path), "--resume", "--no-progress"]
     assert main(argv) == 0
     assert "resumed from step 3" in capsys.readouterr().err
 
@@ -377,10 +365,8 @@ def test_other_data_is_refused_by_name_unless_asked_for(
 def test_resuming_a_finished_run_says_there_is_nothing_to_train(
     runs: dict[str, Any], tokens: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = runs["root"] / "full"
-    argv = ["train", "--model", "llama-tiny", "--data", tokens, "--checkpoint-dir", str(root)]
-    settings = ["--steps", "6", "--global-batch", "4", "--micro-batches", "2", "--seq-len", "32"]
-    assert main([*argv, *settings, "--warmup-steps", "2", "--threads", "1", "--resume"]) == 0
+    argv = _run_argv(tokens, runs["root"] / "full")
+    assert main([*argv, "--resume"]) == 0
     assert "nothing to train: the checkpoint is at step 6 and --steps is 6" in (
         capsys.readouterr().out
     )
@@ -389,11 +375,9 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(
 def test_a_refused_resume_fails_before_any_rank_is_launched(
     runs: dict[str, Any], tokens: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root = runs["root"] / "full"
-    argv = ["train", "--model", "llama-tiny", "--data", tokens, "--checkpoint-dir", str(root)]
-    settings = ["--steps", "6", "--global-batch", "8", "--micro-batches", "2", "--seq-len", "32"]
+    argv = _run_argv(tokens, runs["root"] / "full", global_batch=8)
     with pytest.raises(SystemExit) as exit_info:
-        main([*argv, *settings, "--pp", "2", "--warmup-steps", "2", "--resume"])
+        main([*argv, "--pp", "2", "--resume"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("meshpipe: error: the checkpoint of step 6")
