@@ -37,7 +37,7 @@ from engine.optim import OptimizerSpec
 from engine.options import EngineOptions
 from engine.p2p import StageExchange
 from engine.passes import add_communication, forward_only
-from engine.precision import LossScaler
+from engine.precision import LossScaler, step_casts
 from engine.reference import LossFn
 from engine.runtime import ActionTiming, execute
 from engine.schedules import Schedule
@@ -355,7 +355,10 @@ class PipelineEngine:
         for stage in self.stages.values():
             stage.reset_peak()
         clock = step_clock(self.mesh.device)
-        timings = execute(schedule, self.mesh.pp_rank, step.handlers(), clock=clock, origin=origin)
+        with step_casts(self.options.precision, self.mesh.device):
+            timings = execute(
+                schedule, self.mesh.pp_rank, step.handlers(), clock=clock, origin=origin
+            )
         self.exchange.wait_sends()
         return timings, self._global_loss()
 

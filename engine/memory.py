@@ -16,6 +16,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.actions import ActionKind, split_units
 from engine.memory_replay import (
     StageShape,
     StageTrace,
@@ -177,9 +178,10 @@ class StageMemory:
     recompute: str
     """The stage's recompute policy."""
     kept_per_micro_batch: int
-    """What one forward leaves alive until its backward (stash, autocast copies, send)."""
-    weight_copies_per_micro_batch: int
-    """Of that: the low-precision weight copies autocast makes and autograd saves."""
+    """What one forward leaves alive until its backward (stash, send)."""
+    weight_copies: int
+    """The low-precision weight copies autocast makes: once per step, at the stage's first
+    forward, shared by every micro-batch and kept to the step's end."""
     in_flight: int
     """Most micro-batches whose forward ran and whose backward has not."""
     step_peak: int
@@ -299,7 +301,19 @@ def cached_trace(
 
 def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
     """The stage's traced step start and micro-batches, shared by stages built alike."""
-    styles = backward_styles(stage_actions(layout.schedule, stage))
+    actions = stage_actions(layout.schedule, stage)
+    styles = backward_styles(actions)
+    split = split_units(actions)
+    first_forward = next((a for a in actions if a.kind is ActionKind.F), None)
+    if styles and first_forward is not None:
+        style = (stage, first_forward.micro_batch) in split
+        _require(
+            style == styles[0],
+            f"schedule {layout.schedule.name!r}: stage {stage}'s first forward is of a "
+            f"micro-batch whose backward is {'split' if style else 'fused'}, but its first "
+            "backward is not; the memory model traces the weight casts of the first forward "
+            "with the first backward's style: order the stage's micro-batches alike",
+        )
     last = stage == layout.partition.num_stages - 1
     return cached_trace(
         layout.stage_specs(stage),
@@ -322,8 +336,9 @@ def _step_peak(
     ]
     peak, live = compose(stages, actions, traces)
     held = sum(config.micro_batches * traces[s].held_per_micro_batch for s in stages)
+    cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
-    after = tail_peak(params, live_end=live, held=held, states=layout.states)
+    after = tail_peak(params, live_end=live, held=held, cached=cached, states=layout.states)
     return max(peak, after)
 
 
@@ -337,7 +352,7 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
             layout,
             s,
             kept=traces[s].kept_per_micro_batch,
-            weight_copies=traces[s].weight_copies_per_forward,
+            weight_copies=traces[s].weight_copies,
             step_peak=_step_peak(config, layout, [s], traces),
         )
         for s in range(layout.partition.num_stages)
@@ -378,7 +393,7 @@ def stage_memory(
         optimizer=optimizer_bytes(params, layout.states),
         recompute=config.recompute_of(stage),
         kept_per_micro_batch=kept,
-        weight_copies_per_micro_batch=weight_copies,
+        weight_copies=weight_copies,
         in_flight=in_flight(stage_actions(layout.schedule, stage)),
         step_peak=step_peak,
     )

@@ -29,6 +29,7 @@ from engine.memory_replay import StageRun, build_stage, fake_parameters
 from engine.memory_states import optimizer_bytes, param_info, tail_peak
 from engine.memory_tracker import MemoryTracker, fake_device, round_up
 from engine.optim import build_optimizer
+from engine.precision import step_casts
 from models import LayerStack, build_layers
 
 __all__ = ["MEASURE_LIMIT", "check_measurable", "measure_memory"]
@@ -138,8 +139,9 @@ def _runs(
 
 
 class _Step:
-    """One measured step of some stages of a rank: every micro-batch of their row, then the
-    step's end (real runs await the sends and step AdamW under the tracker)."""
+    """One measured step of some stages of a rank: every micro-batch of their row under the
+    step's weight casts (`step_casts`, as the engine runs its schedule), then the step's end
+    (real runs await the sends and step AdamW under the tracker)."""
 
     def __init__(self, config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
@@ -150,18 +152,24 @@ class _Step:
         )
         self.tracker = MemoryTracker(block=layout.block)
         self.block = layout.block
-        self.kept = self.weight_copies = self.held = self.live_end = 0
+        self.precision = config.precision
+        self.kept = self.weight_copies = self.cached = self.held = self.live_end = 0
 
     def __call__(self) -> None:
         for run in self.runs.values():
             run.begin()
-        first, copies = self.actions[0], self.tracker.weight_copies
-        self.kept = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
-        self.weight_copies = self.tracker.weight_copies - copies
-        for action in self.actions[1:]:
-            self.runs[action.stage].act(action)
-        self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
-        self.live_end = self.tracker.live
+        first = self.actions[0]
+        device = self.runs[first.stage].device
+        with step_casts(self.precision, device):
+            copies = self.tracker.weight_copies
+            net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
+            self.weight_copies = self.tracker.weight_copies - copies
+            self.kept = net - self.weight_copies
+            for action in self.actions[1:]:
+                self.runs[action.stage].act(action)
+            self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
+            self.live_end = self.tracker.live
+            self.cached = self.tracker.weight_copies
         for run in self.runs.values():
             run.finish()
         for optimizer in self.optimizers:
@@ -181,7 +189,9 @@ def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake:
             step()
     modules, block = step.modules(), layout.block
     params = [p for m in modules for p in param_info(m)]
-    tail = tail_peak(params, live_end=step.live_end, held=step.held, states=layout.states)
+    tail = tail_peak(
+        params, live_end=step.live_end, held=step.held, cached=step.cached, states=layout.states
+    )
     grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
     states = [
         t

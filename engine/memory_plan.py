@@ -43,27 +43,32 @@ class Suggestion:
     """A caveat, such as an engine feature the change needs."""
 
 
-def layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per layer: bytes of its weights, gradients and AdamW states, and bytes one of its
-    forwards keeps until the backward (traced alone, less the input it received)."""
+_PerLayer = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def layer_memory(config: MemoryConfig) -> _PerLayer:
+    """Per layer: bytes of its weights, gradients and AdamW states; bytes one of its forwards
+    keeps until the backward (traced alone, less the input it received); and bytes of its
+    low-precision weight copies (one per step, whatever is in flight)."""
     alone = replace(config, pp=1, stages_per_rank=1, partition="uniform", recompute_stages=None)
     return _layer_memory(alone)
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_memory(config: MemoryConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _layer_memory(config: MemoryConfig) -> _PerLayer:
     layout = resolve(config)
     shape, last = layout.shape(config, 0), len(layout.specs) - 1
     size = 4 if shape.precision == "fp32" else 2
     boundary = shape.micro_batch_size * shape.seq_len * shape.hidden * size
     received = round_up(boundary, layout.block)
-    states, kept = [], []
+    states, kept, copies = [], [], []
     for i, spec in enumerate(layout.specs):
         params = stage_params((spec,))
         states.append(sum(4 * round_up(4 * p.numel, layout.block) for p in params))
         trace = cached_trace((spec,), i == 0, i == last, (False,), shape, config.device)
         kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
-    return tuple(states), tuple(kept)
+        copies.append(trace.weight_copies)
+    return tuple(states), tuple(kept), tuple(copies)
 
 
 def memory_balanced(
@@ -138,14 +143,14 @@ def _balanced_for(config: MemoryConfig, pp: int) -> Partition:
     """The memory-balanced partition for `pp` stages, from the per-layer sums.
 
     `layer_memory`'s states are four equal fp32 copies (weights, gradients, AdamW's two), so a
-    quarter of them are the gradients.
+    quarter of them are the gradients; the weight copies live all step, like the states.
     """
     schedule = make_schedule(config.schedule, num_ranks=pp, micro_batches=config.micro_batches)
     rows = [stage_actions(schedule, s) for s in range(pp)]
-    states, kept = layer_memory(config)
+    states, kept, copies = layer_memory(config)
     grads = [state // 4 for state in states]
     return memory_balanced(
-        [state - grad for state, grad in zip(states, grads, strict=True)],
+        [state - grad + copy for state, grad, copy in zip(states, grads, copies, strict=True)],
         kept,
         [in_flight(row) for row in rows],
         grads=grads,

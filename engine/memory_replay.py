@@ -1,9 +1,10 @@
 """A stage's part of a training step, replayed as the runtime runs it, for the memory tracker.
 
 The replay drives the runtime's own `PipelineStage` (forward, backward, the I/W split,
-autocast, recompute) around prebuilt layers, fake or real, and mirrors the few things
-`engine._Step` and `StageExchange` add around it: receive buffers, sends held until the step's
-end, the step's batch and losses. So the tracker measures the runtime's code, not a copy of it.
+autocast and its per-step weight casts, recompute) around prebuilt layers, fake or real, and
+mirrors the few things `engine._Step` and `StageExchange` add around it: receive buffers, sends
+held until the step's end, the step's batch and losses. So the tracker measures the runtime's
+code, not a copy of it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 import engine.stage
 from engine.actions import Action, ActionKind, split_units
 from engine.memory_tracker import MemoryTracker, Span, fake_device, round_up
-from engine.precision import LossScaler, compute_dtype
+from engine.precision import LossScaler, compute_dtype, step_casts
 from engine.schedules import Schedule
 from engine.stage import PipelineStage
 from models import LayerSpec, LayerStack
@@ -65,8 +66,9 @@ forward recording for a W keeps different tensors than one before a fused B."""
 class StageTrace:
     """One stage's traced step start and the first and a later run of each of its actions.
 
-    A stage's first B (or W) allocates its gradients and later ones accumulate into them;
-    every other action allocates the same each time.
+    A stage's first B (or W) allocates its gradients and later ones accumulate into them; its
+    first F casts the weights, which every later F of the step reuses (`step_casts`); every
+    other action allocates the same each time.
     """
 
     begin: Span
@@ -75,14 +77,16 @@ class StageTrace:
     later: Mapping[Phase, Span]
     held_per_micro_batch: int
     """Sent tensors and losses one micro-batch leaves alive until the step's end."""
-    weight_copies_per_forward: int
-    """Of a forward's net bytes: parameter copies autocast made and autograd keeps."""
+    weight_copies: int
+    """Of the first forward's net bytes: the low-precision weight copies autocast made, kept
+    until the step's end and shared by every micro-batch."""
 
     @property
     def kept_per_micro_batch(self) -> int:
-        """Bytes the stage's first forward keeps until its backward (where fused and split
-        micro-batches mix, a split one keeps its Linears' outputs too; the replay counts both)."""
-        return next(span.net for (kind, _), span in self.first.items() if kind is ActionKind.F)
+        """Bytes a forward keeps until its backward, the weight copies aside (where fused and
+        split micro-batches mix, a split one keeps its Linears' outputs too; the replay counts
+        both)."""
+        return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
 
 
 def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
@@ -261,7 +265,8 @@ def trace_stage(
     """Trace the step start and two micro-batches of each backward style, in the stage's order.
 
     The order matters where styles mix: the first backward of the step allocates the gradients
-    (a B all of them, an I only the non-GEMM ones) and later ones accumulate.
+    (a B all of them, an I only the non-GEMM ones) and later ones accumulate, and the first
+    forward casts the weights (so it must be of the first style: `memory.stage_trace` checks).
     """
     order: tuple[bool | None, ...] = styles or (None,)
     split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
@@ -270,7 +275,7 @@ def trace_stage(
         fake_parameters(module)
         run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
         tracker = MemoryTracker(block=block)
-        with tracker:
+        with tracker, step_casts(shape.precision, run.device):
             begin = tracker.measure(run.begin)
             spans: list[dict[Phase, Span]] = [{}, {}]
             for i, style in enumerate(order):
@@ -289,7 +294,7 @@ def trace_stage(
         first=spans[0],
         later=spans[1],
         held_per_micro_batch=held,
-        weight_copies_per_forward=weight_copies,
+        weight_copies=weight_copies,
     )
 
 

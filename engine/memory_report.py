@@ -106,11 +106,11 @@ def _title(report: MemoryReport) -> str:
 def format_report(report: MemoryReport, device_memory: int | None = None) -> str:
     """The per-stage table, the rank peaks when ranks hold several stages, and the fit."""
     header = ["stage", "rank", "layers", "params", "weights", "grads", "optimizer"]
-    header += ["kept/µb", "weight copies/µb", "in flight", "step peak", "peak"]
+    header += ["kept/µb", "weight copies", "in flight", "step peak", "peak"]
     rows = [header]
     for s in report.stages:
         sizes = [s.weights, s.gradients, s.optimizer, s.kept_per_micro_batch]
-        sizes += [s.weight_copies_per_micro_batch]
+        sizes += [s.weight_copies]
         rows.append(
             [str(s.stage), str(s.rank), f"[{s.layers[0]}, {s.layers[1]})", _count(s.parameters)]
             + [format_size(n) for n in sizes]

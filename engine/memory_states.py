@@ -149,22 +149,25 @@ def _fp32(params: Sequence[ParamInfo], block: int) -> int:
     return sum(round_up(4 * p.numel, block) for p in params)
 
 
-def tail_peak(params: Sequence[ParamInfo], *, live_end: int, held: int, states: StateLayout) -> int:
-    """Peak after the schedule, from the replay's final live bytes (gradients included).
+def tail_peak(
+    params: Sequence[ParamInfo], *, live_end: int, held: int, cached: int, states: StateLayout
+) -> int:
+    """Peak after the schedule, from the replay's final live bytes (gradients and the step's
+    weight copies included; the copies, `cached` bytes, go when the schedule ends).
 
     With dp > 1 the last backward posts every bucket's flat copy at once while the sends are
-    still held; after the sends complete, each reduced bucket allocates shapes for its views and
-    replaces its gradients. The optimizer step follows, its temporaries the size of the largest
-    parameter the replica steps.
+    still held and the weight copies alive; after the sends complete, each reduced bucket
+    allocates shapes for its views and replaces its gradients. The optimizer step follows, its
+    temporaries the size of the largest parameter the replica steps.
     """
     block = states.block
     largest = max((p.numel for shard in _own(params, states) for p in shard), default=0)
     step = states.temporaries * round_up(4 * largest, block)
     if states.dp == 1:
-        return live_end - held + step
+        return live_end - held - cached + step
     buckets = dp_buckets(params)
     flat = sum(round_up(4 * sum(p.numel for p in bucket), block) for bucket in buckets)
-    after_sends = live_end - held + flat
+    after_sends = live_end - held - cached + flat
     return max(
         live_end + flat,
         after_sends + max(_fp32(bucket, block) for bucket in buckets),

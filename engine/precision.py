@@ -4,7 +4,8 @@ Parameters and their gradients stay fp32 (autocast casts inside each op), so gra
 accumulation over micro-batches and the optimizer run in fp32; matmul outputs are in the
 compute dtype and the residual stream stays fp32, as in one process. Tensors cross stages in
 the compute dtype (half the traffic) and are widened back to fp32 on arrival, so a boundary
-costs one rounding and nothing downstream. fp16's loss scale is decided from the
+costs one rounding and nothing downstream. Each weight is cast once per step, not once per
+micro-batch (`step_casts`). fp16's loss scale is decided from the
 global gradient norm, which every rank computes identically, so every rank skips or steps
 together.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRECISIONS", "LossScaler", "autocast", "compute_dtype"]
+__all__ = ["PRECISIONS", "LossScaler", "autocast", "compute_dtype", "step_casts"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -40,6 +41,27 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
         yield
         return
     with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+@contextlib.contextmanager
+def step_casts(precision: str, device: torch.device) -> Iterator[None]:
+    """Keep autocast's cast cache over a whole step, so every micro-batch shares one
+    low-precision copy of each weight instead of casting (and keeping) its own.
+
+    Autocast caches the casts of leaf fp32 tensors that require grad and clears the cache when
+    its outermost context exits; each forward's own `autocast` exits, so without this the
+    weights were cast again for every micro-batch and each in-flight micro-batch's graph held
+    its own copies. An outer, disabled context keeps the cache open while leaving backwards
+    and everything else outside autocast. It must close before the optimizer changes the
+    weights in place (the cache is keyed by tensor, not by value), and eval steps get their own
+    (casts made under no_grad carry no graph). The copies are the same bits a fresh cast gives,
+    so losses and gradients are unchanged.
+    """
+    if compute_dtype(precision) is torch.float32:
+        yield
+        return
+    with torch.autocast(device_type=device.type, enabled=False):
         yield
 
 

@@ -14,6 +14,7 @@ counted), MFU is achieved FLOP/s over the device's dense peak for the compute dt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.engine import PipelineEngine
 from engine.mesh import init_mesh
 from engine.options import EngineOptions
-from engine.precision import PRECISIONS, compute_dtype
+from engine.precision import PRECISIONS, compute_dtype, step_casts
 from engine.stage import PipelineStage
 from engine.step_clock import StepClock, step_clock
 from models import MODEL_CONFIGS, LayerSpec, layer_specs
@@ -37,6 +38,8 @@ from partitioners import Partition
 # Dense (no sparsity) peak TFLOP/s per compute dtype, from the vendors' data sheets; the first
 # entry whose name occurs in the device's name wins ("NVIDIA H100 80GB HBM3" is the SXM part).
 # fp32 is the CUDA cores' figure: torch runs fp32 matmuls without TF32 unless told to.
+CASTS = ("step", "micro-batch")
+
 PEAK_TFLOPS = (
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
     ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
@@ -57,6 +60,11 @@ class StageResult:
     precision: str
     micro_batch_size: int
     seq_len: int
+    micro_batches: int
+    """Micro-batches per step: they share the step's low-precision weight casts."""
+    casts: str
+    """`step` (the engine's: one cast per weight and step) or `micro-batch` (autocast's own:
+    one per weight and micro-batch), to measure what sharing them buys."""
     split: bool
     compiled: bool
     forward_ms: float
@@ -96,12 +104,19 @@ def stage_layers(specs: Sequence[LayerSpec], text: str) -> range:
     return chosen
 
 
-def _medians(clock: StepClock, marks: list[tuple[int, int, int]]) -> tuple[float, float]:
+def _medians(
+    clock: StepClock, marks: list[tuple[int, int, int]], group: int = 1
+) -> tuple[float, float]:
     """Median seconds of the two spans (start → middle, middle → end) over `marks`, on the
-    device's clock (CUDA events on a GPU: kernels run after the host queues them)."""
+    device's clock (CUDA events on a GPU: kernels run after the host queues them); with
+    `group`, each sample is the mean over `group` consecutive marks (one step's micro-batches).
+    """
     times = clock.seconds()
     first = [times[middle] - times[start] for start, middle, _ in marks]
     second = [times[end] - times[middle] for _, middle, end in marks]
+    steps = range(0, len(marks), group)
+    first = [statistics.fmean(first[i : i + group]) for i in steps]
+    second = [statistics.fmean(second[i : i + group]) for i in steps]
     return statistics.median(first), statistics.median(second)
 
 
@@ -115,12 +130,16 @@ def measure_stage(
     seq_len: int = 128,
     steps: int = 10,
     warmup: int = 2,
+    micro_batches: int = 1,
+    casts: str = "step",
     split: bool = False,
     compile: bool = False,
     peak: float | None = None,
 ) -> StageResult:
-    """Median forward and backward time of one micro-batch through a stage of `model`;
-    MFU against `peak` TFLOP/s, or the device's known peak when not given."""
+    """Forward and backward time of one micro-batch through a stage of `model`: the median
+    over `steps` steps of each step's mean over its `micro_batches` micro-batches (which share
+    the step's weight casts, as in the engine); MFU against `peak` TFLOP/s, or the device's
+    known peak when not given."""
     specs = layer_specs(MODEL_CONFIGS[model])
     chosen = stage_layers(specs, layers)
     target = torch.device(device)
@@ -148,20 +167,25 @@ def measure_stage(
     marks = []
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
-    for k in range(warmup + steps):
-        x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
-        start = clock.mark()
-        out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
-        middle = clock.mark()
-        grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
-        if split:
-            stage.backward_input(k, grads)
-            stage.backward_weight(k)
-        else:
-            stage.backward(k, grads)
-        if k >= warmup:
-            marks.append((start, middle, clock.mark()))
-    forward, backward = _medians(clock, marks)
+    if casts not in CASTS:
+        raise ValueError(f"casts={casts!r}: choose one of {', '.join(CASTS)}")
+    for step in range(warmup + steps):
+        shared = step_casts(precision, target) if casts == "step" else contextlib.nullcontext()
+        with shared:
+            for k in range(micro_batches):
+                x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
+                start = clock.mark()
+                out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
+                middle = clock.mark()
+                grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
+                if split:
+                    stage.backward_input(k, grads)
+                    stage.backward_weight(k)
+                else:
+                    stage.backward(k, grads)
+                if step >= warmup:
+                    marks.append((start, middle, clock.mark()))
+    forward, backward = _medians(clock, marks, micro_batches)
     flops = 3 * sum(specs[i].forward_flops(micro_batch_size, seq_len) for i in chosen)
     achieved = flops / (forward + backward)
     peak = peak or peak_tflops(target, precision)
@@ -173,6 +197,8 @@ def measure_stage(
         precision=precision,
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
+        micro_batches=micro_batches,
+        casts=casts,
         split=split,
         compiled=compile,
         forward_ms=forward * 1e3,
@@ -241,11 +267,12 @@ def measure_runtime_overhead(
         middle = clock.mark()
         for param in bare.module.parameters():
             param.grad = None  # as the engine starts a step
-        for k, (x, y) in enumerate(
-            zip(inputs.split(micro_batch_size), targets.split(micro_batch_size), strict=True)
-        ):
-            bare.forward(k, (x,), targets=y, loss_divisor=micro_batches)
-            bare.backward(k)
+        with step_casts(precision, mesh.device):  # the engine's step shares its casts too
+            for k, (x, y) in enumerate(
+                zip(inputs.split(micro_batch_size), targets.split(micro_batch_size), strict=True)
+            ):
+                bare.forward(k, (x,), targets=y, loss_divisor=micro_batches)
+                bare.backward(k)
         if step >= warmup:
             marks.append((start, middle, clock.mark()))
     engine_s, bare_s = _medians(clock, marks)
@@ -266,8 +293,18 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=PRECISIONS)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument(
-        "--steps", type=int, default=10, help="measured micro-batches (and engine steps)"
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per step (they share the step's low-precision weight casts)",
+    )
+    parser.add_argument(
+        "--casts",
+        default="step",
+        choices=CASTS,
+        help="one low-precision cast per weight and step (the engine's) or per micro-batch",
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--split", action="store_true", help="I + W instead of a fused B")
@@ -303,6 +340,8 @@ def main() -> None:
         seq_len=args.seq_len,
         steps=args.steps,
         warmup=args.warmup,
+        micro_batches=args.micro_batches,
+        casts=args.casts,
         split=args.split,
         compile=args.compile,
         peak=args.peak_tflops,
@@ -326,14 +365,15 @@ def main() -> None:
     mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
     memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
     mode = ("compiled" if result.compiled else "eager") + (", I + W" if result.split else "")
-    print("| model | layers | params | device | precision | mode | B × T | F ms | B ms | tokens/s "
-          "| TFLOP/s | MFU | peak GiB |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    mode += ", casts per micro-batch" if result.casts == "micro-batch" else ""
+    print("| model | layers | params | device | precision | mode | B × T | µb/step | F ms | B ms "
+          "| tokens/s | TFLOP/s | MFU | peak GiB |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(
         f"| {result.model} | {result.layers} | {result.params / 1e6:,.1f}M | {result.device} "
         f"| {result.precision} | {mode} | {result.micro_batch_size} × {result.seq_len} "
-        f"| {result.forward_ms:.1f} | {result.backward_ms:.1f} | {result.tokens_per_s:,.0f} "
-        f"| {result.tflops:.2f} | {mfu} | {memory} |"
+        f"| {result.micro_batches} | {result.forward_ms:.1f} | {result.backward_ms:.1f} "
+        f"| {result.tokens_per_s:,.0f} | {result.tflops:.2f} | {mfu} | {memory} |"
     )
     if overhead is not None:
         print(

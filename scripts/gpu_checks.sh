@@ -42,9 +42,11 @@ PY
 
 stage="$py scripts/bench_stage.py --model llama-1b --device cuda --precision bf16 --seq-len 2048"
 for mb in 4 8 16; do
-  step "llama-1b blocks, $mb x 2048, eager and compiled"
+  step "llama-1b blocks, $mb x 2048, eager and compiled; 1 micro-batch a step, then 8 sharing casts"
   timeout 150 $stage --micro-batch-size "$mb" | tail -1
   timeout 200 $stage --micro-batch-size "$mb" --compile | tail -1
+  timeout 200 $stage --micro-batch-size "$mb" --micro-batches 8 --steps 4 --warmup 1 | tail -1
+  timeout 200 $stage --micro-batch-size "$mb" --compile --micro-batches 8 --steps 4 --warmup 1 | tail -1
 done
 step "runtime overhead on CUDA, compiled"
 timeout 200 $stage --layers all --micro-batch-size 2 --runtime-overhead 8 --steps 5 --compile | tail -3

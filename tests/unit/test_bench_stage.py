@@ -94,3 +94,26 @@ def test_runtime_overhead_times_the_engine_against_the_bare_stage(bench: ModuleT
     assert overhead.micro_batches == 2
     assert overhead.bare_ms > 0 and overhead.engine_ms > 0
     assert overhead.overhead_ms == overhead.engine_ms - overhead.bare_ms
+
+
+def test_a_step_of_micro_batches_is_timed_per_micro_batch(bench: ModuleType) -> None:
+    result = bench.measure_stage(
+        "llama-tiny", precision="bf16", micro_batch_size=1, seq_len=8, steps=1, micro_batches=3
+    )
+    assert result.micro_batches == 3
+    seconds = (result.forward_ms + result.backward_ms) / 1e3
+    assert result.tokens_per_s * seconds == pytest.approx(8, rel=1e-9)
+
+
+def test_each_step_is_one_sample_the_mean_of_its_micro_batches(bench: ModuleType) -> None:
+    class Clock:
+        def seconds(self) -> list[float]:
+            return [0.0, 1.0, 3.0, 3.0, 6.0, 7.0, 7.0, 8.0, 9.0, 9.0, 10.0, 12.0]
+
+    marks = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)]  # two steps of two micro-batches
+    assert bench._medians(Clock(), marks, 2) == pytest.approx((1.5, 1.5))
+
+
+def test_casts_name_the_two_ways_to_cast(bench: ModuleType) -> None:
+    with pytest.raises(ValueError, match="choose one of step, micro-batch"):
+        bench.measure_stage("llama-tiny", micro_batch_size=1, seq_len=8, steps=1, casts="once")

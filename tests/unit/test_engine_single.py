@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.engine import PipelineEngine
 from engine.mesh import init_mesh
 from engine.optim import build_optimizer
+from engine.options import EngineOptions
 from engine.reference import reference_step
 from engine.schedules import Schedule, one_f_one_b
 from models import build_layers, layer_specs
@@ -16,7 +19,22 @@ from partitioners import Partition
 torch.set_num_threads(1)
 
 
-def _engine(schedule: str | Schedule, micro_batches: int) -> PipelineEngine:
+class _WeightCasts(TorchDispatchMode):
+    """Counts casts of parameters (autocast's low-precision weight copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], nn.Parameter):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _engine(
+    schedule: str | Schedule, micro_batches: int, precision: str = "fp32"
+) -> PipelineEngine:
     specs = layer_specs("llama-tiny")
     return PipelineEngine(
         specs,
@@ -26,6 +44,7 @@ def _engine(schedule: str | Schedule, micro_batches: int) -> PipelineEngine:
         schedule=schedule,
         seed=3,
         optimizer=lambda m: build_optimizer(m, lr=1e-2),
+        options=EngineOptions(precision=precision),
     )
 
 
@@ -41,6 +60,37 @@ def test_single_rank_engine_equals_the_reference_bit_for_bit(schedule: str) -> N
         assert stats.loss == loss
     for (name, a), b in zip(engine.module.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_bf16_engine_sharing_weight_casts_equals_the_reference_bit_for_bit(schedule: str) -> None:
+    """The engine casts each weight once per step, the reference once per micro-batch: the
+    same bits either way, and the second step sees the weights the first one stepped."""
+    engine = _engine(schedule, 4, precision="bf16")
+    model = build_layers(layer_specs("llama-tiny"), seed=3)
+    optimizer = build_optimizer(model, lr=1e-2)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        stats = engine.train_step(tokens[:, :-1], tokens[:, 1:])
+        loss = reference_step(
+            model, optimizer, tokens[:, :-1], tokens[:, 1:], micro_batches=4, precision="bf16"
+        )
+        assert stats.loss == loss
+    for (name, a), b in zip(engine.module.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_bf16_step_casts_each_weight_once_whatever_the_micro_batch_count() -> None:
+    tokens = torch.zeros(8, 9, dtype=torch.long)
+    casts = []
+    for micro_batches in (1, 4, 4):
+        engine = _engine("gpipe", micro_batches, precision="bf16")
+        with _WeightCasts() as counter:
+            engine.train_step(tokens[:, :-1], tokens[:, 1:])
+            engine.train_step(tokens[:, :-1], tokens[:, 1:])
+        casts.append(counter.count)
+    linears = sum(isinstance(m, nn.Linear) for m in engine.module.modules())
+    assert casts == [2 * linears] * 3  # two steps, each casting every Linear weight once
 
 
 def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_one() -> None:

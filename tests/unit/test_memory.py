@@ -162,7 +162,7 @@ def test_recomputed_stage_keeps_only_its_input_and_sent_output() -> None:
     assert estimate_memory(config).stages[1].kept_per_micro_batch == 2 * boundary
 
 
-def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight_per_micro_batch() -> None:
+def test_autocast_keeps_one_bf16_copy_of_every_matmul_weight_per_step() -> None:
     config = _tiny(pp=3)
     layout = resolve(config)
     linear = sum(
@@ -173,8 +173,15 @@ def test_autocast_keeps_a_bf16_copy_of_every_matmul_weight_per_micro_batch() -> 
         for p in m.parameters()
     )
     bf16, fp32 = estimate_memory(config), estimate_memory(replace(config, precision="fp32"))
-    assert bf16.stages[1].weight_copies_per_micro_batch == 2 * linear
-    assert fp32.stages[1].weight_copies_per_micro_batch == 0
+    assert bf16.stages[1].weight_copies == 2 * linear
+    assert fp32.stages[1].weight_copies == 0
+
+
+def test_more_micro_batches_in_flight_add_their_stashes_but_no_weight_copies() -> None:
+    four, eight = (estimate_memory(_tiny(pp=3, schedule="gpipe", micro_batches=m)) for m in (4, 8))
+    middle_four, middle_eight = four.stages[1], eight.stages[1]
+    assert middle_eight.weight_copies == middle_four.weight_copies > 0
+    assert middle_eight.step_peak - middle_four.step_peak == 4 * middle_four.kept_per_micro_batch
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
