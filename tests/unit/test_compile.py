@@ -49,6 +49,40 @@ def test_a_compiled_stage_computes_what_the_eager_one_does_to_rounding() -> None
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@needs_compiler
+def test_a_compiled_stage_runs_its_layers_as_compiled_graphs() -> None:
+    """Not a silent fallback to eager: the stage's output comes out of a compiled graph."""
+    stage = PipelineStage(SPECS, stage=0, layers=range(2), num_stages=2, seed=0, compile=True)
+    (out,) = stage.forward(0, (torch.zeros(2, 16, dtype=torch.long),))
+    assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
+
+
+def _bf16_engine_step(*, compile: bool) -> tuple[float, list[torch.Tensor]]:
+    engine = PipelineEngine(
+        SPECS,
+        init_mesh(1, 1, device="cpu"),
+        partition=Partition(boundaries=(0, len(SPECS))),
+        micro_batches=4,
+        schedule="gpipe",
+        options=EngineOptions(precision="bf16", compile=compile),
+        optimizer=lambda m: build_optimizer(m, lr=1e-2),
+    )
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    loss = engine.train_step(tokens[:, :-1], tokens[:, 1:]).loss
+    return loss, [p.grad.clone() for p in engine.module.parameters()]  # type: ignore[union-attr]
+
+
+@needs_compiler
+def test_compiled_bf16_micro_batches_sharing_a_step_match_eager_to_rounding() -> None:
+    """Compiled layers under the engine's per-step casts (four micro-batches in flight) give
+    the eager engine's loss and gradients to bf16 rounding (fused kernels round elsewhere)."""
+    eager_loss, eager_grads = _bf16_engine_step(compile=False)
+    loss, grads = _bf16_engine_step(compile=True)
+    assert loss == pytest.approx(eager_loss, rel=1e-3)
+    for got, expected in zip(grads, eager_grads, strict=True):
+        assert torch.linalg.vector_norm(got - expected) <= 2e-2 * torch.linalg.vector_norm(expected)
+
+
 def test_compiling_keeps_the_parameter_names_checkpoints_use() -> None:
     assert list(_stage(compile=True).module.state_dict()) == list(
         _stage(compile=False).module.state_dict()
