@@ -33,7 +33,7 @@ class _WeightCasts(TorchDispatchMode):
 
 
 def _engine(
-    schedule: str | Schedule, micro_batches: int, precision: str = "fp32"
+    schedule: str | Schedule, micro_batches: int, precision: str = "fp32", recompute: str = "none"
 ) -> PipelineEngine:
     specs = layer_specs("llama-tiny")
     return PipelineEngine(
@@ -44,7 +44,7 @@ def _engine(
         schedule=schedule,
         seed=3,
         optimizer=lambda m: build_optimizer(m, lr=1e-2),
-        options=EngineOptions(precision=precision),
+        options=EngineOptions(precision=precision, recompute=recompute),
     )
 
 
@@ -62,11 +62,16 @@ def test_single_rank_engine_equals_the_reference_bit_for_bit(schedule: str) -> N
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_bf16_engine_sharing_weight_casts_equals_the_reference_bit_for_bit(schedule: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "recompute"), [("gpipe", "none"), ("1f1b", "none"), ("1f1b", "full")]
+)
+def test_bf16_engine_sharing_weight_casts_equals_the_reference_bit_for_bit(
+    schedule: str, recompute: str
+) -> None:
     """The engine casts each weight once per step, the reference once per micro-batch: the
-    same bits either way, and the second step sees the weights the first one stepped."""
-    engine = _engine(schedule, 4, precision="bf16")
+    same bits either way (a recomputed forward reuses the step's copies too), and the second
+    step sees the weights the first one stepped."""
+    engine = _engine(schedule, 4, precision="bf16", recompute=recompute)
     model = build_layers(layer_specs("llama-tiny"), seed=3)
     optimizer = build_optimizer(model, lr=1e-2)
     tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
