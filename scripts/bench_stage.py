@@ -140,6 +140,8 @@ def measure_stage(
     over `steps` steps of each step's mean over its `micro_batches` micro-batches (which share
     the step's weight casts, as in the engine); MFU against `peak` TFLOP/s, or the device's
     known peak when not given."""
+    if casts not in CASTS:
+        raise ValueError(f"casts={casts!r}: choose one of {', '.join(CASTS)}")
     specs = layer_specs(MODEL_CONFIGS[model])
     chosen = stage_layers(specs, layers)
     target = torch.device(device)
@@ -167,8 +169,6 @@ def measure_stage(
     marks = []
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
-    if casts not in CASTS:
-        raise ValueError(f"casts={casts!r}: choose one of {', '.join(CASTS)}")
     for step in range(warmup + steps):
         shared = step_casts(precision, target) if casts == "step" else contextlib.nullcontext()
         with shared:
