@@ -33,6 +33,7 @@ __all__ = [
     "encode",
     "load_tokens",
     "prepare",
+    "token_file_pair",
 ]
 
 VOCAB_SIZE = 256
@@ -96,7 +97,7 @@ def _prepare_fix(prefix: Path) -> str:
     )
 
 
-def _split_prefix(path: str | Path) -> tuple[Path, Path]:
+def token_file_pair(path: str | Path) -> tuple[Path, Path]:
     """Accept a prefix, a ``.bin`` or a ``.json`` path and return the (bin, json) pair."""
     path = Path(path)
     prefix = path.with_suffix("") if path.suffix in (".bin", ".json") else path
@@ -148,7 +149,7 @@ def _write_token_file(
         raise ValueError(
             f"max_bytes={max_bytes} (--max-bytes) must be >= 1; leave it out (None) for no cap"
         )
-    bin_path, json_path = _split_prefix(out)
+    bin_path, json_path = token_file_pair(out)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     num_tokens, used = atomic_write(bin_path, lambda f: _concat(files, f, max_bytes))
     if num_tokens == 0:
@@ -262,7 +263,7 @@ class TokenDataset:
 
     def __init__(self, path: str | Path) -> None:
         """Open ``path`` (the ``.bin``, the ``.json`` or their prefix) after validating it."""
-        bin_path, json_path = _split_prefix(path)
+        bin_path, json_path = token_file_pair(path)
         prefix = bin_path.with_name(bin_path.name.removesuffix(".bin"))
         problem = _not_token_file(Path(path), bin_path, json_path)
         if problem is not None:

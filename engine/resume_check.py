@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine.config import TrainConfig
+from engine.data import token_file_pair
 
 __all__ = [
     "FIXED_BY_CHECKPOINT",
@@ -73,8 +73,7 @@ def _comparable(name: str, value: Any) -> Any:
     """A token file named by its prefix, .bin or .json, relative or not, is the same data."""
     if name != "data" or value is None:
         return value
-    path = Path(value)
-    return (path.with_suffix("") if path.suffix in (".bin", ".json") else path).resolve()
+    return token_file_pair(value)[0].resolve()
 
 
 def _listed(changes: Mapping[str, tuple[Any, Any]]) -> str:
