@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DEVICES", "Mesh", "init_mesh", "launcher_world_size"]
+__all__ = ["DEVICES", "Mesh", "check_device", "init_mesh", "launcher_world_size"]
 
 DEVICES = ("auto", "cuda", "cpu")
 """Where `init_mesh` may place ranks (`meshpipe train --device`)."""
@@ -108,6 +108,22 @@ def _local_ranks() -> tuple[int, int]:
     return local_rank, max(local_ranks, local_rank + 1)
 
 
+def _no_cuda(what: str) -> ValueError:
+    return ValueError(
+        f"{what} needs CUDA and this machine has no GPU: run on the CPU (--device cpu, gloo), "
+        "or launch on a GPU host"
+    )
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine cannot place ranks on: an unknown name, or `cuda` without
+    CUDA. Launchers call it before starting ranks; `init_mesh` calls it in every rank."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _no_cuda("--device cuda")
+
+
 def _placement(backend: str | None, device: str) -> tuple[torch.device, str]:
     """Where this rank computes and which backend carries its traffic.
 
@@ -116,19 +132,15 @@ def _placement(backend: str | None, device: str) -> tuple[torch.device, str]:
     explicit `nccl` refuses to fall back. `cuda`: GPUs even when ranks share them, over gloo,
     which cannot send CUDA tensors, so the exchange stages them through host memory. `cpu`.
     """
-    if device not in DEVICES:
-        raise ValueError(f"unknown device {device!r}: choose one of {', '.join(DEVICES)}")
+    check_device(device)
     cpu = torch.device("cpu")
     if device == "cpu" or (device == "auto" and backend == "gloo"):
         if backend == "nccl":
             raise ValueError("backend nccl needs CUDA: use gloo on the CPU, or --device cuda")
         return cpu, "gloo"
     if not torch.cuda.is_available():
-        if device == "cuda" or backend == "nccl":
-            raise ValueError(
-                f"{'--device cuda' if device == 'cuda' else 'backend nccl'} needs CUDA and this "
-                "machine has no GPU: run on the CPU (--device cpu, gloo), or launch on a GPU host"
-            )
+        if backend == "nccl":
+            raise _no_cuda("backend nccl")
         return cpu, "gloo"
     local_rank, local_ranks = _local_ranks()
     devices = torch.cuda.device_count()

@@ -11,8 +11,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from engine.checkpoint_files import (
     CheckpointError,
     checkpoint_candidates,
@@ -21,6 +19,7 @@ from engine.checkpoint_files import (
     step_dirs,
 )
 from engine.config import TrainConfig
+from engine.mesh import check_device
 from engine.resume_check import check_resumable
 from models import LayerSpec, layer_specs
 from partitioners import Partition, partition_model
@@ -78,11 +77,7 @@ def check_outputs(config: TrainConfig) -> None:
 
 def preflight(config: TrainConfig) -> None:
     """Everything a launcher checks before starting ranks."""
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "--device cuda: this machine has no CUDA device; train on the CPU with --device cpu "
-            "(or leave --device auto)"
-        )
+    check_device(config.device)
     stage_partition(config, layer_specs(config.model))
     check_outputs(config)
     root = config.checkpoint_dir

@@ -123,3 +123,12 @@ def test_an_unknown_flag_is_reported_with_its_subcommands_usage(
     assert code == 2
     assert err.startswith("usage: meshpipe plan")
     assert "meshpipe plan: error: unrecognized arguments: --bogus" in err
+
+
+def test_training_on_cuda_without_a_gpu_is_refused_before_ranks_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code, err = _error(["train", "--model", "gpt-tiny", "--pp", "2", "--device", "cuda"], capsys)
+    assert code == 2
+    assert "--device cuda needs CUDA" in err and "--device cpu" in err
