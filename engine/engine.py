@@ -7,6 +7,7 @@ reducers sum gradients; the engine wires them together for one step and reports 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -355,7 +356,12 @@ class PipelineEngine:
         for stage in self.stages.values():
             stage.reset_peak()
         clock = step_clock(self.mesh.device)
-        with step_casts(self.options.precision, self.mesh.device):
+        with contextlib.ExitStack() as scope:
+            if training:
+                for stage in self.stages.values():
+                    scope.enter_context(stage.step_scope())
+            else:
+                scope.enter_context(step_casts(self.options.precision, self.mesh.device))
             timings = execute(
                 schedule, self.mesh.pp_rank, step.handlers(), clock=clock, origin=origin
             )

@@ -29,7 +29,6 @@ from engine.memory_replay import StageRun, build_stage, fake_parameters
 from engine.memory_states import optimizer_bytes, param_info, tail_peak
 from engine.memory_tracker import MemoryTracker, fake_device, round_up
 from engine.optim import build_optimizer
-from engine.precision import step_casts
 from models import LayerStack, build_layers
 
 __all__ = ["MEASURE_LIMIT", "check_measurable", "measure_memory"]
@@ -139,9 +138,9 @@ def _runs(
 
 
 class _Step:
-    """One measured step of some stages of a rank: every micro-batch of their row under the
-    step's weight casts (`step_casts`, as the engine runs its schedule), then the step's end
-    (real runs await the sends and step AdamW under the tracker)."""
+    """One measured step of some stages of a rank: every micro-batch of their row inside the
+    stages' step scopes (the step's weight copies, as the engine runs its schedule), then the
+    step's end (real runs await the sends and step AdamW under the tracker)."""
 
     def __init__(self, config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
@@ -152,15 +151,15 @@ class _Step:
         )
         self.tracker = MemoryTracker(block=layout.block)
         self.block = layout.block
-        self.precision = config.precision
         self.kept = self.weight_copies = self.cached = self.held = self.live_end = 0
 
     def __call__(self) -> None:
         for run in self.runs.values():
             run.begin()
         first = self.actions[0]
-        device = self.runs[first.stage].device
-        with step_casts(self.precision, device):
+        with contextlib.ExitStack() as scope:
+            for run in self.runs.values():
+                scope.enter_context(run.stage.step_scope())
             copies = self.tracker.weight_copies
             net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
             self.weight_copies = self.tracker.weight_copies - copies

@@ -20,7 +20,7 @@ from torch import nn
 import engine.stage
 from engine.actions import Action, ActionKind, split_units
 from engine.memory_tracker import MemoryTracker, Span, fake_device, round_up
-from engine.precision import LossScaler, compute_dtype, step_casts
+from engine.precision import LossScaler, compute_dtype
 from engine.schedules import Schedule
 from engine.stage import PipelineStage
 from models import LayerSpec, LayerStack
@@ -67,7 +67,7 @@ class StageTrace:
     """One stage's traced step start and the first and a later run of each of its actions.
 
     A stage's first B (or W) allocates its gradients and later ones accumulate into them; its
-    first F casts the weights, which every later F of the step reuses (`step_casts`); every
+    first F casts the weights, which every later F of the step reuses (`WeightCopies`); every
     other action allocates the same each time.
     """
 
@@ -275,7 +275,7 @@ def trace_stage(
         fake_parameters(module)
         run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
         tracker = MemoryTracker(block=block)
-        with tracker, step_casts(shape.precision, run.device):
+        with tracker, run.stage.step_scope():
             begin = tracker.measure(run.begin)
             spans: list[dict[Phase, Span]] = [{}, {}]
             for i, style in enumerate(order):

@@ -5,8 +5,9 @@ accumulation over micro-batches and the optimizer run in fp32; matmul outputs ar
 compute dtype and the residual stream stays fp32, as in one process. Tensors cross stages in
 the compute dtype (half the traffic) and are widened back to fp32 on arrival, so a boundary
 costs one rounding and nothing downstream. Each weight is cast once per step, not once per
-micro-batch (`step_casts`). fp16's loss scale is decided from the global gradient norm, which
-every rank computes identically, so every rank skips or steps together.
+micro-batch (`engine.weight_copies`, inside each stage's step scope). fp16's loss scale is
+decided from the global gradient norm, which every rank computes identically, so every rank
+skips or steps together.
 """
 
 from __future__ import annotations

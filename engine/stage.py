@@ -7,7 +7,8 @@ backward the stage stashes its inputs and outputs — the micro-batch is *in fli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,8 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.options import recompute_groups
-from engine.precision import autocast, compute_dtype
+from engine.precision import autocast, compute_dtype, step_casts
 from engine.reference import LossFn
+from engine.weight_copies import WeightCopies
 from models import LayerSpec, build_layers, lm_loss
 
 __all__ = ["PipelineStage", "StageError"]
@@ -79,6 +81,9 @@ class PipelineStage:
         self._hooks_on = False
         self._fused_weight_grads = False
         self._eager_params: list[nn.Parameter] = []
+        dtype = compute_dtype(precision)
+        self._copies = WeightCopies(self.module, dtype) if dtype is not torch.float32 else None
+        self._in_step = False
         self.peak_in_flight = 0
         self.peak_pending_w = 0
 
@@ -139,6 +144,22 @@ class PipelineStage:
     def pending_weight_grads(self) -> int:
         return len(self._pending_w)
 
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """One training step: its first forward makes the step's low-precision copies of the
+        Linear weights (`WeightCopies`), which every micro-batch and recompute shares, and
+        autocast's cast cache stays open for any other weight cast (`step_casts`). On exit,
+        before the optimizer, the fp32 masters are back in the modules, holding the step's
+        gradients. Outside a step scope forwards cast per micro-batch, as autocast does."""
+        self._in_step = True
+        try:
+            with step_casts(self.precision, self.device):
+                yield
+        finally:
+            self._in_step = False
+            if self._copies is not None:
+                self._copies.restore()
+
     def reset_peak(self) -> None:
         self.peak_in_flight = len(self._in_flight)
         self.peak_pending_w = len(self._pending_w)
@@ -163,6 +184,8 @@ class PipelineStage:
         """
         capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._capture = capture if training and split and self._hooks_on else None
+        if training and self._in_step and self._copies is not None:
+            self._copies.install()
         with torch.set_grad_enabled(training), autocast(self.precision, self.device):
             try:
                 out = self._run_layers(inputs[0], training)
@@ -293,7 +316,8 @@ class PipelineStage:
                 values = _linear_weight_grads(module, x, grad)
             else:
                 values = list(torch.autograd.grad(out, params, grad))
-            _accumulate(params, values)
+            masters = params if self._copies is None else [self._copies.master(p) for p in params]
+            _accumulate(masters, values)
 
     def _shape_message(
         self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception
@@ -309,12 +333,13 @@ class PipelineStage:
 
 
 def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
-    """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would."""
+    """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would (a
+    low-precision copy's gradient widened by the add, as `WeightCopies` does)."""
     for param, value in zip(params, values, strict=True):
         if value is None:
             continue
         if param.grad is None:
-            param.grad = value
+            param.grad = value.to(param.dtype)
         else:
             param.grad += value
 

@@ -20,6 +20,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from partitioners import Partition
 # Dense (no sparsity) peak TFLOP/s per compute dtype, from the vendors' data sheets; the first
 # entry whose name occurs in the device's name wins ("NVIDIA H100 80GB HBM3" is the SXM part).
 # fp32 is the CUDA cores' figure: torch runs fp32 matmuls without TF32 unless told to.
-CASTS = ("step", "micro-batch")
+CASTS = ("step", "autocast-step", "micro-batch")
 
 PEAK_TFLOPS = (
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
@@ -63,8 +64,10 @@ class StageResult:
     micro_batches: int
     """Micro-batches per step: they share the step's low-precision weight casts."""
     casts: str
-    """`step` (the engine's: one cast per weight and step) or `micro-batch` (autocast's own:
-    one per weight and micro-batch), to measure what sharing them buys."""
+    """`step` (the engine's step scope: one low-precision copy of each Linear weight per
+    step, its gradients added into the fp32 master), `autocast-step` (autocast's cache kept
+    over the step: the same casts, gradients widened before the add) or `micro-batch`
+    (autocast's own: one cast per weight and micro-batch), to measure what each buys."""
     split: bool
     compiled: bool
     forward_ms: float
@@ -170,8 +173,11 @@ def measure_stage(
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
     for step in range(warmup + steps):
-        shared = step_casts(precision, target) if casts == "step" else contextlib.nullcontext()
-        with shared:
+        shared = {
+            "step": stage.step_scope,
+            "autocast-step": partial(step_casts, precision, target),
+        }.get(casts, contextlib.nullcontext)
+        with shared():
             for k in range(micro_batches):
                 x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
                 start = clock.mark()
@@ -267,7 +273,7 @@ def measure_runtime_overhead(
         middle = clock.mark()
         for param in bare.module.parameters():
             param.grad = None  # as the engine starts a step
-        with step_casts(precision, mesh.device):  # the engine's step shares its casts too
+        with bare.step_scope():  # the engine's step shares its weight copies too
             for k, (x, y) in enumerate(
                 zip(inputs.split(micro_batch_size), targets.split(micro_batch_size), strict=True)
             ):
@@ -304,7 +310,9 @@ def main() -> None:
         "--casts",
         default="step",
         choices=CASTS,
-        help="one low-precision cast per weight and step (the engine's) or per micro-batch",
+        help="step: the engine's (one low-precision copy per Linear weight and step, gradients "
+        "added into the fp32 masters); autocast-step: autocast's cache kept over the step; "
+        "micro-batch: autocast's own casts",
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--split", action="store_true", help="I + W instead of a fused B")
@@ -365,7 +373,9 @@ def main() -> None:
     mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
     memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
     mode = ("compiled" if result.compiled else "eager") + (", I + W" if result.split else "")
-    mode += ", casts per micro-batch" if result.casts == "micro-batch" else ""
+    mode += {"step": "", "autocast-step": ", autocast's step cache"}.get(
+        result.casts, ", casts per micro-batch"
+    )
     print("| model | layers | params | device | precision | mode | B × T | µb/step | F ms | B ms "
           "| tokens/s | TFLOP/s | MFU | peak GiB |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -114,6 +114,6 @@ def test_each_step_is_one_sample_the_mean_of_its_micro_batches(bench: ModuleType
     assert bench._medians(Clock(), marks, 2) == pytest.approx((1.5, 1.5))
 
 
-def test_casts_name_the_two_ways_to_cast(bench: ModuleType) -> None:
-    with pytest.raises(ValueError, match="choose one of step, micro-batch"):
+def test_casts_name_the_three_ways_to_cast(bench: ModuleType) -> None:
+    with pytest.raises(ValueError, match="choose one of step, autocast-step, micro-batch"):
         bench.measure_stage("llama-tiny", micro_batch_size=1, seq_len=8, steps=1, casts="once")

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from engine.actions import parse_actions
 from engine.config import TrainConfig
@@ -81,6 +82,26 @@ def test_compiled_bf16_micro_batches_sharing_a_step_match_eager_to_rounding() ->
     assert loss == pytest.approx(eager_loss, rel=1e-3)
     for got, expected in zip(grads, eager_grads, strict=True):
         assert torch.linalg.vector_norm(got - expected) <= 2e-2 * torch.linalg.vector_norm(expected)
+
+
+@needs_compiler
+def test_a_compiled_bf16_engine_compiles_in_its_first_step_only() -> None:
+    """Each step's weight copies are new tensors of the same dtype: no recompilation."""
+    engine = PipelineEngine(
+        SPECS,
+        init_mesh(1, 1, device="cpu"),
+        partition=Partition(boundaries=(0, len(SPECS))),
+        micro_batches=2,
+        schedule="1f1b",
+        options=EngineOptions(precision="bf16", compile=True),
+        optimizer=lambda m: build_optimizer(m, lr=1e-2),
+    )
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    engine.train_step(tokens[:, :-1], tokens[:, 1:])
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        engine.train_step(tokens[:, :-1], tokens[:, 1:])
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiling_keeps_the_parameter_names_checkpoints_use() -> None:
