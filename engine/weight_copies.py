@@ -10,7 +10,10 @@ copies for the step instead: autocast leaves them as they are (no cast), and eac
 gradient is added into its master's fp32 `.grad` by one mixed-dtype add, which rounds
 exactly as widening first and adding after. Losses and gradients keep every bit.
 
-Only Linears: autocast runs embeddings and norms in fp32, so their weights are never cast.
+Only Linears: autocast runs embeddings and norms in fp32, so their weights are never cast. A
+weight a Linear shares with another kind of module (GPT's head tied to the embedding, in one
+stage) keeps autocast's cast: autograd sums the two uses' gradients before it adds them to
+`.grad`, and adding the copy's part on its own would round differently.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ class WeightCopies:
     """The low-precision copies of one module tree's Linear parameters, installed for a step.
 
     `install` swaps every fp32 Linear parameter for a copy in `dtype` (a parameter shared by
-    two Linears gets one copy); `restore` puts the masters back and drops the copies, so it
-    must run before the optimizer changes the masters and before anything else reads the
-    module's parameters. Eval steps keep the masters (a copy made under no_grad would carry
-    no gradient to them).
+    two Linears gets one copy, one shared with another kind of module none); `restore` puts
+    the masters back and drops the copies, so it must run before the optimizer changes the
+    masters and before anything else reads the module's parameters. Eval steps keep the
+    masters (a copy made under no_grad would carry no gradient to them).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
@@ -50,12 +53,19 @@ class WeightCopies:
         """
         if self.installed:
             return
+        slots = [
+            (module, name, param)
+            for module in self.module.modules()
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False)
+        ]
+        elsewhere = {id(param) for module, _, param in slots if not isinstance(module, nn.Linear)}
         self._slots = [
             (linear, name, param)
-            for linear in self.module.modules()
+            for linear, name, param in slots
             if isinstance(linear, nn.Linear)
-            for name, param in linear.named_parameters(recurse=False)
-            if param.requires_grad and param.dtype == torch.float32
+            and id(param) not in elsewhere
+            and param.requires_grad
+            and param.dtype == torch.float32
         ]
         copies: dict[int, nn.Parameter] = {}
         for linear, name, master in self._slots:

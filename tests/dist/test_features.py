@@ -24,6 +24,7 @@ LOW_PRECISION = [
     Case("llama", 2, 1, "1f1b", 4, "uniform", "sgd", precision="bf16"),
     Case("llama", 2, 1, "zb_h1", 4, "uniform", "sgd", precision="bf16"),
     Case("llama", 2, 1, "1f1b", 4, "uniform", "sgd", precision="fp16"),
+    Case("gpt-tiny", 2, 1, "zb_h1", 4, "uniform", "sgd", precision="bf16"),
 ]
 NAN = [Case("gpt-untied", 2, 1, "1f1b", 2, "uniform", nan_at_step=1)]
 ZERO = [

@@ -33,9 +33,13 @@ class _WeightCasts(TorchDispatchMode):
 
 
 def _engine(
-    schedule: str | Schedule, micro_batches: int, precision: str = "fp32", recompute: str = "none"
+    schedule: str | Schedule,
+    micro_batches: int,
+    precision: str = "fp32",
+    recompute: str = "none",
+    model: str = "llama-tiny",
 ) -> PipelineEngine:
-    specs = layer_specs("llama-tiny")
+    specs = layer_specs(model)
     return PipelineEngine(
         specs,
         init_mesh(1, 1),
@@ -63,16 +67,25 @@ def test_single_rank_engine_equals_the_reference_bit_for_bit(schedule: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("schedule", "recompute"), [("gpipe", "none"), ("1f1b", "none"), ("1f1b", "full")]
+    ("model_name", "schedule", "recompute"),
+    [
+        ("llama-tiny", "gpipe", "none"),
+        ("llama-tiny", "1f1b", "none"),
+        ("llama-tiny", "1f1b", "full"),
+        ("llama-tiny", "zb_h1", "none"),
+        ("gpt-tiny", "1f1b", "none"),
+    ],
 )
-def test_bf16_engine_sharing_weight_casts_equals_the_reference_bit_for_bit(
-    schedule: str, recompute: str
+def test_bf16_engine_sharing_weight_copies_equals_the_reference_bit_for_bit(
+    model_name: str, schedule: str, recompute: str
 ) -> None:
-    """The engine casts each weight once per step, the reference once per micro-batch: the
-    same bits either way (a recomputed forward reuses the step's copies too), and the second
-    step sees the weights the first one stepped."""
-    engine = _engine(schedule, 4, precision="bf16", recompute=recompute)
-    model = build_layers(layer_specs("llama-tiny"), seed=3)
+    """The engine casts each weight once per step and adds the copies' gradients into the
+    fp32 masters itself, the reference casts once per micro-batch and autograd widens: the
+    same bits either way (a recomputed forward and a deferred W use the step's copies too; in
+    gpt-tiny the head's copy and the embedding's fp32 weight are one tied master), and the
+    second step sees the weights the first one stepped."""
+    engine = _engine(schedule, 4, precision="bf16", recompute=recompute, model=model_name)
+    model = build_layers(layer_specs(model_name), seed=3)
     optimizer = build_optimizer(model, lr=1e-2)
     tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):

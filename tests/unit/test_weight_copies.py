@@ -79,3 +79,14 @@ def test_parameters_replaced_after_construction_are_the_ones_copied_and_restored
     assert torch.equal(model[2].weight, torch.zeros(8, 32, dtype=torch.bfloat16))
     copies.restore()
     assert model[2].weight is replacement
+
+
+def test_a_weight_a_linear_shares_with_an_embedding_is_left_to_autocast() -> None:
+    """Autograd sums a tied weight's two gradients before adding them to `.grad`; adding the
+    Linear's part on its own would round differently, so the tie keeps its master."""
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    copies = WeightCopies(model, torch.bfloat16)
+    copies.install()
+    assert model[1].weight is model[0].weight
+    assert model[1].weight.dtype == torch.float32
