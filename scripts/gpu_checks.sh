@@ -25,7 +25,8 @@ $py -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torc
 
 if wants system; then
 step "CUDA tests (tests/unit/test_cuda.py, test_compile.py)"
-timeout 300 $py -m pytest -q -p no:cacheprovider tests/unit/test_cuda.py tests/unit/test_compile.py 2>&1 | tail -15
+MESHPIPE_TEST_CUDA=1 timeout 300 $py -m pytest -q -p no:cacheprovider -rs tests/unit/test_cuda.py \
+  tests/unit/test_compile.py 2>&1 | tail -15
 
 step "grouped-query attention: what CUDA's SDPA keeps (the memory model assumes compact K/V)"
 timeout 60 $py - <<'PY'

@@ -20,7 +20,10 @@ from engine.stage import PipelineStage
 from models import build_layers, layer_specs
 from partitioners import Partition
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device and MESHPIPE_TEST_CUDA=1 (tests/conftest.py hides GPUs otherwise)",
+)
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = layer_specs("llama-tiny")
 
