@@ -70,6 +70,8 @@ class StageResult:
     (autocast's own: one cast per weight and micro-batch), to measure what each buys."""
     split: bool
     compiled: bool
+    compile_mode: str | None
+    """torch.compile's `mode` (None: its default)."""
     forward_ms: float
     backward_ms: float
     tokens_per_s: float
@@ -137,6 +139,7 @@ def measure_stage(
     casts: str = "step",
     split: bool = False,
     compile: bool = False,
+    compile_mode: str | None = None,
     peak: float | None = None,
 ) -> StageResult:
     """Forward and backward time of one micro-batch through a stage of `model`: the median
@@ -161,6 +164,9 @@ def measure_stage(
     )
     if split:
         stage.enable_split_backward()
+    if compile and compile_mode is not None:
+        for module in stage.module.layers.values():
+            module.compile(mode=compile_mode)  # replaces the stage's default compilation
     first = specs[chosen.start]
     tokens = torch.randint(0, first.config.vocab_size, (micro_batch_size, seq_len), device=target)
     if first.input_kind == "tokens":
@@ -207,6 +213,7 @@ def measure_stage(
         casts=casts,
         split=split,
         compiled=compile,
+        compile_mode=compile_mode if compile else None,
         forward_ms=forward * 1e3,
         backward_ms=backward * 1e3,
         tokens_per_s=micro_batch_size * seq_len / (forward + backward),
@@ -320,6 +327,11 @@ def main() -> None:
         "--compile", action="store_true", help="torch.compile each layer (not with --split)"
     )
     parser.add_argument(
+        "--compile-mode",
+        default=None,
+        help="torch.compile's mode with --compile (e.g. max-autotune-no-cudagraphs)",
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="the device's peak (default: known GPUs)"
     )
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU)")
@@ -335,6 +347,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.compile and args.split:
         parser.error("--compile hides the Linears whose weight gradients --split defers: drop one")
+    if args.compile_mode is not None and not args.compile:
+        parser.error("--compile-mode sets how --compile compiles: add --compile")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.threads:
@@ -352,6 +366,7 @@ def main() -> None:
         casts=args.casts,
         split=args.split,
         compile=args.compile,
+        compile_mode=args.compile_mode,
         peak=args.peak_tflops,
     )
     overhead = None
@@ -373,6 +388,7 @@ def main() -> None:
     mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
     memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
     mode = ("compiled" if result.compiled else "eager") + (", I + W" if result.split else "")
+    mode += f" ({result.compile_mode})" if result.compile_mode else ""
     mode += {"step": "", "autocast-step": ", autocast's step cache"}.get(
         result.casts, ", casts per micro-batch"
     )

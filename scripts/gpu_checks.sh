@@ -66,6 +66,9 @@ timeout 150 $stage --micro-batch-size 8 --compile $steps --casts autocast-step |
 timeout 120 $stage --micro-batch-size 8 $steps --casts autocast-step | tail -1
 step "runtime overhead on CUDA, compiled"
 timeout 150 $stage --layers all --micro-batch-size 2 --runtime-overhead 8 --steps 5 --compile | tail -3
+step "8 x 2048 compiled with inductor's autotuning (the last: its compile may take minutes)"
+timeout 240 $stage --micro-batch-size 8 --compile --compile-mode max-autotune-no-cudagraphs \
+  $steps | tail -1
 fi
 
 if wants system; then

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -117,3 +118,35 @@ def test_each_step_is_one_sample_the_mean_of_its_micro_batches(bench: ModuleType
 def test_casts_name_the_three_ways_to_cast(bench: ModuleType) -> None:
     with pytest.raises(ValueError, match="choose one of step, autocast-step, micro-batch"):
         bench.measure_stage("llama-tiny", micro_batch_size=1, seq_len=8, steps=1, casts="once")
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile on the CPU needs a C++ compiler",
+)
+def test_a_compile_mode_compiles_every_layer_of_the_stage_with_it(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes: list[str | None] = []
+    compile_layer = torch.nn.Module.compile
+
+    def spy(module: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        modes.append(kwargs.get("mode"))  # type: ignore[arg-type]
+        compile_layer(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.Module, "compile", spy)
+    result = bench.measure_stage(
+        "llama-tiny", layers="1:3", micro_batch_size=1, seq_len=8, steps=1, warmup=0,
+        compile=True, compile_mode="max-autotune-no-cudagraphs",
+    )  # fmt: skip
+    assert modes[-2:] == ["max-autotune-no-cudagraphs"] * 2  # the last word for both layers
+    assert result.compiled and result.compile_mode == "max-autotune-no-cudagraphs"
+
+
+def test_a_compile_mode_without_compile_is_refused(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench_stage.py", "--compile-mode", "default"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--compile-mode sets how --compile compiles: add --compile" in capsys.readouterr().err
