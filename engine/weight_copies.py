@@ -40,10 +40,7 @@ class WeightCopies:
         self.module, self.dtype = module, dtype
         self._slots: list[tuple[nn.Module, str, nn.Parameter]] = []
         self._masters: dict[int, nn.Parameter] = {}
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._slots)
+        self.installed = False
 
     def install(self) -> None:
         """Cast every Linear's fp32 parameters once for this step (a no-op if installed).
@@ -53,6 +50,7 @@ class WeightCopies:
         """
         if self.installed:
             return
+        self.installed = True
         slots = [
             (module, name, param)
             for module in self.module.modules()
@@ -84,6 +82,7 @@ class WeightCopies:
             setattr(linear, name, master)
         self._slots.clear()
         self._masters.clear()
+        self.installed = False
 
     def master(self, param: nn.Parameter) -> nn.Parameter:
         """The fp32 parameter behind `param` (itself when it is not a copy)."""
