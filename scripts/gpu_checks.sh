@@ -4,7 +4,10 @@
 # compiled, the engine's per-step weight copies against autocast's casts, the runtime's
 # overhead) and `system` (the CUDA tests, grouped-query attention's memory, two ranks sharing
 # the GPU, the memory model against the allocator). Runs from the checkout without installing
-# (PYTHONPATH). Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|all]
+# (PYTHONPATH) and keeps its output in OUT_DIR/gpu_checks-PART.log, so a call cut off at its
+# time limit still returns what ran. Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|all]
+# GPU_CHECKS_SMOKE=1 runs every command at toy size on the CPU (llama-tiny, gpt-tiny): run it
+# before a GPU session, whose calls are too few to spend on a mistyped flag.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_checks}}"
@@ -14,77 +17,94 @@ case "$part" in
   *) echo "gpu_checks.sh: unknown part '$part': choose stage, system or all" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
+exec > >(tee -a "$out/gpu_checks-$part.log") 2>&1
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 py=python3
 step() { echo "== $*"; }
 wants() { [ "$part" = all ] || [ "$part" = "$1" ]; }
+# run SECONDS LINES COMMAND...: the command under a time limit; its last LINES lines, or its
+# last 20 and its exit status when it fails (a traceback must not be cut to one line)
+run() {
+  local limit=$1 lines=$2 log rc
+  shift 2
+  log=$(mktemp)
+  timeout "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  if [ "$rc" = 0 ]; then tail -n "$lines" "$log"; else tail -n 20 "$log"; echo "-- exit $rc"; fi
+  rm -f "$log"
+}
+if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
+  dev=cpu llama=llama-tiny gpt=gpt-tiny seq=64 train_seq=64 mbs=2 sizes="1 2 4"
+else
+  dev=cuda llama=llama-1b gpt=gpt2 seq=2048 train_seq=512 mbs=8 sizes="4 8 16"
+fi
 
-step "device"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv
-$py -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+step "device ($dev)"
+[ "$dev" = cuda ] && nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.limit --format=csv
+$py -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+
+stage="$py scripts/bench_stage.py --model $llama --device $dev --precision bf16 --seq-len $seq"
+steps="--micro-batches 8 --steps 4 --warmup 1"
+if wants stage; then
+step "$llama blocks, $mbs x $seq, compiled, 8 micro-batches a step sharing the weight copies"
+run 150 1 $stage --micro-batch-size "$mbs" --compile $steps
+step "the same with autocast's casts kept over the step (what the weight copies buy)"
+run 150 1 $stage --micro-batch-size "$mbs" --compile $steps --casts autocast-step
+step "the same, eager: weight copies, autocast's casts, and 1 micro-batch a step"
+run 120 1 $stage --micro-batch-size "$mbs" $steps
+run 120 1 $stage --micro-batch-size "$mbs" $steps --casts autocast-step
+run 90 1 $stage --micro-batch-size "$mbs"
+for size in $sizes; do
+  [ "$size" = "$mbs" ] && continue
+  step "$llama blocks, $size x $seq, compiled, 8 micro-batches a step"
+  run 150 1 $stage --micro-batch-size "$size" --compile $steps
+done
+step "runtime overhead on $dev, compiled"
+run 150 3 $stage --layers all --micro-batch-size 2 --runtime-overhead 8 --steps 5 --compile
+step "$mbs x $seq compiled with inductor's autotuning (the last: its compile may take minutes)"
+run 240 1 $stage --micro-batch-size "$mbs" --compile --compile-mode max-autotune-no-cudagraphs $steps
+fi
 
 if wants system; then
 step "CUDA tests (tests/unit/test_cuda.py, test_compile.py)"
-MESHPIPE_TEST_CUDA=1 timeout 300 $py -m pytest -q -p no:cacheprovider -rs tests/unit/test_cuda.py \
-  tests/unit/test_compile.py 2>&1 | tail -15
+MESHPIPE_TEST_CUDA=1 run 300 15 $py -m pytest -q -p no:cacheprovider -rs tests/unit/test_cuda.py \
+  tests/unit/test_compile.py
 
-step "grouped-query attention: what CUDA's SDPA keeps (the memory model assumes compact K/V)"
+step "grouped-query attention: what SDPA keeps on $dev (the memory model assumes compact K/V)"
 timeout 60 $py - <<'PY'
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+cuda = torch.cuda.is_available()
 for batch, heads, kv_heads, seq, dim in ((2, 4, 2, 64, 16), (4, 32, 4, 2048, 64)):
     def make(h: int) -> torch.Tensor:
         shape = (batch, h, seq, dim)
-        return torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        device = "cuda" if cuda else "cpu"
+        return torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated() if cuda else 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size() if cuda else "n/a"
     ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::")})
     compact = 2 * k.numel() * k.element_size()
     print(f"{batch}x{heads}/{kv_heads}x{seq}x{dim}: kept beside the output {kept} B "
           f"(compact k+v {compact} B), {type(y.grad_fn).__name__}, {ops}")
 PY
-fi
 
-stage="$py scripts/bench_stage.py --model llama-1b --device cuda --precision bf16 --seq-len 2048"
-steps="--micro-batches 8 --steps 4 --warmup 1"
-if wants stage; then
-step "llama-1b blocks, 8 x 2048, eager: 1 micro-batch a step, then 8 sharing the weight copies"
-timeout 90 $stage --micro-batch-size 8 | tail -1
-timeout 120 $stage --micro-batch-size 8 $steps | tail -1
-for mb in 4 8 16; do
-  step "llama-1b blocks, $mb x 2048, compiled, 8 micro-batches a step"
-  timeout 150 $stage --micro-batch-size "$mb" --compile $steps | tail -1
-done
-step "the same at 8 x 2048 with autocast's casts (what the weight copies buy)"
-timeout 150 $stage --micro-batch-size 8 --compile $steps --casts autocast-step | tail -1
-timeout 120 $stage --micro-batch-size 8 $steps --casts autocast-step | tail -1
-step "runtime overhead on CUDA, compiled"
-timeout 150 $stage --layers all --micro-batch-size 2 --runtime-overhead 8 --steps 5 --compile | tail -3
-step "8 x 2048 compiled with inductor's autotuning (the last: its compile may take minutes)"
-timeout 240 $stage --micro-batch-size 8 --compile --compile-mode max-autotune-no-cudagraphs \
-  $steps | tail -1
-fi
+train="$py -m engine.cli train --model $gpt --steps 12 --global-batch 32 --micro-batches 8 \
+  --seq-len $train_seq --precision bf16 --no-progress --log-every 4 --timeout 120"
+step "$gpt bf16, pp 1 (bubble must be near 0)"
+run 200 4 $train --pp 1 --device "$dev" --metrics-file "$out/pp1.jsonl"
+step "$gpt bf16, pp 2 sharing the $dev over gloo (host-staged exchange on a GPU)"
+run 240 4 $train --pp 2 --device "$dev" --metrics-file "$out/pp2.jsonl"
 
-if wants system; then
-train="$py -m engine.cli train --model gpt2 --steps 12 --global-batch 32 --micro-batches 8 \
-  --seq-len 512 --precision bf16 --no-progress --log-every 4 --timeout 120"
-step "gpt2 bf16, pp 1 (bubble must be near 0)"
-timeout 200 $train --pp 1 --metrics-file "$out/pp1.jsonl" 2>&1 | tail -4
-step "gpt2 bf16, pp 2 sharing the GPU over gloo (host-staged exchange)"
-timeout 240 $train --pp 2 --device cuda --metrics-file "$out/pp2.jsonl" 2>&1 | tail -4
-
-step "memory model against CUDA"
+step "memory model against $dev"
 for model in gpt-tiny llama-tiny; do
   for schedule in gpipe 1f1b; do
-    timeout 60 $py -m engine.cli memory --model $model --pp 2 --micro-batches 4 \
-      --micro-batch-size 2 --seq-len 64 --schedule $schedule --dtype bf16 --device cuda --measure \
-      | tail -5
+    run 60 5 $py -m engine.cli memory --model $model --pp 2 --micro-batches 4 \
+      --micro-batch-size 2 --seq-len 64 --schedule $schedule --dtype bf16 --device "$dev" --measure
   done
 done
 fi
