@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.actions import Action, ActionKind
-from engine.schedules import Schedule, format_schedule
+from engine.schedule_text import format_schedule
+from engine.schedules import Schedule
 from engine.step_clock import HostClock, StepClock
 
 __all__ = ["ActionTiming", "Handler", "PipelineRuntimeError", "execute"]

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from engine.schedules import SCHEDULES, Schedule, format_schedule, make_schedule
+from engine.schedule_text import format_schedule
+from engine.schedules import SCHEDULES, Schedule, make_schedule
 from engine.simulate import ActionCosts, simulate, steady_state_bubble
 from engine.timeline import chrome_trace, load_schedule, plot_timeline, save_schedule
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 from engine.actions import COMM_KINDS, Action, ActionKind
 from engine.passes import add_communication, counterpart, is_lowered
-from engine.schedules import Schedule, format_schedule
+from engine.schedule_text import format_schedule
+from engine.schedules import Schedule
 from engine.validate import ScheduleError, validate
 
 __all__ = [

@@ -8,15 +8,8 @@ import pytest
 
 from engine.actions import Action, ActionKind, format_actions, parse_action
 from engine.passes import add_communication, counterpart, is_lowered, peer_of, peer_stage
-from engine.schedules import (
-    SCHEDULES,
-    Schedule,
-    format_schedule,
-    gpipe,
-    make_schedule,
-    one_f_one_b,
-    parse_schedule,
-)
+from engine.schedule_text import format_schedule, parse_schedule
+from engine.schedules import SCHEDULES, Schedule, gpipe, make_schedule, one_f_one_b
 
 Generator = Callable[[int, int], Schedule]
 

@@ -9,7 +9,8 @@ import pytest
 
 from engine.actions import format_actions
 from engine.passes import add_communication
-from engine.schedules import Schedule, gpipe, one_f_one_b, parse_schedule
+from engine.schedule_text import parse_schedule
+from engine.schedules import Schedule, gpipe, one_f_one_b
 from engine.simulate import ActionCosts, simulate
 from engine.validate import ScheduleError, validate
 
