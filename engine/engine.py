@@ -27,6 +27,7 @@ from engine.clipping import (
     global_parameter_order,
     gradient_norms,
 )
+from engine.collective import naming_failures
 from engine.grad_sync import (
     BucketedAllReduce,
     new_tie_groups,
@@ -159,6 +160,8 @@ class PipelineEngine:
             s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
             for s in range(partition.num_stages)
         }
+        self.timeout_s = timeout_s
+        self.closed = False
         self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
         """The process groups this rank's pipeline traffic travels over (one per edge)."""
         self.exchange = StageExchange(
@@ -247,7 +250,8 @@ class PipelineEngine:
         step_s = time.perf_counter() - origin
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
         phases: list[tuple[str, float, float]] = []
-        self._dp_reduce.finish()
+        with naming_failures("the data-parallel gradient all-reduce", timeout_s=self.timeout_s):
+            self._dp_reduce.finish()
         if self._dp_reduce.window is not None and self.mesh.dp > 1:
             start, end = self._dp_reduce.window
             phases.append(("dp all-reduce", start - origin, end - origin))
@@ -256,7 +260,8 @@ class PipelineEngine:
             param = self._tied[key]
             if param.grad is None:  # a holder whose copy got no gradient still takes part
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self._tie_groups[key])
+            with naming_failures(f"summing tied weight {key!r}", timeout_s=self.timeout_s):
+                dist.all_reduce(param.grad, group=self._tie_groups[key])
         if self._tie_groups:
             phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
         opt_start = time.perf_counter()
@@ -321,12 +326,13 @@ class PipelineEngine:
             for param in params:
                 if param.grad is not None:
                     param.grad.mul_(1.0 / self.scaler.scale)
-        total = global_grad_norm(
-            self._global_named_parameters(),
-            self._order,
-            group=self.mesh.pp_group,
-            distributed=self.mesh.pp > 1,
-        )
+        with naming_failures("the pipeline's gradient-norm all-reduce", timeout_s=self.timeout_s):
+            total = global_grad_norm(
+                self._global_named_parameters(),
+                self._order,
+                group=self.mesh.pp_group,
+                distributed=self.mesh.pp > 1,
+            )
         norm = float(total)
         skipped = not (math.isfinite(norm) and math.isfinite(loss))
         if skipped:
@@ -350,9 +356,15 @@ class PipelineEngine:
         training: bool,
         origin: float,
     ) -> tuple[list[ActionTiming], float]:
-        """Run this rank's row of `schedule`; its action timings and the global mean loss."""
-        self.reports.begin_step()
+        """Run this rank's row of `schedule`; its action timings and the global mean loss.
+
+        The batch is checked and split before anything is posted to a peer, so a refused
+        batch leaves the engine ready for the next step.
+        """
+        if self.closed:
+            raise RuntimeError("this PipelineEngine is closed: build a new one to run steps")
         step = StepRun(self, inputs, targets, training=training)
+        self.reports.begin_step()
         for stage in self.stages.values():
             stage.reset_peak()
         clock = step_clock(self.mesh.device)
@@ -371,9 +383,36 @@ class PipelineEngine:
     def _global_loss(self) -> float:
         loss = self.reports.loss().clone()
         if self.mesh.dp > 1:
-            dist.all_reduce(loss, group=self.mesh.dp_group)
+            with naming_failures("the loss's data-parallel mean", timeout_s=self.timeout_s):
+                dist.all_reduce(loss, group=self.mesh.dp_group)
             loss /= self.mesh.dp
         return float(loss)
+
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Release the process groups this engine made (pipeline edges, step reports, tied
+        weights); the mesh's own groups stay. Every rank calls it after its last step: by
+        default it first reads the last step's figures and waits for every rank at a barrier,
+        so no peer still uses a group being torn down. Each engine holds about 20 sockets and
+        12 threads per rank until then. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        if wait_for_peers and self.mesh.world_size > 1:
+            with naming_failures("closing the engine (a barrier)", timeout_s=self.timeout_s):
+                self.exchange.wait_sends()
+                if self._previous_figures is not None:
+                    self._previous_figures()
+                dist.barrier()
+        groups = [*self.channels.edges.values(), self.channels.reports]
+        groups += self._tie_groups.values()
+        for group in {id(g): g for g in groups if g is not None}.values():
+            dist.destroy_process_group(group)
+
+    def __enter__(self) -> PipelineEngine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
 
 
 def _bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:

@@ -155,6 +155,10 @@ class PipelineStage:
         try:
             with step_casts(self.precision, self.device):
                 yield
+        except BaseException:
+            self._in_flight.clear()  # a failed step's micro-batches never get their backward
+            self._pending_w.clear()
+            raise
         finally:
             self._in_step = False
             if self._copies is not None:
@@ -189,8 +193,8 @@ class PipelineStage:
         with torch.set_grad_enabled(training), autocast(self.precision, self.device):
             try:
                 out = self._run_layers(inputs[0], training)
-            except (RuntimeError, ValueError) as error:
-                raise StageError(self._shape_message(micro_batch, inputs, error)) from error
+            except (RuntimeError, ValueError, IndexError) as error:
+                raise StageError(self._input_message(micro_batch, inputs, error)) from error
             finally:
                 self._capture = None
             if self.is_last:
@@ -319,16 +323,37 @@ class PipelineStage:
             masters = params if self._copies is None else [self._copies.master(p) for p in params]
             _accumulate(masters, values)
 
-    def _shape_message(
+    def _input_message(
         self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception
     ) -> str:
+        """What failed, on what input, and the likely cause: the batch on the first stage, the
+        layer list's boundary shapes on the others."""
         first = self.layers.start
         shapes = [tuple(t.shape) for t in inputs]
-        return (
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in inputs]
+        failed = (
             f"stage {self.stage} (layers [{first}, {self.layers.stop}), first layer "
             f"{self.specs[0].kind}) failed on micro-batch {micro_batch} with inputs of shapes "
-            f"{shapes}: {error}. If the shapes disagree with what layer {first} expects, the "
-            "layer list's stages disagree on the activation shape at this boundary"
+            f"{shapes} and dtypes {dtypes}: {error}."
+        )
+        if not self.is_first:
+            return (
+                f"{failed} If the shapes disagree with what layer {first} expects, the layer "
+                "list's stages disagree on the activation shape at this boundary"
+            )
+        tokens = inputs[0]
+        vocab = [m.num_embeddings for m in self.module.modules() if isinstance(m, nn.Embedding)]
+        if vocab and not tokens.is_floating_point() and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= vocab[0]:
+                return (
+                    f"{failed} The batch holds token ids in [{low}, {high}] but the model's "
+                    f"vocabulary has {vocab[0]}: ids must lie in [0, {vocab[0] - 1}] (tokenize "
+                    "with the model's tokenizer, or pick a model with a larger vocabulary)"
+                )
+        return (
+            f"{failed} This stage's input is the batch itself: check its dtype (integer token "
+            "ids for an embedding), its shape (batch, sequence) and its sequence length"
         )
 
 

@@ -321,6 +321,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             run.save(step + 1)
         if pending is not None:
             emit(*pending)
+    run.engine.close()
     if trace is not None and config.trace is not None:
         trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
         _say(mesh, f"wrote trace {config.trace}")

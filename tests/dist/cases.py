@@ -166,6 +166,7 @@ def run_case(case: Case) -> dict[str, Any]:
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
         "eval_loss": eval_loss,

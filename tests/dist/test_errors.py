@@ -60,3 +60,64 @@ def test_pp_times_dp_must_equal_the_world_size(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ValueError, match=r"pp × dp = 2 × 3 = 6 does not match the world size 4"):
         init_mesh(2, 3)
+
+
+def _refused_then_good(rank: int, world_size: int) -> tuple[float, float]:
+    mesh = init_mesh(2, 1, timeout_s=20)
+    specs = layer_specs("gpt-tiny")
+    partition = Partition(boundaries=(0, 3, 7))
+
+    def engine() -> PipelineEngine:
+        return PipelineEngine(specs, mesh, partition=partition, micro_batches=4, timeout_s=20)
+
+    tokens = torch.randint(0, 256, (8, 9), generator=torch.Generator().manual_seed(0))
+    with engine() as refusing:
+        with pytest.raises(ValueError, match="does not split into 4"):
+            refusing.train_step(tokens[:6, :-1], tokens[:6, 1:])
+        retried = refusing.train_step(tokens[:, :-1], tokens[:, 1:]).loss
+    with engine() as fresh:
+        first = fresh.train_step(tokens[:, :-1], tokens[:, 1:]).loss
+    return retried, first
+
+
+def test_a_refused_batch_leaves_the_pipeline_ready_for_the_next_step() -> None:
+    results = run_ranks(_refused_then_good, 2, timeout_s=90)
+    for retried, first in results:
+        assert retried == first
+
+
+def _open_fds_per_engine(rank: int, world_size: int) -> list[int]:
+    mesh = init_mesh(2, 1, timeout_s=20)
+    specs = layer_specs("gpt-tiny")
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    counts = []
+    for _ in range(4):
+        with PipelineEngine(
+            specs, mesh, partition=Partition(boundaries=(0, 3, 7)), micro_batches=2
+        ) as engine:
+            engine.train_step(tokens[:, :-1], tokens[:, 1:])
+        counts.append(len(os.listdir("/proc/self/fd")))
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_closing_an_engine_releases_its_process_groups() -> None:
+    for counts in run_ranks(_open_fds_per_engine, 2, timeout_s=120):
+        assert counts[-1] <= counts[0], counts  # without close: about 20 more per engine
+
+
+def _replica_dies(rank: int, world_size: int) -> None:
+    mesh = init_mesh(1, 2, timeout_s=5)
+    specs = layer_specs("gpt-tiny")
+    engine = PipelineEngine(
+        specs, mesh, partition=Partition(boundaries=(0, 7)), micro_batches=2, timeout_s=5
+    )
+    if rank == 1:
+        os._exit(0)
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    engine.train_step(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_dead_data_parallel_peer_is_named_in_the_error() -> None:
+    with pytest.raises(RanksFailed, match=r"rank 0: the loss's data-parallel mean failed"):
+        run_ranks(_replica_dies, 2, timeout_s=60)

@@ -155,3 +155,49 @@ def test_unknown_schedule_lists_the_known_ones() -> None:
 def test_first_stage_without_inputs_is_rejected() -> None:
     with pytest.raises(ValueError, match="first pipeline stage needs the batch's inputs"):
         _engine("1f1b", 2).train_step(None, torch.zeros(4, 8, dtype=torch.long))
+
+
+def test_token_ids_outside_the_vocabulary_are_named_with_the_vocabulary_size() -> None:
+    tokens = torch.full((4, 9), 300, dtype=torch.long)  # llama-tiny's vocabulary is 256
+    with pytest.raises(RuntimeError, match=r"token ids in \[300, 300\] .* vocabulary has 256"):
+        _engine("1f1b", 2).train_step(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_bad_batch_on_the_first_stage_blames_the_batch_not_a_stage_boundary() -> None:
+    floats = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match=r"(?s)dtypes \['float32'\].*input is the batch") as info:
+        _engine("1f1b", 2).train_step(floats, torch.zeros(4, 8, dtype=torch.long))
+    assert "boundary" not in str(info.value)
+
+
+def test_a_step_that_fails_midway_drops_its_micro_batches_and_the_next_step_is_exact() -> None:
+    tokens = torch.randint(0, 256, (8, 9))
+    broken, fresh = _engine("gpipe", 4, "bf16"), _engine("gpipe", 4, "bf16")
+    calls = 0
+
+    def fail_on_the_fourth_forward(*_: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 4:
+            raise RuntimeError("injected")
+
+    first_layer = next(iter(broken.stages[0].module.layers.values()))
+    hook = first_layer.register_forward_hook(fail_on_the_fourth_forward)
+    with pytest.raises(RuntimeError, match="injected"):
+        broken.train_step(tokens[:, :-1], tokens[:, 1:])
+    hook.remove()
+    assert broken.stages[0].in_flight == 0
+    assert all(p.dtype == torch.float32 for p in broken.module.parameters())
+    retried = broken.train_step(tokens[:, :-1], tokens[:, 1:])
+    assert retried.loss == fresh.train_step(tokens[:, :-1], tokens[:, 1:]).loss
+    for mine, theirs in zip(broken.module.parameters(), fresh.module.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_closed_engine_refuses_steps_and_closing_twice_is_harmless() -> None:
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    with _engine("1f1b", 2) as engine:
+        engine.train_step(tokens[:, :-1], tokens[:, 1:])
+    engine.close()
+    with pytest.raises(RuntimeError, match="PipelineEngine is closed: build a new one"):
+        engine.train_step(tokens[:, :-1], tokens[:, 1:])
