@@ -94,16 +94,22 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any]) -> Any:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable."""
+    _fsync(path)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a file another writer finished (safetensors' `save_file`) durable."""
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    """fsync through a read-only descriptor: a file written under a strict umask (0o277
+    leaves it read-only) must not fail here."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def atomic_write_text(path: Path, text: str) -> None:

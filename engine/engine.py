@@ -363,6 +363,13 @@ class PipelineEngine:
         """
         if self.closed:
             raise RuntimeError("this PipelineEngine is closed: build a new one to run steps")
+        if torch.is_autocast_enabled(self.mesh.device.type):
+            raise RuntimeError(
+                "the step was called inside torch.autocast: the engine casts by itself "
+                "(EngineOptions(precision='bf16' or 'fp16')), and an outer autocast would "
+                "override its precision and keep weight casts across optimizer steps: call "
+                "train_step and eval_step outside autocast"
+            )
         step = StepRun(self, inputs, targets, training=training)
         self.reports.begin_step()
         for stage in self.stages.values():

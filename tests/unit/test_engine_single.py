@@ -201,3 +201,13 @@ def test_a_closed_engine_refuses_steps_and_closing_twice_is_harmless() -> None:
     engine.close()
     with pytest.raises(RuntimeError, match="PipelineEngine is closed: build a new one"):
         engine.train_step(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_step_inside_the_callers_autocast_is_refused() -> None:
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    engine = _engine("1f1b", 2, "bf16")
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(RuntimeError, match="outside autocast"),
+    ):
+        engine.train_step(tokens[:, :-1], tokens[:, 1:])
