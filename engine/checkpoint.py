@@ -36,6 +36,7 @@ from engine.checkpoint_files import (
     MODEL_INDEX,
     OPTIM_INDEX,
     TRAINER_FILE,
+    TRASH_PREFIX,
     CheckpointError,
     ShardRecord,
     TensorReader,
@@ -49,6 +50,7 @@ from engine.checkpoint_files import (
     sha256_file,
     step_dir_name,
     step_dirs,
+    trash_owner,
     write_index,
     write_shard,
 )
@@ -170,6 +172,12 @@ def _prepare(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale)
+    for trash in root.glob(f"{TRASH_PREFIX}step-*"):
+        replaced = root / trash_owner(trash)
+        if replaced.exists():
+            shutil.rmtree(trash)
+        else:  # a replacement cut off between its two renames: the previous copy goes back
+            trash.rename(replaced)
     tmp.mkdir()
 
 
@@ -222,7 +230,7 @@ def _publish(tmp: Path, final: Path, keep: int) -> None:
     """Rename into place, then move `latest`, then rotate: `latest` is always complete."""
     root = final.parent
     if final.exists():
-        trash = root / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"
+        trash = root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         final.rename(trash)
         tmp.rename(final)
         shutil.rmtree(trash)

@@ -35,6 +35,7 @@ __all__ = [
     "PASS_IT_FIX",
     "RESUME_FALLBACK_FIX",
     "TRAINER_FILE",
+    "TRASH_PREFIX",
     "CheckpointError",
     "ShardRecord",
     "TensorReader",
@@ -53,6 +54,7 @@ __all__ = [
     "sha256_file",
     "step_dir_name",
     "step_dirs",
+    "trash_owner",
     "write_index",
     "write_shard",
 ]
@@ -227,6 +229,15 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+TRASH_PREFIX = ".trash-"
+"""A checkpoint being replaced by a new save of the same step waits under this prefix."""
+
+
+def trash_owner(trash: Path) -> str:
+    """The step directory a `.trash-step-NNNNNNNN-xxxxxxxx` folder was the previous copy of."""
+    return trash.name.removeprefix(TRASH_PREFIX).rsplit("-", 1)[0]
+
+
 def step_dirs(root: Path) -> list[Path]:
     """Complete checkpoints under `root` (renamed into place), oldest first."""
     if not root.is_dir():
@@ -263,6 +274,13 @@ def _latest_target(root: Path, fix: str) -> Path:
             + _newest_complete(root, fix)
         )
     name = pointer.read_text(encoding="utf-8").strip()
+    previous = sorted(root.glob(f"{TRASH_PREFIX}{name}-*")) if _STEP_DIR.match(name) else []
+    if previous and not (root / name).is_dir():
+        raise CheckpointError(
+            f"{pointer} names {name!r}, but a save replacing it was cut off between two "
+            f"renames: its previous copy is {previous[-1]}. Rename that folder to {root / name} "
+            "(the next save does it too); or " + _newest_complete(root, fix)
+        )
     if not _STEP_DIR.match(name) or not (root / name).is_dir():
         raise CheckpointError(
             f"{pointer} names {name!r}, which is not a checkpoint under {root}; "

@@ -383,3 +383,28 @@ def test_a_weights_only_checkpoint_cannot_resume_an_optimizer(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match=r"optim\.safetensors\.index\.json does not exist"):
         load_checkpoint(holder, holder.specs, directory)
     load_checkpoint(holder, holder.specs, directory, weights_only=True)
+
+
+def _cut_off_between_the_renames(root: Path, step: int) -> Path:
+    """What a crash leaves when it strikes a re-save of `step` between its two renames."""
+    final = root / f"step-{step:08d}"
+    trash = root / f".trash-{final.name}-0123abcd"
+    final.rename(trash)
+    return trash
+
+
+def test_a_resave_cut_off_between_its_renames_names_the_previous_copy(tmp_path: Path) -> None:
+    holder = _holder("llama-tiny", (0, 7))
+    _save(holder, tmp_path, step=2)
+    trash = _cut_off_between_the_renames(tmp_path, 2)
+    with pytest.raises(CheckpointError, match=rf"previous copy is {re.escape(str(trash))}"):
+        checkpoint_candidates(tmp_path)
+
+
+def test_the_next_save_puts_a_cut_off_resaves_previous_copy_back(tmp_path: Path) -> None:
+    holder = _holder("llama-tiny", (0, 7))
+    _save(holder, tmp_path, step=2)
+    _cut_off_between_the_renames(tmp_path, 2)
+    _save(holder, tmp_path, step=3)
+    assert (tmp_path / "step-00000002" / "trainer.json").is_file()
+    assert not list(tmp_path.glob(".trash-*"))
