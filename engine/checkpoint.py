@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,25 @@ def _gather(value: object) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _rank0_decides(fn: Callable[[], T]) -> T:
+    """`fn` on rank 0, its result (or its CheckpointError) on every rank: ranks that each
+    read `latest` and list the step folders could see different files (no shared filesystem,
+    a save racing the load) and walk different candidates into mismatched collectives."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [(fn(), None)]
+        except Exception as error:  # told to every rank, so none waits for the others
+            box = [(None, str(error))]
+    dist.broadcast_object_list(box, src=0)
+    result, failure = box[0]
+    if failure is not None:
+        raise CheckpointError(failure)
+    return cast(T, result)
 
 
 def _failures(what: str, gathered: list[tuple[Any, str | None]]) -> str:
@@ -358,7 +377,7 @@ def load_checkpoint(
     checkpoint that fails is skipped for the previous complete one (said on stderr).
     """
     failures: list[str] = []
-    for directory in checkpoint_candidates(path, fallback=fallback):
+    for directory in _rank0_decides(lambda: checkpoint_candidates(path, fallback=fallback)):
         try:
             read = functools.partial(_stage, engine, specs, directory, weights_only)
             staged, _ = _everywhere(f"loading {directory}", read)

@@ -278,3 +278,24 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(
         killed.update(load_file(path))
     assert killed.keys() == reference.keys()
     assert all(torch.equal(killed[k], reference[k]) for k in reference)
+
+
+def _load_where_rank1_sees_no_latest(
+    rank: int, world_size: int, root: str
+) -> dict[str, torch.Tensor]:
+    """Rank 1's view of the folder lacks `latest` (no shared filesystem, a save racing the
+    load): rank 0's choice of checkpoint must be the one every rank loads."""
+    if rank == 1:
+        import engine.checkpoint
+
+        def blind(*_: object, **__: object) -> list[Path]:
+            raise AssertionError("rank 1 read the checkpoint folder itself")
+
+        engine.checkpoint.checkpoint_candidates = blind  # type: ignore[assignment]
+    return _load(rank, world_size, root, 2, "llama-tiny")
+
+
+def test_rank_0_chooses_the_checkpoint_every_rank_loads(tmp_path: Path) -> None:
+    saved = _merged(run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "llama-tiny", "1f1b", 1))
+    loaded = _merged(run_ranks(_load_where_rank1_sees_no_latest, 2, str(tmp_path)))
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
