@@ -41,29 +41,35 @@ class BucketedAllReduce:
                 size = 0
             self._buckets[-1].append(param)
             size += param.numel() * param.element_size()
-        self._inflight: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
+        self._inflight: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], bool]] = []
         self.window: tuple[float, float] | None = None
         """perf_counter times of the last `start` and the end of its `finish`."""
 
     def start(self) -> None:
-        """Post every bucket's all-reduce (missing grads count as zeros)."""
+        """Post every bucket's all-reduce. A missing gradient counts as zeros, and each bucket
+        also sums how many ranks held each gradient, so one no rank produced stays None (as
+        in one process: AdamW leaves such a parameter alone, zeros would decay it)."""
         self.window = (time.perf_counter(), time.perf_counter())
         for bucket in self._buckets:
             if not bucket:
                 continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = _flatten_dense_tensors(grads)
+            held = [float(p.grad is not None) for p in bucket]
+            counts = torch.tensor(held, dtype=grads[0].dtype, device=grads[0].device)
+            flat = _flatten_dense_tensors([*grads, counts])
             work = dist.all_reduce(flat, group=self._group, async_op=True)
             assert work is not None
-            self._inflight.append((work, flat, bucket))
+            self._inflight.append((work, flat, bucket, 0.0 in held))
 
     def finish(self) -> None:
         """Wait for the reductions and write the sums back into `.grad`."""
-        for work, flat, bucket in self._inflight:
+        for work, flat, bucket, some_missing in self._inflight:
             work.wait()
             shapes = [torch.empty_like(p) for p in bucket]
-            for param, summed in zip(bucket, _unflatten_dense_tensors(flat, shapes), strict=True):
-                param.grad = summed
+            *summed, counts = _unflatten_dense_tensors(flat, [*shapes, flat[: len(bucket)]])
+            held = counts.tolist() if some_missing else [1.0] * len(bucket)  # a sync, if any
+            for param, grad, count in zip(bucket, summed, held, strict=True):
+                param.grad = grad if count > 0 else None
         if self._inflight and self.window is not None:
             self.window = (self.window[0], time.perf_counter())
         self._inflight = []
