@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from tqdm import tqdm
+
+from engine.atomic import atomic_write_text
 
 __all__ = ["MetricsLog", "plot_metrics", "read_records"]
 
@@ -20,21 +23,35 @@ class MetricsLog:
     """
 
     def __init__(
-        self, *, total_steps: int, path: str | Path | None = None, progress: bool = True
+        self,
+        *,
+        total_steps: int,
+        path: str | Path | None = None,
+        progress: bool = True,
+        kept: Sequence[dict[str, Any]] = (),
     ) -> None:
+        """`kept`: a resumed run's records of the steps before it; the file is replaced by
+        them in one atomic write before new records are appended, so a crash while opening
+        never loses the history."""
         self._file = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in kept))
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
         self._bar = tqdm(
             total=total_steps, disable=not progress, file=sys.stderr, unit="step", leave=True
         )
+        for fields in kept:
+            self._show(fields)
 
     def record(self, **fields: Any) -> None:
         """Append a step's record and refresh the bar's postfix."""
         if self._file is not None:
             self._file.write(json.dumps(fields) + "\n")
             self._file.flush()
+        self._show(fields)
+
+    def _show(self, fields: dict[str, Any]) -> None:
         shown = {k: fields[k] for k in ("loss", "tokens_per_s", "bubble") if k in fields}
         self._bar.set_postfix(
             {k: (f"{v:.4f}" if k == "loss" else f"{v:.3g}") for k, v in shown.items()},

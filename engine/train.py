@@ -282,9 +282,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     show = progress and mesh.rank == 0
     kept = _kept_records(path, first)
     trace = TraceRecorder() if config.trace else None
-    with MetricsLog(total_steps=config.steps, path=path, progress=show) as log:
-        for record in kept:
-            log.record(**record)
+    with MetricsLog(total_steps=config.steps, path=path, progress=show, kept=kept) as log:
 
         def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
             record = {

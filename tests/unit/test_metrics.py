@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.metrics import plot_metrics, read_records
+from engine.metrics import MetricsLog, plot_metrics, read_records
 
 RECORDS = [{"step": step, "loss": 5.0 - step} for step in range(3)]
 
@@ -56,3 +56,13 @@ def test_plot_names_the_file_it_wrote_and_makes_its_folder(tmp_path: Path) -> No
     path = _write(tmp_path / "m.jsonl", [json.dumps(r) for r in RECORDS])
     written = plot_metrics(path, tmp_path / "new" / "curve")
     assert written == tmp_path / "new" / "curve.png" and written.is_file()
+
+
+def test_a_resumed_log_holds_the_kept_records_from_the_moment_it_opens(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(4)))
+    kept = [{"step": 0, "loss": 1.0}, {"step": 1, "loss": 1.0}]
+    with MetricsLog(total_steps=4, path=path, progress=False, kept=kept) as log:
+        assert read_records(path) == kept  # a crash now keeps the history
+        log.record(step=2, loss=0.5)
+    assert [r["step"] for r in read_records(path)] == [0, 1, 2]
