@@ -13,8 +13,8 @@ from typing import Any
 
 from engine.actions import Action, ActionKind, format_actions, parse_actions
 from engine.schedules import SCHEDULES, Schedule, make_schedule
-from engine.simulate import SimResult, TimedAction
-from engine.validate import validate
+from engine.simulate import SimResult, TimedAction, simulate
+from engine.validate import ScheduleError, validate
 
 __all__ = [
     "KIND_COLOURS",
@@ -73,6 +73,12 @@ def schedule_for(
             stages_per_rank=stages_per_rank,
         )
     if not Path(name_or_file).is_file():
+        looks_like_a_path = "/" in name_or_file or Path(name_or_file).suffix != ""
+        if looks_like_a_path:
+            raise ValueError(
+                f"schedule file {name_or_file} does not exist: give an existing file "
+                f"(meshpipe schedule --out FILE writes one) or one of {', '.join(SCHEDULES)}"
+            )
         raise ValueError(
             f"unknown schedule {name_or_file!r}: choose one of {', '.join(SCHEDULES)}, or give "
             "a schedule file (meshpipe schedule --out FILE writes one)"
@@ -89,8 +95,10 @@ def schedule_for(
 def check_fits(
     schedule: Schedule, *, where: str, num_ranks: int, micro_batches: int, stages_per_rank: int
 ) -> Schedule:
-    """`schedule`, once it is known to be compute-only and built for the run's ranks,
-    micro-batches and stages per rank; otherwise an error naming `where` and the fix."""
+    """`schedule`, once it is known to be compute-only, built for the run's ranks,
+    micro-batches and stages per rank, and free of deadlock (a dry run: a schedule given as
+    data would otherwise hang every rank until the timeout); otherwise an error naming
+    `where` and the fix."""
     if schedule.lowered:
         raise ValueError(
             f"{where} holds SEND/RECV actions: a run takes compute actions only (F, B, I, W) "
@@ -112,6 +120,10 @@ def check_fits(
             f"{stages_per_rank} stage(s) per rank: use --stages-per-rank "
             f"{schedule.num_stages // num_ranks}"
         )
+    try:
+        simulate(schedule)
+    except ScheduleError as error:
+        raise ScheduleError(f"{where}: {error}") from error
     return schedule
 
 

@@ -180,6 +180,23 @@ def test_a_schedule_file_with_communication_is_refused(tmp_path: Path) -> None:
         schedule_for(str(tmp_path / "s.csv"), num_ranks=2, micro_batches=4)
 
 
+def test_a_schedule_file_that_deadlocks_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    (tmp_path / "s.csv").write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")
+    with pytest.raises(ScheduleError, match=r"(?s)schedule file .*s\.csv: deadlock"):
+        TrainConfig(
+            model="gpt-tiny",
+            pp=2,
+            micro_batches=2,
+            global_batch=4,
+            schedule=str(tmp_path / "s.csv"),
+        )
+
+
+def test_a_schedule_file_that_does_not_exist_is_named_as_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"schedule file .*nothere\.csv does not exist"):
+        schedule_for(str(tmp_path / "nothere.csv"), num_ranks=2, micro_batches=4)
+
+
 def test_a_schedule_file_gives_the_schedule_it_holds(tmp_path: Path) -> None:
     save_schedule(zb_h1(2, 4), tmp_path / "s.txt", fmt="text")
     assert schedule_for(str(tmp_path / "s.txt"), num_ranks=2, micro_batches=4) == zb_h1(2, 4)
