@@ -8,10 +8,12 @@ rather than in every rank or, for an output path, after the last step.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from engine.checkpoint_files import (
+    TRAINER_FILE,
     CheckpointError,
     checkpoint_candidates,
     has_checkpoint,
@@ -59,6 +61,7 @@ def check_outputs(config: TrainConfig) -> None:
     --keep would delete the rest)."""
     root = config.checkpoint_dir
     if root is not None:
+        _not_a_checkpoint(Path(root))
         _writable_folder(Path(root), "--checkpoint-dir", root)
         if not config.resume and has_checkpoint(root):
             newest = step_dirs(Path(root))
@@ -75,11 +78,33 @@ def check_outputs(config: TrainConfig) -> None:
         _writable_folder(Path(path).parent, flag, path)
 
 
+def _not_a_checkpoint(root: Path) -> None:
+    """--checkpoint-dir is the folder that holds a run's `step-NNNNNNNN` checkpoints; given one
+    checkpoint (a step folder, or what `meshpipe import` wrote) the run would find nothing to
+    resume, train from scratch and nest new checkpoints inside it."""
+    if not (root / TRAINER_FILE).is_file():
+        return
+    parent = root.parent
+    resume = (
+        f"to continue its run, give its folder: --checkpoint-dir {parent} --resume; "
+        if has_checkpoint(parent)
+        else ""
+    )
+    raise ValueError(
+        f"--checkpoint-dir {root} is a checkpoint, not a folder of checkpoints: {resume}to "
+        f"start a new run from its weights, use --init-from {root} with a new --checkpoint-dir"
+    )
+
+
 def preflight(config: TrainConfig) -> None:
-    """Everything a launcher checks before starting ranks."""
+    """Everything a launcher checks before starting ranks; says when a new run replaces an
+    existing metrics file."""
     check_device(config.device)
     stage_partition(config, layer_specs(config.model))
     check_outputs(config)
+    metrics = config.metrics_file
+    if metrics is not None and not config.resume and Path(metrics).is_file():
+        print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
     root = config.checkpoint_dir
     if config.resume and root is not None and has_checkpoint(root):
         check_before_loading(root, config)

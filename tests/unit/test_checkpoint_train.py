@@ -396,6 +396,19 @@ def test_a_new_run_does_not_write_over_another_runs_checkpoints(
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_step_folder_given_as_checkpoint_dir_is_refused_naming_its_parent(
+    runs: dict[str, Any], tokens: str, tmp_path: Path
+) -> None:
+    _copy_step(runs["root"] / "full", 3, tmp_path)
+    step = tmp_path / "step-00000003"
+    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(step), resume=True)
+    with pytest.raises(
+        ValueError, match=rf"is a checkpoint, not a folder .*--checkpoint-dir {tmp_path} --resume"
+    ):
+        train(config, progress=False)
+    assert not (step / "latest").exists()
+
+
 def test_the_same_token_file_named_another_way_is_the_same_data(tokens: str) -> None:
     saved = TrainConfig(data=tokens).to_dict()
     prefix = tokens.removesuffix(".bin")

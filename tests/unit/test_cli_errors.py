@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
+from engine.config import TrainConfig
+from engine.preflight import preflight
 
 
 def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -132,3 +134,12 @@ def test_training_on_cuda_without_a_gpu_is_refused_before_ranks_start(
     code, err = _error(["train", "--model", "gpt-tiny", "--pp", "2", "--device", "cuda"], capsys)
     assert code == 2
     assert "--device cuda needs CUDA" in err and "--device cpu" in err
+
+
+def test_a_new_run_says_it_replaces_an_existing_metrics_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0, "loss": 1.0}\n')
+    preflight(TrainConfig(model="gpt-tiny", metrics_file=str(metrics)))
+    assert f"--metrics-file {metrics} exists: this run replaces it" in capsys.readouterr().err
