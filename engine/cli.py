@@ -27,6 +27,7 @@ from engine.data import prepare
 from engine.launch import RankFailed
 from engine.memory_report import add_memory_parser, run_memory
 from engine.metrics import plot_metrics
+from engine.resume_check import DECAYING_SCHEDULES
 from engine.schedule_cli import add_schedule_parser, run_schedule
 
 __all__ = ["build_parser", "main", "train_config"]
@@ -175,9 +176,14 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     if not result.losses:
+        more = (
+            " with --resume-with-new-hparams (the learning rate schedule decays over --steps)"
+            if config.lr_schedule in DECAYING_SCHEDULES
+            else ""
+        )
         print(
             f"nothing to train: the checkpoint is at step {result.first_step} and --steps is "
-            f"{config.steps} (give a larger --steps to train on)"
+            f"{config.steps} (give a larger --steps{more} to train on)"
         )
         return 0
     print(

@@ -22,6 +22,7 @@ from engine.config import TrainConfig
 from engine.data import token_file_pair
 
 __all__ = [
+    "DECAYING_SCHEDULES",
     "FIXED_BY_CHECKPOINT",
     "NEW_WITH_FLAG",
     "check_resumable",
@@ -50,7 +51,7 @@ NEW_WITH_FLAG = (
 """Settings a resume shares with its checkpoint's run unless --resume-with-new-hparams asks
 for the new ones (layout and speed flags may always change)."""
 
-_DECAYING = ("cosine", "linear")
+DECAYING_SCHEDULES = ("cosine", "linear")
 """Schedules whose learning rate depends on --steps: longer runs change them too."""
 
 _OPTIMIZER_KEYS = ("lr", "initial_lr", "weight_decay", "betas", "eps", "momentum")
@@ -101,11 +102,18 @@ def check_resumable(saved: Mapping[str, Any], config: TrainConfig, step: int, wh
             f"or start a new run from its weights: --init-from {shlex.quote(where)} and another "
             "--checkpoint-dir"
         )
-    decaying = saved.get("lr_schedule") in _DECAYING or config.lr_schedule in _DECAYING
+    decaying = any(s in DECAYING_SCHEDULES for s in (saved.get("lr_schedule"), config.lr_schedule))
     names = (*NEW_WITH_FLAG, "steps") if decaying else NEW_WITH_FLAG
     changes = _changes(saved, config, names)
     if not changes or config.resume_with_new_hparams:
         return _listed(changes)
+    if set(changes) == {"steps"} and step >= changes["steps"][0]:
+        raise ValueError(
+            f"the checkpoint's run is finished (step {step} of --steps {changes['steps'][0]}) "
+            f"and its learning rate decays to its end ({saved.get('lr_schedule')}): to train "
+            f"on to --steps {config.steps}, add --resume-with-new-hparams, which continues the "
+            "schedule over the new --steps from this step"
+        )
     raise ValueError(
         f"the checkpoint of step {step} was trained with other settings ({_listed(changes)}): "
         f"resume with the checkpoint's ({_flags(changes)}), or add --resume-with-new-hparams to "

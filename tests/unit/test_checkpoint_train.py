@@ -367,9 +367,18 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(
 ) -> None:
     argv = _run_argv(tokens, runs["root"] / "full")
     assert main([*argv, "--resume"]) == 0
-    assert "nothing to train: the checkpoint is at step 6 and --steps is 6" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint is at step 6 and --steps is 6" in out
+    assert "larger --steps with --resume-with-new-hparams" in out  # cosine decays over --steps
+
+
+def test_extending_a_finished_decaying_run_names_the_one_flag_that_does_it() -> None:
+    saved = TrainConfig(**RUN).to_dict()
+    longer = TrainConfig(**{**RUN, "steps": 8})
+    with pytest.raises(
+        ValueError, match=r"run is finished \(step 6 of --steps 6\).*add --resume-with-new-hparams"
+    ):
+        check_resumable(saved, longer, 6, "ck")
 
 
 def test_a_refused_resume_fails_before_any_rank_is_launched(
