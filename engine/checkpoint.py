@@ -35,6 +35,7 @@ from engine.checkpoint_files import (
     LATEST,
     MODEL_INDEX,
     OPTIM_INDEX,
+    RESUME_FALLBACK_FIX,
     TRAINER_FILE,
     TRASH_PREFIX,
     CheckpointError,
@@ -388,6 +389,9 @@ def load_checkpoint(
             continue
         staged.apply(engine)
         return directory, staged.trainer
+    older = [p for p in step_dirs(Path(path)) if p.name < directory.name] if not fallback else []
+    if older:
+        failures.append(f"the previous complete checkpoint is {older[-1]}: {RESUME_FALLBACK_FIX}")
     raise CheckpointError("\n".join(failures))
 
 

@@ -321,6 +321,17 @@ def test_a_corrupt_latest_fails_without_fallback(tmp_path: Path) -> None:
         load_checkpoint(holder, holder.specs, tmp_path)
 
 
+def test_a_corrupt_latest_names_the_previous_checkpoint_and_the_fallback_flag(
+    tmp_path: Path,
+) -> None:
+    holder = _two_checkpoints_latest_corrupt(tmp_path)
+    with pytest.raises(
+        CheckpointError,
+        match=r"previous complete checkpoint is .*step-00000002: pass --resume-fallback",
+    ):
+        load_checkpoint(holder, holder.specs, tmp_path)
+
+
 def test_fallback_loads_the_previous_complete_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
