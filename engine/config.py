@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -144,6 +145,10 @@ class TrainConfig:
             f"unknown lr schedule {self.lr_schedule!r}: choose one of "
             f"{', '.join((*LR_SCHEDULES, *deepspeed_schedules))}",
         )
+        self._check_schedule_args()
+        _require(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.momentum < 1, f"momentum={self.momentum} must be in [0, 1)")
+        _require(self.log_every >= 0, f"log_every={self.log_every} must be >= 0 (0: never)")
         self.engine_options()
         self.optimizer_spec()
         _require(
@@ -213,6 +218,21 @@ class TrainConfig:
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",
         )
 
+    def _check_schedule_args(self) -> None:
+        """--lr-schedule-args is a DeepSpeed scheduler's JSON parameters, and only that."""
+        if not self.lr_schedule.startswith("deepspeed:"):
+            _require(
+                _json_object(self.lr_schedule_args) == {},
+                f"--lr-schedule-args {self.lr_schedule_args} is for the deepspeed:* schedules; "
+                f"--lr-schedule {self.lr_schedule} takes --warmup-steps and --min-lr-ratio",
+            )
+            return
+        _require(
+            _json_object(self.lr_schedule_args) is not None,
+            f"--lr-schedule-args {self.lr_schedule_args!r} is not a JSON object: give the "
+            "scheduler's parameters such as '{\"warmup_num_steps\": 100}'",
+        )
+
     def optimizer_spec(self) -> OptimizerSpec:
         """The optimizer these fields describe (validated)."""
         try:
@@ -220,6 +240,7 @@ class TrainConfig:
         except ValueError:
             betas = ()
         _require(len(betas) == 2, f"betas={self.betas!r}: give two numbers such as 0.9,0.95")
+        _require(all(0 <= b < 1 for b in betas), f"betas={self.betas!r}: each must be in [0, 1)")
         return OptimizerSpec(
             name=self.optimizer,
             lr=self.lr,
@@ -258,3 +279,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """`text` parsed as a JSON object, or None when it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -122,7 +122,17 @@ def test_cli_data_prepare_writes_a_token_file(tmp_path: Path) -> None:
         (["--pp", "2", "--partition", "bogus"], "unknown partition method 'bogus'"),
         (["--pp", "2", "--stages-per-rank", "2"], "'1f1b' runs one stage per rank"),
         (["--pp", "2", "--schedule", "interleaved_1f1b"], "give --stages-per-rank 2 or more"),
-        (["--schedule", "nowhere.csv"], "unknown schedule 'nowhere.csv'.*schedule file"),
+        (["--schedule", "nowhere.csv"], "schedule file nowhere.csv does not exist"),
+        (["--schedule", "nowhere"], "unknown schedule 'nowhere'.*schedule file"),
+        (["--weight-decay", "-1"], "weight_decay=-1.0 must be >= 0"),
+        (["--optimizer", "sgd", "--momentum", "2"], r"momentum=2.0 must be in \[0, 1\)"),
+        (["--betas", "0.9,1.5"], r"each must be in \[0, 1\)"),
+        (["--log-every", "-1"], "log_every=-1 must be >= 0"),
+        (
+            ["--lr-schedule", "deepspeed:WarmupLR", "--lr-schedule-args", "notjson"],
+            "--lr-schedule-args 'notjson' is not a JSON object",
+        ),
+        (["--lr-schedule-args", '{"a": 1}'], "is for the deepspeed:\\* schedules"),
     ],
 )
 def test_cli_rejects_bad_input_before_compute(
