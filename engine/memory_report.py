@@ -1,8 +1,8 @@
 """`meshpipe memory`: the per-stage table, sizes as people write them, and the command itself.
 
 `add_memory_parser` and `run_memory` plug into `engine.cli`; `run_memory` prints the estimate,
-and on request whether it fits a device (with alternatives if not), a measured run beside it, or
-DeepSpeed's and Megatron's formulas beside it.
+and on request whether it fits a device (with alternatives if not, and exit code
+`DOES_NOT_FIT`), a measured run beside it, or DeepSpeed's and Megatron's formulas beside it.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ from engine.memory_plan import Suggestion, suggest
 from engine.memory_states import deepspeed_zero2_model_states, megatron_activations
 from engine.schedules import SCHEDULES
 from models import get_config, layer_specs
+from partitioners import COST_MODELS
 
 __all__ = [
+    "DOES_NOT_FIT",
     "add_memory_parser",
     "config_from_args",
     "format_comparison",
+    "format_json",
     "format_measured",
     "format_report",
     "format_size",
@@ -42,6 +45,10 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _FORMS = "bytes (8e10), or a unit: 80GB = 80·10^9 bytes, 80GiB = 80·2^30 (kB … TB, KiB … TiB)"
+
+DOES_NOT_FIT = 3
+"""Exit code when a rank's estimated peak exceeds `--device-memory`, in text and JSON mode alike,
+so a script can tell without parsing (2 is bad input, as for every command; 0 otherwise)."""
 
 
 def parse_size(text: str) -> int:
@@ -145,6 +152,35 @@ def format_suggestions(suggestions: Sequence[Suggestion], device_memory: int) ->
     return "\n".join(lines)
 
 
+def format_json(
+    report: MemoryReport,
+    measured: MemoryReport | None = None,
+    device_memory: int | None = None,
+    suggestions: Sequence[Suggestion] = (),
+) -> str:
+    """A list of reports: the estimate, then the measured run if any.
+
+    With a device memory the estimate also carries what the text says after its table:
+    `device_memory` (bytes), `fits`, `ranks_over` and the `suggestions` (each one's flags, peak
+    bytes, fit and note), so a script reads the verdict rather than parsing the text.
+    """
+    estimate = dataclasses.asdict(report)
+    if device_memory is not None:
+        over = report.ranks_over(device_memory)
+        estimate |= {"device_memory": device_memory, "fits": not over, "ranks_over": list(over)}
+        estimate["suggestions"] = [
+            {
+                "change": s.change,
+                "peak": s.report.peak,
+                "fits": not s.report.ranks_over(device_memory),
+                "note": s.note,
+            }
+            for s in suggestions
+        ]
+    extra = [] if measured is None else [dataclasses.asdict(measured)]
+    return json.dumps([estimate, *extra], indent=2)
+
+
 def format_measured(predicted: MemoryReport, measured: MemoryReport) -> str:
     """Predicted beside measured tracked bytes, with the allocator's own view (not modelled)."""
     rows = [
@@ -199,7 +235,15 @@ def _stages_arg(text: str) -> tuple[int, ...]:
 
 def add_memory_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `meshpipe memory` to the object `ArgumentParser.add_subparsers()` returns."""
-    p = subparsers.add_parser("memory", help="per-stage memory of a layout, before allocating it")
+    p = subparsers.add_parser(
+        "memory",
+        help="per-stage memory of a layout, before allocating it",
+        description="Per-stage and per-rank peak memory of one training step, estimated "
+        "without allocating the model.",
+        epilog=f"exit status: 0 when the estimate is printed (and fits --device-memory if "
+        f"given), {DOES_NOT_FIT} when a rank's peak exceeds --device-memory (the table and the "
+        "alternatives are still printed), 2 on bad input.",
+    )
     p.add_argument("--model", default="gpt-tiny", help="a registered model name")
     p.add_argument("--pp", type=int, default=1, help="pipeline ranks")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
@@ -221,7 +265,12 @@ def add_memory_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--zero", type=int, default=0, help="1 shards AdamW's states over dp (ZeRO-1)")
     p.add_argument("--optimizer-impl", default="fused", help="AdamW: fused or per_tensor")
     p.add_argument("--device", default="cuda", help="device model: cuda or cpu")
-    p.add_argument("--device-memory", type=_size_arg, default=None, help="e.g. 80GB or 80GiB")
+    p.add_argument(
+        "--device-memory",
+        type=_size_arg,
+        default=None,
+        help=f"e.g. 80GB or 80GiB: say whether the layout fits (exit {DOES_NOT_FIT} if not)",
+    )
     p.add_argument(
         "--measure", action="store_true", help="also run it for real here (small models)"
     )
@@ -237,6 +286,7 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     dp, micro-batches and the global batch are checked before the division, so a bad one is
     named as given rather than as a divisor of 0 or a micro-batch size nobody typed.
     """
+    _check_choices(args)
     size = args.micro_batch_size
     if args.global_batch is not None:
         for name in ("dp", "micro_batches", "global_batch"):
@@ -260,32 +310,50 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     return MemoryConfig(micro_batch_size=1 if size is None else size, **values)
 
 
+def _check_choices(args: argparse.Namespace) -> None:
+    """Flags `MemoryConfig` would take but misread: a cost model nobody registered (named as
+    `meshpipe plan` names it), and stages to recompute with no policy to recompute them by."""
+    if args.cost_model not in COST_MODELS:
+        # `time` profiles layers for real: `MemoryConfig` refuses it with its own reason.
+        usable = ", ".join(name for name in COST_MODELS if name != "time")
+        raise ValueError(f"unknown cost model {args.cost_model!r}: choose one of {usable}")
+    if args.recompute_stages is not None and args.recompute == "none":
+        stages = ",".join(map(str, args.recompute_stages))
+        raise ValueError(
+            f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
+            "--recompute full (or every:N), or drop --recompute-stages"
+        )
+
+
 def run_memory(args: argparse.Namespace) -> int:
-    """Print the estimate (and what the flags ask for); 2 with the message on bad input."""
+    """Print the estimate (and what the flags ask for); `DOES_NOT_FIT` when a rank is over
+    `--device-memory`, 2 with the message on bad input."""
     try:
-        print(_run(args))
+        output, fits = _run(args)
     except ValueError as error:
         print(f"meshpipe memory: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    print(output)
+    return 0 if fits else DOES_NOT_FIT
 
 
-def _run(args: argparse.Namespace) -> str:
+def _run(args: argparse.Namespace) -> tuple[str, bool]:
+    """The output, and whether the estimate fits `--device-memory` (True without one)."""
     config = config_from_args(args)
     if args.measure:
         check_measurable(config)
     report = estimate_memory(config)
     measured = measure_memory(config) if args.measure else None
+    budget: int | None = args.device_memory
+    over = () if budget is None else report.ranks_over(budget)
+    suggestions = [] if budget is None else suggest(config, report, budget)
     if args.json:
-        reports = [report] + ([measured] if measured is not None else [])
-        return json.dumps([dataclasses.asdict(r) for r in reports], indent=2)
-    parts = [format_report(report, args.device_memory)]
-    if args.device_memory is not None and report.ranks_over(args.device_memory):
-        parts.append(
-            format_suggestions(suggest(config, report, args.device_memory), args.device_memory)
-        )
+        return format_json(report, measured, budget, suggestions), not over
+    parts = [format_report(report, budget)]
+    if budget is not None and over:
+        parts.append(format_suggestions(suggestions, budget))
     if measured is not None:
         parts.append(format_measured(report, measured))
     if args.compare:
         parts.append(format_comparison(report))
-    return "\n\n".join(parts)
+    return "\n\n".join(parts), not over
