@@ -324,6 +324,11 @@ def make_schedule(
     name: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
 ) -> Schedule:
     """Build a registered schedule by name (the config's and the CLI's entry point)."""
+    if name == "inference":
+        raise ValueError(
+            "schedule 'inference' runs forwards only: every engine's eval_step runs it "
+            f"(engine.inference builds it); a training run takes one of {', '.join(SCHEDULES)}"
+        )
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     _check_sizes(num_ranks, micro_batches)

@@ -323,3 +323,8 @@ def test_counterpart_given_the_stage_count_rejects_a_peer_past_the_last_stage() 
 def test_peer_stage_of_a_compute_action_is_an_error() -> None:
     with pytest.raises(ValueError, match="1F0 is a compute action"):
         peer_stage(Action(1, ActionKind.F, 0))
+
+
+def test_the_forward_only_schedule_is_named_as_evals_not_as_unknown() -> None:
+    with pytest.raises(ValueError, match="'inference' runs forwards only: every engine's eval"):
+        make_schedule("inference", num_ranks=2, micro_batches=2)
