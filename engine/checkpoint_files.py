@@ -300,6 +300,8 @@ def checkpoint_candidates(
     path = Path(path)
     if (path / TRAINER_FILE).is_file():
         return [path]
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: give a checkpoint or its folder")
     if not has_checkpoint(path):
         raise CheckpointError(f"{path} holds no checkpoint ({LATEST!r} or step-NNNNNNNN)")
     older = list(reversed(step_dirs(path)))

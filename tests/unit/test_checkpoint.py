@@ -387,6 +387,11 @@ def test_a_folder_without_checkpoints_is_named(tmp_path: Path) -> None:
         checkpoint_candidates(tmp_path)
 
 
+def test_a_checkpoint_path_that_does_not_exist_is_named_as_missing(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'nothere'} does not exist"):
+        checkpoint_candidates(tmp_path / "nothere")
+
+
 def test_a_weights_only_checkpoint_cannot_resume_an_optimizer(tmp_path: Path) -> None:
     holder, directory = _trained_checkpoint(tmp_path)
     shutil.rmtree(directory / "optim-stage000.safetensors", ignore_errors=True)
