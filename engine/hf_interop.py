@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.checkpoint_files import (
     MODEL_INDEX,
@@ -28,6 +28,7 @@ from engine.checkpoint_files import (
     canonical_name,
     checkpoint_candidates,
     expected_names,
+    has_checkpoint,
     model_config_from_dict,
     new_directory,
     read_json,
@@ -211,9 +212,20 @@ def model_config_from_hf(hf: Mapping[str, Any], where: Path) -> ModelConfig:
             return _gpt_from_hf(hf, where)
         if kind == "llama":
             return _llama_from_hf(hf, where)
+    except CheckpointError:
+        raise
     except KeyError as missing:
         raise CheckpointError(f"{where} lacks {missing}") from None
+    except (TypeError, ValueError, AttributeError) as error:  # a null, a string, a bad shape
+        raise CheckpointError(
+            f"{where} does not describe a model meshpipe can build ({error}): "
+            "fix the file or re-export the model"
+        ) from None
     raise CheckpointError(f"{where} has model_type {kind!r}; meshpipe reads 'gpt2' and 'llama'")
+
+
+def _corrupt(path: Path, error: SafetensorError) -> CheckpointError:
+    return CheckpointError(f"{path} is corrupt or truncated ({error}): re-download or re-export it")
 
 
 def _hf_files(folder: Path, prefix: str) -> dict[str, tuple[str, str]]:
@@ -227,8 +239,11 @@ def _hf_files(folder: Path, prefix: str) -> dict[str, tuple[str, str]]:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{folder / HF_INDEX} has no weight_map")
     elif (folder / HF_SINGLE).is_file():
-        with safe_open(str(folder / HF_SINGLE), framework="pt") as f:
-            weight_map = dict.fromkeys(f.keys(), HF_SINGLE)
+        try:
+            with safe_open(str(folder / HF_SINGLE), framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), HF_SINGLE)
+        except SafetensorError as error:
+            raise _corrupt(folder / HF_SINGLE, error) from None
     else:
         raise CheckpointError(f"{folder} holds neither {HF_SINGLE} nor {HF_INDEX}")
     files = {name: (file, name) for name, file in weight_map.items()}
@@ -237,11 +252,28 @@ def _hf_files(folder: Path, prefix: str) -> dict[str, tuple[str, str]]:
     return files
 
 
+def _check_hf_folder(folder: Path) -> None:
+    """`folder` is a directory with a `config.json`, or a CheckpointError saying what it is."""
+    if not folder.exists():
+        raise CheckpointError(f"{folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{folder} is not a folder: pass the Hugging Face model's folder, the one holding "
+            f"{HF_CONFIG} and {HF_SINGLE} (or {HF_INDEX} and its shards)"
+        )
+    if not (folder / HF_CONFIG).is_file():
+        raise CheckpointError(
+            f"{folder} has no {HF_CONFIG}, so it is not a Hugging Face model folder: pass the "
+            f"folder holding {HF_CONFIG} and {HF_SINGLE} (or {HF_INDEX} and its shards)"
+        )
+
+
 class HFSource:
     """An HF folder seen under our stored names (a `TensorSource`); tensors read lazily."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
+        _check_hf_folder(self.folder)
         hf = read_json(self.folder / HF_CONFIG)
         self.config = model_config_from_hf(hf, self.folder / HF_CONFIG)
         prefix = "transformer." if isinstance(self.config, GPTConfig) else "model."
@@ -271,9 +303,28 @@ class HFSource:
     def _read(self, hf: str) -> torch.Tensor:
         if self._cache is None or self._cache[0] != hf:
             file, stored = self._files[hf]
-            with safe_open(str(self.folder / file), framework="pt") as f:
-                self._cache = (hf, f.get_tensor(stored))
+            self._cache = (hf, self._read_file(self.folder / file, stored))
         return self._cache[1]
+
+    def _read_file(self, path: Path, stored: str) -> torch.Tensor:
+        """Tensor `stored` of a file the index (or the single file's own header) lists."""
+        index = self.folder / HF_INDEX
+        if not path.is_file():
+            raise CheckpointError(
+                f"{index} points at {path.name}, which does not exist: "
+                "the download is incomplete; re-download or re-export the folder"
+            )
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                tensor = f.get_tensor(stored) if stored in f.keys() else None  # noqa: SIM118
+        except SafetensorError as error:
+            raise _corrupt(path, error) from None
+        if tensor is None:
+            raise CheckpointError(
+                f"{path} lacks tensor {stored!r}, which {index} places there: the folder is "
+                "incomplete or its files are mixed up; re-download or re-export it"
+            )
+        return tensor
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.names:
@@ -359,6 +410,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int =
 
 def import_hf(folder: str | Path, out: str | Path) -> Path:
     """A meshpipe checkpoint (weights only, one stage) from an HF GPT-2 or Llama folder."""
+    folder = Path(folder)
+    if (folder / TRAINER_FILE).is_file() or has_checkpoint(folder):
+        raise CheckpointError(
+            f"{folder} is already a meshpipe checkpoint, not a Hugging Face folder: nothing to "
+            f"import; `meshpipe train --init-from {folder}` and "
+            f"`meshpipe generate --checkpoint {folder}` take it directly"
+        )
     source = HFSource(folder)
     specs = source.config.layer_specs()
     check_names(source, specs)
