@@ -128,7 +128,10 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path:
     fig.tight_layout()
     target = Path(path).with_suffix(".png") if out is None else Path(out)
     target = target if target.suffix else target.with_suffix(".png")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {target}: cannot create {target.parent} ({error})") from None
     fig.savefig(target, dpi=120)
     plt.close(fig)
     return target

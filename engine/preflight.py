@@ -26,7 +26,13 @@ from engine.resume_check import check_resumable
 from models import LayerSpec, layer_specs
 from partitioners import Partition, partition_model
 
-__all__ = ["check_before_loading", "check_outputs", "preflight", "stage_partition"]
+__all__ = [
+    "check_before_loading",
+    "check_outputs",
+    "preflight",
+    "stage_partition",
+    "writable_folder",
+]
 
 
 def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
@@ -40,7 +46,7 @@ def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partitio
     )
 
 
-def _writable_folder(folder: Path, flag: str, given: str) -> None:
+def writable_folder(folder: Path, flag: str, given: str) -> None:
     """Create `folder` now, so a path that cannot be written fails before the first step,
     not after the last one."""
     try:
@@ -62,7 +68,7 @@ def check_outputs(config: TrainConfig) -> None:
     root = config.checkpoint_dir
     if root is not None:
         _not_a_checkpoint(Path(root))
-        _writable_folder(Path(root), "--checkpoint-dir", root)
+        writable_folder(Path(root), "--checkpoint-dir", root)
         if not config.resume and has_checkpoint(root):
             newest = step_dirs(Path(root))
             held = f" (newest {newest[-1].name})" if newest else ""
@@ -75,7 +81,7 @@ def check_outputs(config: TrainConfig) -> None:
             continue
         if Path(path).is_dir():
             raise ValueError(f"{flag} {path} is a folder: give a file name")
-        _writable_folder(Path(path).parent, flag, path)
+        writable_folder(Path(path).parent, flag, path)
 
 
 def _not_a_checkpoint(root: Path) -> None:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from engine.preflight import writable_folder
 from engine.schedule_text import format_schedule
 from engine.schedules import SCHEDULES, Schedule, make_schedule
 from engine.simulate import ActionCosts, simulate, steady_state_bubble
@@ -126,6 +127,10 @@ def _schedule(args: argparse.Namespace) -> Schedule:
 
 
 def run_schedule(args: argparse.Namespace) -> int:
+    for flag in ("plot", "trace", "out"):  # before the report, not after it
+        path = getattr(args, flag)
+        if path:
+            writable_folder(Path(path).parent, f"--{flag}", path)
     schedule = _schedule(args)
     costs = parse_costs(args.costs, schedule, args)
     result = simulate(schedule, costs)
@@ -150,7 +155,6 @@ def run_schedule(args: argparse.Namespace) -> int:
         print(f"wrote {args.trace}")
     if args.out:
         fmt = args.format or ("csv" if Path(args.out).suffix.lower() == ".csv" else "text")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         save_schedule(schedule, args.out, fmt=fmt)
         print(f"wrote {args.out} ({fmt})")
     return 0

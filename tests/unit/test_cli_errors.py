@@ -22,16 +22,6 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, st
     return int(exit_info.value.code or 0), err
 
 
-def test_an_output_path_under_a_file_is_named(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    (tmp_path / "afile").write_text("x")
-    argv = ["schedule", "--pp", "2", "--micro-batches", "2", "--out", str(tmp_path / "afile/s")]
-    code, err = _error(argv, capsys)
-    assert code == 1
-    assert err.startswith("meshpipe: error: ") and "afile" in err
-
-
 def test_a_missing_deepspeed_config_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -143,3 +133,27 @@ def test_a_new_run_says_it_replaces_an_existing_metrics_file(
     metrics.write_text('{"step": 0, "loss": 1.0}\n')
     preflight(TrainConfig(model="gpt-tiny", metrics_file=str(metrics)))
     assert f"--metrics-file {metrics} exists: this run replaces it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot", "--trace"])
+def test_schedule_refuses_an_unwritable_output_before_printing_its_report(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["schedule", "--pp", "2", "--micro-batches", "2", flag, f"{blocker}/s"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert err.startswith(f"meshpipe: error: {flag} {blocker}/s: {blocker} is a file")
+    assert out == ""
+
+
+def test_plot_names_an_output_folder_it_cannot_create(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0, "loss": 1.0}\n')
+    (tmp_path / "file").write_text("")
+    code, err = _error(["plot", str(metrics), "--out", f"{tmp_path}/file/y.png"], capsys)
+    assert code == 2 and f"--out {tmp_path}/file/y.png: cannot create {tmp_path}/file" in err
