@@ -40,7 +40,7 @@ from engine.precision import PRECISIONS
 from engine.schedules import SCHEDULES, Schedule, make_schedule
 from engine.validate import validate
 from models import LayerSpec, get_config, layer_specs
-from partitioners import Partition, partition_model
+from partitioners import COST_MODELS, Partition, partition_model
 
 __all__ = [
     "DEVICE_MODELS",
@@ -58,7 +58,8 @@ __all__ = [
 DEVICE_MODELS = ("cuda", "cpu")
 """`cuda`: 512-byte allocator blocks and CUDA's fused kernels; `cpu`: exact bytes, CPU kernels."""
 
-_COST_MODELS = ("flops", "parameters", "activations")
+_COST_MODELS = tuple(name for name in COST_MODELS if name != "time")
+"""The cost models an estimate can partition by: all but `time`, which runs the layers."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -127,11 +128,21 @@ class MemoryConfig:
             f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
         )
         _require(
+            self.cost_model in COST_MODELS,
+            f"unknown cost model {self.cost_model!r}: choose one of {', '.join(_COST_MODELS)}",
+        )
+        _require(
             self.cost_model in _COST_MODELS,
-            f"cost model {self.cost_model!r} cannot plan without memory: use one of "
-            + ", ".join(_COST_MODELS),
+            f"cost model {self.cost_model!r} profiles layers by running them, which an estimate "
+            f"made without allocating cannot: choose one of {', '.join(_COST_MODELS)}",
         )
         recompute_groups(1, self.recompute)
+        if self.recompute_stages is not None and self.recompute == "none":
+            stages = ",".join(map(str, self.recompute_stages))
+            raise ValueError(
+                f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
+                "--recompute full (or every:N), or drop --recompute-stages"
+            )
         self._check_sizes(config.max_seq_len, len(layer_specs(config)))
 
     def _check_sizes(self, context: int, layers: int) -> None:

@@ -21,7 +21,6 @@ from engine.memory_plan import Suggestion, suggest
 from engine.memory_states import deepspeed_zero2_model_states, megatron_activations
 from engine.schedules import SCHEDULES
 from models import get_config, layer_specs
-from partitioners import COST_MODELS
 
 __all__ = [
     "DOES_NOT_FIT",
@@ -286,7 +285,6 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     dp, micro-batches and the global batch are checked before the division, so a bad one is
     named as given rather than as a divisor of 0 or a micro-batch size nobody typed.
     """
-    _check_choices(args)
     size = args.micro_batch_size
     if args.global_batch is not None:
         for name in ("dp", "micro_batches", "global_batch"):
@@ -308,21 +306,6 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     names = {f.name for f in dataclasses.fields(MemoryConfig)} - {"micro_batch_size"}
     values = {n: getattr(args, n) for n in names}
     return MemoryConfig(micro_batch_size=1 if size is None else size, **values)
-
-
-def _check_choices(args: argparse.Namespace) -> None:
-    """Flags `MemoryConfig` would take but misread: a cost model nobody registered (named as
-    `meshpipe plan` names it), and stages to recompute with no policy to recompute them by."""
-    if args.cost_model not in COST_MODELS:
-        # `time` profiles layers for real: `MemoryConfig` refuses it with its own reason.
-        usable = ", ".join(name for name in COST_MODELS if name != "time")
-        raise ValueError(f"unknown cost model {args.cost_model!r}: choose one of {usable}")
-    if args.recompute_stages is not None and args.recompute == "none":
-        stages = ",".join(map(str, args.recompute_stages))
-        raise ValueError(
-            f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
-            "--recompute full (or every:N), or drop --recompute-stages"
-        )
 
 
 def run_memory(args: argparse.Namespace) -> int:
