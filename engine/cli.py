@@ -23,7 +23,7 @@ from engine.checkpoint_cli import add_commands as add_checkpoint_commands
 from engine.checkpoint_cli import run_command as run_checkpoint_command
 from engine.checkpoint_files import step_dirs
 from engine.config import TrainConfig
-from engine.data import prepare
+from engine.data import prepare, token_file_pair
 from engine.launch import RankFailed
 from engine.memory_report import add_memory_parser, run_memory
 from engine.metrics import plot_metrics
@@ -219,6 +219,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_data(args: argparse.Namespace) -> int:
+    bin_path, json_path = token_file_pair(args.out)
+    if json_path.is_file():  # checkpoints trained on it refuse to resume on new tokens
+        print(f"meshpipe: replacing the token file {bin_path}", file=sys.stderr)
     info = prepare(args.source, args.out, max_bytes=args.max_bytes)
     print(f"wrote {info.num_tokens:,} tokens to {info.bin_path} (header {info.json_path})")
     return 0

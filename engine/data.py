@@ -7,6 +7,7 @@ continues with the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -74,6 +75,9 @@ class TokenFileInfo:
     """Size of the tokenizer's vocabulary; every token is below it."""
     dtype: str
     """NumPy dtype name of the tokens: ``uint8`` for vocab <= 256, else ``uint16``."""
+    sha256: str | None = None
+    """The tokens' digest, written by `prepare` (files prepared before it have none): a resumed
+    run checks it is reading the data its checkpoint was trained on."""
 
 
 def _dtype_for(vocab_size: int) -> str:
@@ -82,7 +86,14 @@ def _dtype_for(vocab_size: int) -> str:
 
 def _info(bin_path: Path, json_path: Path, header: dict[str, Any]) -> TokenFileInfo:
     keys = ("num_tokens", "vocab_size", "dtype")
-    return TokenFileInfo(bin_path=bin_path, json_path=json_path, **{k: header[k] for k in keys})
+    fields = {k: header[k] for k in keys}
+    digest = header.get("sha256")
+    return TokenFileInfo(
+        bin_path=bin_path,
+        json_path=json_path,
+        sha256=digest if isinstance(digest, str) else None,
+        **fields,
+    )
 
 
 def _quote(path: Path) -> str:
@@ -163,11 +174,20 @@ def _write_token_file(
         "vocab_size": VOCAB_SIZE,
         "tokenizer": "bytes",
         "num_tokens": num_tokens,
+        "sha256": _sha256(bin_path),
         "sources": used,
     }
     atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
     fsync_dir(json_path.parent)
     return _info(bin_path, json_path, header)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def prepare(
@@ -361,16 +381,36 @@ class BatchLoader:
         self._position += 1
         return batch
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume; the DP layout is left out, so it may change."""
-        return {
+        state: dict[str, Any] = {
             "position": self._position,
             "seed": self.seed,
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
+            "tokens": len(self.dataset),
         }
+        if self.dataset.info.sha256 is not None:
+            state["sha256"] = self.dataset.info.sha256
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def _check_same_tokens(self, state: dict[str, Any]) -> None:
+        """The batches are windows at offsets drawn over the file's length: other tokens (a
+        re-prepared file under the same name) would silently train on other batches. A state or
+        a file from before these fields were recorded is checked as far as it can be."""
+        info = self.dataset.info
+        count, digest = state.get("tokens"), state.get("sha256")
+        other_count = count is not None and count != len(self.dataset)
+        other_digest = None not in (digest, info.sha256) and digest != info.sha256
+        if other_count or other_digest:
+            raise ValueError(
+                f"the checkpoint was trained on {count} tokens (sha256 {digest}) but "
+                f"{str(info.bin_path)!r} now holds {len(self.dataset)} (sha256 {info.sha256}): "
+                "the token file changed since; resume with the data it was trained on, or start "
+                "a new run from its weights with --init-from"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["position"]``; refuse a state drawn with a different batch recipe."""
         for key in ("seed", "seq_len", "global_batch"):
             if key not in state:
@@ -380,6 +420,7 @@ class BatchLoader:
                     f"loader state has {key}={state[key]!r} but this loader has "
                     f"{key}={getattr(self, key)!r}; build the loader with {key}={state[key]!r}"
                 )
+        self._check_same_tokens(state)
         position = state.get("position")
         if not isinstance(position, int) or position < 0:
             raise ValueError(f"loader state position={position!r} must be a non-negative int")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -72,6 +73,7 @@ def test_prepare_writes_header_that_describes_the_bin(tmp_path: Path) -> None:
         "vocab_size": 256,
         "tokenizer": "bytes",
         "num_tokens": 11,
+        "sha256": hashlib.sha256(b"hello\nworld").hexdigest(),
         "sources": 2,
     }
     assert info.bin_path.stat().st_size == info.num_tokens == 11
@@ -169,6 +171,33 @@ def test_resume_refuses_a_different_batch_recipe(dataset: TokenDataset) -> None:
     state = _loader(dataset).state_dict()
     with pytest.raises(ValueError, match=r"seq_len=16 .* seq_len=32"):
         _loader(dataset, seq_len=32).load_state_dict(state)
+
+
+def _reprepared(dataset: TokenDataset, text: str) -> TokenDataset:
+    """The same prefix prepared again from other text."""
+    source = dataset.info.bin_path.parent / "other.txt"
+    source.write_text(text)
+    return load_tokens(prepare(source, dataset.info.bin_path).bin_path)
+
+
+def test_resume_refuses_a_token_file_prepared_again_with_other_text(dataset: TokenDataset) -> None:
+    state = _loader(dataset).state_dict()
+    same_length = _reprepared(dataset, "x" * len(dataset))
+    with pytest.raises(ValueError, match=r"now holds \d+ \(sha256 .*the token file changed since"):
+        _loader(same_length).load_state_dict(state)
+
+
+def test_resume_refuses_a_token_file_of_another_length(dataset: TokenDataset) -> None:
+    state = _loader(dataset).state_dict()
+    longer = _reprepared(dataset, "y" * (len(dataset) + 100))
+    with pytest.raises(ValueError, match=rf"trained on {len(dataset)} tokens"):
+        _loader(longer).load_state_dict(state)
+
+
+def test_a_loader_state_from_before_the_token_digest_still_resumes(dataset: TokenDataset) -> None:
+    state = _loader(dataset).state_dict()
+    del state["tokens"], state["sha256"]
+    _loader(dataset).load_state_dict(state)
 
 
 def test_prepare_rejects_empty_folder(tmp_path: Path) -> None:

@@ -163,3 +163,14 @@ def test_adam_eps_reaches_every_optimizer_implementation(impl: str) -> None:
 def test_a_non_positive_adam_eps_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="adam_eps=0.0 must be a positive number"):
         TrainConfig(adam_eps=0.0)
+
+
+def test_data_prepare_says_when_it_replaces_a_token_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "a.txt"
+    source.write_text("some text to tokenize\n")
+    assert main(["data", "prepare", str(source), "--out", str(tmp_path / "t")]) == 0
+    assert "replacing" not in capsys.readouterr().err
+    assert main(["data", "prepare", str(source), "--out", str(tmp_path / "t")]) == 0
+    assert f"replacing the token file {tmp_path / 't.bin'}" in capsys.readouterr().err
