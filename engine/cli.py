@@ -140,9 +140,15 @@ class Interrupted(Exception):
 
 def _go_on_from(config: TrainConfig) -> str:
     """What an interrupted run kept, and how to continue it."""
-    saved = step_dirs(Path(config.checkpoint_dir)) if config.checkpoint_dir else []
-    if not saved:
+    if config.checkpoint_dir is None:
         return "no checkpoint was written (--checkpoint-dir D --save-every N keep progress)"
+    saved = step_dirs(Path(config.checkpoint_dir))
+    if not saved:
+        every = f"every {config.save_every} steps" if config.save_every else "after the last step"
+        return (
+            f"it stopped before its first checkpoint ({every}): a smaller --save-every keeps "
+            "more of a run"
+        )
     return f"the newest checkpoint is {saved[-1]}: the same command with --resume goes on from it"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.cli import _go_on_from, main
 from engine.config import TrainConfig
 from engine.preflight import preflight
 
@@ -157,3 +157,18 @@ def test_plot_names_an_output_folder_it_cannot_create(
     (tmp_path / "file").write_text("")
     code, err = _error(["plot", str(metrics), "--out", f"{tmp_path}/file/y.png"], capsys)
     assert code == 2 and f"--out {tmp_path}/file/y.png: cannot create {tmp_path}/file" in err
+
+
+@pytest.mark.parametrize(
+    ("checkpointing", "advice"),
+    [
+        ({}, r"no checkpoint was written \(--checkpoint-dir D --save-every N keep progress\)"),
+        ({"save_every": 1000}, r"before its first checkpoint \(every 1000 steps\)"),
+        ({"save_every": 0}, r"before its first checkpoint \(after the last step\)"),
+    ],
+)
+def test_an_interrupted_run_advises_only_flags_it_lacks(
+    checkpointing: dict[str, int], advice: str, tmp_path: Path
+) -> None:
+    root = {"checkpoint_dir": str(tmp_path / "ck")} if checkpointing else {}
+    assert re.search(advice, _go_on_from(TrainConfig(**root, **checkpointing)))
