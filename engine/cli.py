@@ -178,6 +178,12 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
                 f"--pp {config.pp} × --dp {config.dp} = {ranks} ranks, but the launcher "
                 f"started {launcher_world_size()}: make them equal"
             )
+        if is_launched() and config.max_restarts and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"meshpipe: --max-restarts {config.max_restarts} is for meshpipe's own launcher; "
+                "under torchrun or deepspeed give the launcher's own (torchrun --max-restarts)",
+                file=sys.stderr,
+            )
         result = train_worker(config, not args.no_progress)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0

@@ -172,3 +172,14 @@ def test_an_interrupted_run_advises_only_flags_it_lacks(
 ) -> None:
     root = {"checkpoint_dir": str(tmp_path / "ck")} if checkpointing else {}
     assert re.search(advice, _go_on_from(TrainConfig(**root, **checkpointing)))
+
+
+def test_max_restarts_under_an_outside_launcher_says_whose_flag_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["train", "--steps", "1", "--global-batch", "2", "--micro-batches", "1"]
+    argv += ["--seq-len", "16", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert main([*argv, "--resume", "--max-restarts", "1"]) == 0
+    assert "--max-restarts 1 is for meshpipe's own launcher" in capsys.readouterr().err
