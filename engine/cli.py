@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.exit(2, f"meshpipe: error: {error}\n")
     except RankFailed as error:
-        parser.exit(1, f"meshpipe: error: {error}\n")
+        parser.exit(2 if error.bad_input else 1, f"meshpipe: error: {error}\n")
     except OSError as error:
         parser.exit(1, f"meshpipe: error: {error}\n")
     except Interrupted as interrupted:

@@ -41,7 +41,12 @@ def free_port() -> int:
 
 class RankFailed(RuntimeError):
     """A local rank failed: the message is that rank's own error, where the agent's report
-    would bury it under its tracebacks."""
+    would bury it under its tracebacks. `bad_input` when that error was a ValueError (a bad
+    checkpoint, file or setting), which one process reports as bad input too."""
+
+    def __init__(self, message: str, *, bad_input: bool = False) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
 
 
 def _first_failure(error: ChildFailedError) -> RankFailed:
@@ -49,7 +54,20 @@ def _first_failure(error: ChildFailedError) -> RankFailed:
     message = failure.message
     text = str(message.get("message", "")) if isinstance(message, dict) else str(message)
     where = f" (its traceback: {failure.error_file})" if os.path.isfile(failure.error_file) else ""
-    return RankFailed(f"rank {rank} failed: {text.strip()}{where}")
+    kind = text.strip().split(":", 1)[0]  # the record reads "CheckpointError: …"
+    return RankFailed(f"rank {rank} failed: {text.strip()}{where}", bad_input=_a_value_error(kind))
+
+
+def _a_value_error(name: str) -> bool:
+    """Whether `name` is ValueError or a subclass loaded here (the rank runs the same code),
+    known only by name from the rank's error record."""
+    pending: list[type] = [ValueError]
+    while pending:
+        kind = pending.pop()
+        if kind.__name__ == name:
+            return True
+        pending += kind.__subclasses__()
+    return False
 
 
 @contextlib.contextmanager

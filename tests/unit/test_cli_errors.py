@@ -11,6 +11,7 @@ import pytest
 
 from engine.cli import _go_on_from, main
 from engine.config import TrainConfig
+from engine.launch import _a_value_error
 from engine.preflight import preflight
 
 
@@ -183,3 +184,13 @@ def test_max_restarts_under_an_outside_launcher_says_whose_flag_it_is(
     argv += ["--seq-len", "16", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck")]
     assert main([*argv, "--resume", "--max-restarts", "1"]) == 0
     assert "--max-restarts 1 is for meshpipe's own launcher" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kind", "bad_input"),
+    [("CheckpointError", True), ("ValueError", True), ("ExchangeError", False), ("Bogus", False)],
+)
+def test_a_rank_failure_is_bad_input_when_the_rank_raised_a_value_error(
+    kind: str, bad_input: bool
+) -> None:
+    assert _a_value_error(kind) is bad_input
