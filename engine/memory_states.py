@@ -166,7 +166,8 @@ def tail_peak(
     if states.dp == 1:
         return live_end - held - cached + step
     buckets = dp_buckets(params)
-    flat = sum(round_up(4 * sum(p.numel for p in bucket), block) for bucket in buckets)
+    # each flat bucket also carries one count per gradient: which replicas held it
+    flat = sum(round_up(4 * (sum(p.numel for p in b) + len(b)), block) for b in buckets)
     after_sends = live_end - held - cached + flat
     return max(
         live_end + flat,
