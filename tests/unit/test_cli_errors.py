@@ -13,21 +13,14 @@ from engine.cli import _go_on_from, main
 from engine.config import TrainConfig
 from engine.launch import _a_value_error
 from engine.preflight import preflight
-
-
-def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return int(exit_info.value.code or 0), err
+from tests.unit.cli_error import cli_error
 
 
 def test_a_missing_deepspeed_config_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     missing = tmp_path / "ds.json"
-    code, err = _error(["train", "--deepspeed_config", str(missing)], capsys)
+    code, err = cli_error(["train", "--deepspeed_config", str(missing)], capsys)
     assert code == 2
     assert f"DeepSpeed config {missing} does not exist" in err
 
@@ -37,7 +30,7 @@ def test_a_deepspeed_config_that_is_not_json_is_named(
 ) -> None:
     path = tmp_path / "ds.json"
     path.write_text("train_batch_size: 8\n")
-    code, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    code, err = cli_error(["train", "--deepspeed_config", str(path)], capsys)
     assert code == 2
     assert f"DeepSpeed config {path} is not valid JSON" in err
 
@@ -59,7 +52,7 @@ def test_an_auto_value_names_its_key_and_who_fills_it_in(
 ) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, **section}))
-    code, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    code, err = cli_error(["train", "--deepspeed_config", str(path)], capsys)
     assert code == 2
     assert f'{key}="auto": only the Hugging Face Trainer fills in "auto" values' in err
 
@@ -67,7 +60,7 @@ def test_an_auto_value_names_its_key_and_who_fills_it_in(
 def test_a_non_number_names_its_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": "one"}))
-    _, err = _error(["train", "--deepspeed_config", str(path)], capsys)
+    _, err = cli_error(["train", "--deepspeed_config", str(path)], capsys)
     assert "gradient_clipping='one': give a number" in err
 
 
@@ -95,7 +88,7 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
         raise AssertionError("training started")
 
     monkeypatch.setattr(sys.modules["engine.train"], "train_worker", no_training)
-    code, err = _error(["train", "--steps", "1", flag, path], capsys)
+    code, err = cli_error(["train", "--steps", "1", flag, path], capsys)
     assert code == 2
     assert re.search(message, err), err
 
@@ -104,7 +97,7 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
 def test_plan_refuses_a_shape_the_model_cannot_run(
     shape: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = _error(["plan", "--model", "gpt-tiny", "--pp", "2", *shape], capsys)
+    code, err = cli_error(["plan", "--model", "gpt-tiny", "--pp", "2", *shape], capsys)
     assert code == 2
     assert "1 to 128 tokens (gpt-tiny's context)" in err
 
@@ -112,7 +105,7 @@ def test_plan_refuses_a_shape_the_model_cannot_run(
 def test_an_unknown_flag_is_reported_with_its_subcommands_usage(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, err = _error(["plan", "--model", "gpt-tiny", "--bogus"], capsys)
+    code, err = cli_error(["plan", "--model", "gpt-tiny", "--bogus"], capsys)
     assert code == 2
     assert err.startswith("usage: meshpipe plan")
     assert "meshpipe plan: error: unrecognized arguments: --bogus" in err
@@ -122,7 +115,7 @@ def test_training_on_cuda_without_a_gpu_is_refused_before_ranks_start(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    code, err = _error(["train", "--model", "gpt-tiny", "--pp", "2", "--device", "cuda"], capsys)
+    code, err = cli_error(["train", "--model", "gpt-tiny", "--pp", "2", "--device", "cuda"], capsys)
     assert code == 2
     assert "--device cuda needs CUDA" in err and "--device cpu" in err
 
@@ -156,7 +149,7 @@ def test_plot_names_an_output_folder_it_cannot_create(
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 0, "loss": 1.0}\n')
     (tmp_path / "file").write_text("")
-    code, err = _error(["plot", str(metrics), "--out", f"{tmp_path}/file/y.png"], capsys)
+    code, err = cli_error(["plot", str(metrics), "--out", f"{tmp_path}/file/y.png"], capsys)
     assert code == 2 and f"--out {tmp_path}/file/y.png: cannot create {tmp_path}/file" in err
 
 

@@ -58,16 +58,20 @@ def test_a_compiled_stage_runs_its_layers_as_compiled_graphs() -> None:
     assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
 
 
-def _bf16_engine_step(*, compile: bool) -> tuple[float, list[torch.Tensor]]:
-    engine = PipelineEngine(
+def _bf16_engine(*, compile: bool, micro_batches: int, schedule: str) -> PipelineEngine:
+    return PipelineEngine(
         SPECS,
         init_mesh(1, 1, device="cpu"),
         partition=Partition(boundaries=(0, len(SPECS))),
-        micro_batches=4,
-        schedule="gpipe",
+        micro_batches=micro_batches,
+        schedule=schedule,
         options=EngineOptions(precision="bf16", compile=compile),
         optimizer=lambda m: build_optimizer(m, lr=1e-2),
     )
+
+
+def _bf16_engine_step(*, compile: bool) -> tuple[float, list[torch.Tensor]]:
+    engine = _bf16_engine(compile=compile, micro_batches=4, schedule="gpipe")
     tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     loss = engine.train_step(tokens[:, :-1], tokens[:, 1:]).loss
     return loss, [p.grad.clone() for p in engine.module.parameters()]  # type: ignore[union-attr]
@@ -87,15 +91,7 @@ def test_compiled_bf16_micro_batches_sharing_a_step_match_eager_to_rounding() ->
 @needs_compiler
 def test_a_compiled_bf16_engine_compiles_in_its_first_step_only() -> None:
     """Each step's weight copies are new tensors of the same dtype: no recompilation."""
-    engine = PipelineEngine(
-        SPECS,
-        init_mesh(1, 1, device="cpu"),
-        partition=Partition(boundaries=(0, len(SPECS))),
-        micro_batches=2,
-        schedule="1f1b",
-        options=EngineOptions(precision="bf16", compile=True),
-        optimizer=lambda m: build_optimizer(m, lr=1e-2),
-    )
+    engine = _bf16_engine(compile=True, micro_batches=2, schedule="1f1b")
     tokens = torch.zeros(4, 9, dtype=torch.long)
     engine.train_step(tokens[:, :-1], tokens[:, 1:])
     graphs = counters["stats"]["unique_graphs"]

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint_files import CheckpointError, save_weights
-from engine.cli import main
 from engine.hf_interop import HFSource, export_hf, import_hf
 from engine.weights import stored_parameters
 from models import build_layers, layer_specs
+from tests.unit.cli_error import cli_error
 
 torch.set_num_threads(1)
 
@@ -47,14 +47,6 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:5000])
 
 
-def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return int(exit_info.value.code or 0), err
-
-
 def _argv(command: str, folder: Path, tmp_path: Path) -> list[str]:
     if command == "import":
         return ["import", str(folder), "--out", str(tmp_path / "out")]
@@ -75,7 +67,7 @@ def test_a_truncated_safetensors_file_is_named_with_the_fix_by_each_command(
     hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
     _truncate(hf / "model.safetensors")
-    code, err = _error(_argv(command, hf, tmp_path), capsys)
+    code, err = cli_error(_argv(command, hf, tmp_path), capsys)
     assert code == 2
     assert err.startswith(f"meshpipe: error: {hf / 'model.safetensors'} {CORRUPT}")
     assert err.rstrip().endswith("re-download or re-export it")
@@ -87,7 +79,7 @@ def test_a_truncated_shard_of_a_sharded_folder_is_named_by_each_command(
     sharded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
     _truncate(_shard(sharded, 3))
-    code, err = _error(_argv(command, sharded, tmp_path), capsys)
+    code, err = cli_error(_argv(command, sharded, tmp_path), capsys)
     assert code == 2
     assert f"{_shard(sharded, 3)} {CORRUPT}" in err
 
@@ -139,7 +131,7 @@ def test_a_config_json_that_is_not_json_is_named_as_corrupt(
     hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (hf / "config.json").write_text('{"model_type": "gpt2",\n')
-    code, err = _error(_argv("import", hf, tmp_path), capsys)
+    code, err = cli_error(_argv("import", hf, tmp_path), capsys)
     assert code == 2
     assert err.startswith(f"meshpipe: error: {hf / 'config.json'} is unreadable (")
 
@@ -151,7 +143,7 @@ def test_a_config_json_with_a_bad_value_names_the_file(
     config = json.loads((hf / "config.json").read_text())
     config["n_head"] = value
     (hf / "config.json").write_text(json.dumps(config))
-    code, err = _error(_argv("import", hf, tmp_path), capsys)
+    code, err = cli_error(_argv("import", hf, tmp_path), capsys)
     assert code == 2
     assert err.startswith(f"meshpipe: error: {hf / 'config.json'} does not describe a model ")
 
@@ -162,7 +154,7 @@ def test_a_config_json_with_a_bad_value_names_the_file(
 def test_import_of_a_missing_folder_says_it_does_not_exist(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, err = _error(_argv("import", tmp_path / "nope", tmp_path), capsys)
+    code, err = cli_error(_argv("import", tmp_path / "nope", tmp_path), capsys)
     assert code == 2
     assert err == f"meshpipe: error: {tmp_path / 'nope'} does not exist\n"
 
@@ -188,7 +180,7 @@ def test_import_of_a_meshpipe_checkpoint_says_the_commands_take_it_directly(
     shutil.copytree(checkpoint, root / checkpoint.name)
     (root / "latest").write_text(checkpoint.name + "\n")
     path = root / checkpoint.name if given == "step" else root
-    code, err = _error(_argv("import", path, tmp_path), capsys)
+    code, err = cli_error(_argv("import", path, tmp_path), capsys)
     assert code == 2
     assert err.startswith(f"meshpipe: error: {path} is already a meshpipe checkpoint")
     assert f"--init-from {path}` and `meshpipe generate --checkpoint {path}` take it" in err
