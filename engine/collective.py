@@ -12,7 +12,14 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "naming_failures"]
+__all__ = ["CollectiveError", "naming_failures", "peer_failed"]
+
+
+def peer_failed(timeout_s: float, *, peer: str = "A peer") -> str:
+    """The end of every communication error: what likely happened and the way out."""
+    return (
+        f"{peer} crashed, stalled or timed out ({timeout_s:.0f}s; raise --timeout for slow steps)"
+    )
 
 
 class CollectiveError(RuntimeError):
@@ -29,6 +36,5 @@ def naming_failures(what: str, *, timeout_s: float) -> Iterator[None]:
     except RuntimeError as error:
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CollectiveError(
-            f"rank {rank}: {what} failed: {error}. A peer crashed, stalled or timed out "
-            f"({timeout_s:.0f}s; raise --timeout for slow steps)"
+            f"rank {rank}: {what} failed: {error}. {peer_failed(timeout_s)}"
         ) from error

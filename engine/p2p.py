@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.actions import Action, ActionKind
 from engine.channels import Edge
+from engine.collective import peer_failed
 
 __all__ = ["ExchangeError", "StageExchange", "TensorMeta"]
 
@@ -193,6 +194,6 @@ class StageExchange:
             raise ExchangeError(
                 f"{action}: exchanging {what} of micro-batch {action.micro_batch} between stage "
                 f"{src} (rank {self._rank_of.get(src)}) and stage {dst} (rank "
-                f"{self._rank_of.get(dst)}) failed: {error}. The peer crashed, stalled or timed "
-                f"out ({self._timeout.total_seconds():.0f}s; raise --timeout for slow steps)"
+                f"{self._rank_of.get(dst)}) failed: {error}. "
+                + peer_failed(self._timeout.total_seconds(), peer="The peer")
             ) from error

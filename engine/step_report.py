@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.collective import naming_failures
+
 __all__ = ["StepReports"]
 
 
@@ -93,11 +95,6 @@ class StepReports:
         return resolve
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        try:
+        where = f"exchanging {what} with its pipeline peers {self._peers}"
+        with naming_failures(where, timeout_s=self._timeout.total_seconds()):
             work.wait(self._timeout)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"rank {self._me}: exchanging {what} with its pipeline peers {self._peers} "
-                f"failed: {error}. A peer crashed, stalled or timed out "
-                f"({self._timeout.total_seconds():.0f}s; raise --timeout for slow steps)"
-            ) from error
