@@ -5,7 +5,7 @@ from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens, prepare
-from engine.engine import PipelineEngine, StepStats
+from engine.engine import PipelineEngine
 from engine.memory import MemoryConfig, estimate_memory
 from engine.mesh import Mesh, init_mesh
 from engine.optim import OptimizerSpec, build_optimizer, lr_factor
@@ -25,6 +25,7 @@ from engine.schedules import (
     zb_h2,
 )
 from engine.simulate import ActionCosts, simulate, steady_state_bubble
+from engine.step_stats import StepStats
 from engine.timeline import load_schedule, save_schedule
 from engine.train import TrainResult, train
 from engine.validate import validate

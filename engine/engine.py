@@ -12,7 +12,6 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -47,57 +46,15 @@ from engine.stage import PipelineStage
 from engine.step import StepRun
 from engine.step_clock import step_clock
 from engine.step_report import StepReports
+from engine.step_stats import StepStats, pipeline_bubble
 from engine.timeline import check_fits, schedule_for
 from engine.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
 
-__all__ = ["OptimizerFactory", "PipelineEngine", "StepStats"]
+__all__ = ["OptimizerFactory", "PipelineEngine"]
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepStats:
-    """What one step measured on this rank.
-
-    `bubble` and `grad_norm` need every pipeline rank's figures, which arrive without a
-    barrier: reading them right after the step waits until every peer has finished it; the
-    engine has them anyway by the end of the next step.
-    """
-
-    loss: float
-    """Mean loss over the global batch (the same on every rank)."""
-    step_s: float
-    """Seconds the schedule took on this rank."""
-    busy_s: float
-    """Seconds of compute (F, B, I, W) on this rank."""
-    in_flight_peak: dict[int, int]
-    """Peak micro-batches in flight (F done, B or I not) per stage held by this rank."""
-    pending_w_peak: dict[int, int]
-    """Peak micro-batches waiting for their W (I done) per stage held by this rank."""
-    timings: tuple[ActionTiming, ...]
-    """Every action's start and end on this rank, in seconds from the step's start."""
-    phases: tuple[tuple[str, float, float], ...] = ()
-    """Work outside the schedule (DP all-reduce, tied-weight sum, optimizer), same clock."""
-    skipped: bool = False
-    """True when a non-finite loss or gradient made every rank skip the optimizer step."""
-    loss_scale: float = 1.0
-    """fp16's loss scale used in this step (1 otherwise)."""
-    pipeline_figures: Callable[[], tuple[float, float]] = field(
-        default=lambda: (0.0, 0.0), repr=False, compare=False
-    )
-    """Resolves (bubble, grad norm) from every pipeline rank's figures."""
-
-    @property
-    def bubble(self) -> float:
-        """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
-        return self.pipeline_figures()[0]
-
-    @property
-    def grad_norm(self) -> float:
-        """Global gradient norm before clipping (the same on every rank)."""
-        return self.pipeline_figures()[1]
 
 
 class PipelineEngine:
@@ -307,7 +264,7 @@ class PipelineEngine:
         @functools.cache
         def figures() -> tuple[float, float]:
             every = gather()
-            bubble = _bubble(every[:, 0].tolist(), every[:, 1].tolist())
+            bubble = pipeline_bubble(every[:, 0].tolist(), every[:, 1].tolist())
             if norm is not None:
                 return bubble, norm
             total = every[:, 2:].sum(0).to(torch.float32)
@@ -420,12 +377,6 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
-
-
-def _bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
-    """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
-    slowest = max(step_s)
-    return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0
 
 
 def _check_layout(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engine.engine import StepStats
+from engine.step_stats import StepStats
 from engine.timeline import chrome_trace
 
 __all__ = ["TraceRecorder"]

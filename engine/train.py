@@ -38,7 +38,7 @@ from engine.checkpoint import (
 from engine.config import TrainConfig
 from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
 from engine.deepspeed_config import deepspeed_lr
-from engine.engine import PipelineEngine, StepStats
+from engine.engine import PipelineEngine
 from engine.hf_interop import open_weights
 from engine.mesh import Mesh, init_mesh
 from engine.metrics import MetricsLog
@@ -49,6 +49,7 @@ from engine.resume_check import (
     keep_new_hyperparameters,
     optimizer_hyperparameters,
 )
+from engine.step_stats import StepStats
 from engine.trace import TraceRecorder
 from models import LayerSpec, get_config, layer_specs
 
