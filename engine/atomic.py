@@ -9,6 +9,7 @@ Files get the mode a plain `open(path, "w")` gives (`0o666 & ~umask`), not the o
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import threading
@@ -23,6 +24,7 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "make_shareable",
+    "sha256_file",
 ]
 
 _umask_lock = threading.Lock()
@@ -116,3 +118,13 @@ def atomic_write_text(path: Path, text: str) -> None:
     """`atomic_write` of UTF-8 text, then the folder fsynced so the rename survives a crash."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
     fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks: what a checkpoint's index and a token file's
+    header record to vouch for their files."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

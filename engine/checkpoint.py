@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from engine.atomic import sha256_file
 from engine.checkpoint_files import (
     FORMAT,
     LATEST,
@@ -48,7 +49,6 @@ from engine.checkpoint_files import (
     model_config_dict,
     read_json,
     read_trainer,
-    sha256_file,
     step_dir_name,
     step_dirs,
     trash_owner,

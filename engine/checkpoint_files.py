@@ -10,7 +10,6 @@ any checkpoint.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import shutil
@@ -24,7 +23,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.atomic import atomic_write_text, fsync_dir, fsync_file, make_shareable
+from engine.atomic import (
+    atomic_write_text,
+    fsync_dir,
+    fsync_file,
+    make_shareable,
+    sha256_file,
+)
 from models import GPTConfig, LayerSpec, LlamaConfig, ModelConfig
 
 __all__ = [
@@ -51,7 +56,6 @@ __all__ = [
     "read_json",
     "read_trainer",
     "save_weights",
-    "sha256_file",
     "step_dir_name",
     "step_dirs",
     "trash_owner",
@@ -83,14 +87,6 @@ class ShardRecord:
     """Bytes of tensor data (the index's `total_size` sums these)."""
     names: tuple[str, ...]
     """Tensor names stored in the file."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_shard(directory: Path, file: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:

@@ -7,7 +7,6 @@ continues with the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -22,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine.atomic import atomic_write, fsync_dir
+from engine.atomic import atomic_write, fsync_dir, sha256_file
 
 __all__ = [
     "VOCAB_SIZE",
@@ -174,20 +173,12 @@ def _write_token_file(
         "vocab_size": VOCAB_SIZE,
         "tokenizer": "bytes",
         "num_tokens": num_tokens,
-        "sha256": _sha256(bin_path),
+        "sha256": sha256_file(bin_path),
         "sources": used,
     }
     atomic_write(json_path, lambda f: f.write(json.dumps(header, indent=2).encode()))
     fsync_dir(json_path.parent)
     return _info(bin_path, json_path, header)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def prepare(
