@@ -1,10 +1,11 @@
 """meshpipe's engine: schedules, the pipeline runtime on a mesh, data, training and the CLI."""
 
 from engine.actions import Action, ActionKind
+from engine.batches import BatchLoader
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.checkpoint_files import CheckpointError
 from engine.config import TrainConfig
-from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens, prepare
+from engine.data import TokenDataset, default_corpus, load_tokens, prepare
 from engine.engine import PipelineEngine
 from engine.memory import MemoryConfig, estimate_memory
 from engine.mesh import Mesh, init_mesh

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
+from engine.batches import BatchLoader
 from engine.checkpoint import (
     TrainerState,
     has_checkpoint,
@@ -36,7 +37,7 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.config import TrainConfig
-from engine.data import BatchLoader, TokenDataset, default_corpus, load_tokens
+from engine.data import TokenDataset, default_corpus, load_tokens
 from engine.deepspeed_config import deepspeed_lr
 from engine.engine import PipelineEngine
 from engine.hf_interop import open_weights

@@ -32,7 +32,8 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.data import BatchLoader, default_corpus, load_tokens  # noqa: E402
+from engine.batches import BatchLoader  # noqa: E402
+from engine.data import default_corpus, load_tokens  # noqa: E402
 from engine.launch import free_port  # noqa: E402
 from models import GPTConfig, build_layers, lm_loss  # noqa: E402
 from models.gpt import gpt_layers  # noqa: E402

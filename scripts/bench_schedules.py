@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.data import BatchLoader, default_corpus, load_tokens
+from engine.batches import BatchLoader
+from engine.data import default_corpus, load_tokens
 from engine.engine import PipelineEngine
 from engine.launch import launch_local
 from engine.mesh import init_mesh

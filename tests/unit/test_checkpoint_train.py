@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.batches import BatchLoader
 from engine.cli import build_parser, main
 from engine.config import TrainConfig
-from engine.data import BatchLoader, load_tokens, prepare
+from engine.data import load_tokens, prepare
 from engine.generate import load_model
 from engine.optim import lr_factor
 from engine.resume_check import check_resumable

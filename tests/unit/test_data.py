@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine.batches import BatchLoader
 from engine.cli import main
 from engine.data import (
-    BatchLoader,
     TokenDataset,
     decode,
     default_corpus,
