@@ -1,19 +1,17 @@
 """meshpipe's engine: schedules, the pipeline runtime on a mesh, data, training and the CLI."""
 
-from engine.actions import Action, ActionKind
-from engine.batches import BatchLoader
-from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.checkpoint_files import CheckpointError
-from engine.config import TrainConfig
-from engine.data import TokenDataset, default_corpus, load_tokens, prepare
-from engine.engine import PipelineEngine
-from engine.memory import MemoryConfig, estimate_memory
-from engine.mesh import Mesh, init_mesh
-from engine.optim import OptimizerSpec, build_optimizer, lr_factor
-from engine.options import EngineOptions
-from engine.passes import add_communication
-from engine.reference import accumulate_gradients, reference_step, split_micro_batches
-from engine.schedules import (
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.save_load import load_checkpoint, save_checkpoint
+from engine.comm.mesh import Mesh, init_mesh
+from engine.memory.estimate import MemoryConfig, estimate_memory
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import OptimizerSpec, build_optimizer, lr_factor
+from engine.runtime.options import EngineOptions
+from engine.runtime.reference import accumulate_gradients, reference_step, split_micro_batches
+from engine.runtime.step_stats import StepStats
+from engine.schedule.actions import Action, ActionKind
+from engine.schedule.files import load_schedule, save_schedule
+from engine.schedule.generators import (
     Schedule,
     gpipe,
     inference,
@@ -25,11 +23,13 @@ from engine.schedules import (
     zb_h1,
     zb_h2,
 )
-from engine.simulate import ActionCosts, simulate, steady_state_bubble
-from engine.step_stats import StepStats
-from engine.timeline import load_schedule, save_schedule
-from engine.train import TrainResult, train
-from engine.validate import validate
+from engine.schedule.passes import add_communication
+from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
+from engine.schedule.validate import validate
+from engine.training.batches import BatchLoader
+from engine.training.config import TrainConfig
+from engine.training.data import TokenDataset, default_corpus, load_tokens, prepare
+from engine.training.loop import TrainResult, train
 
 __all__ = [
     "Action",

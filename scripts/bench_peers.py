@@ -32,9 +32,9 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.batches import BatchLoader  # noqa: E402
-from engine.data import default_corpus, load_tokens  # noqa: E402
-from engine.launch import free_port  # noqa: E402
+from engine.comm.launch import free_port  # noqa: E402
+from engine.training.batches import BatchLoader  # noqa: E402
+from engine.training.data import default_corpus, load_tokens  # noqa: E402
 from models import GPTConfig, build_layers, lm_loss  # noqa: E402
 from models.gpt import gpt_layers  # noqa: E402
 
@@ -122,10 +122,10 @@ def _report(work: Path, system: str, rank: int, walls: list[float], losses: list
 def _meshpipe(work: Path, model: str, schedule: str) -> None:
     """meshpipe with the peers' semantics (no clipping, no non-finite guard, so steps follow
     each other without a barrier); `NAME+guard` keeps the guard and its per-step barrier."""
-    from engine.engine import PipelineEngine
-    from engine.mesh import init_mesh
-    from engine.optim import OptimizerSpec
-    from engine.options import EngineOptions
+    from engine.comm.mesh import init_mesh
+    from engine.runtime.engine import PipelineEngine
+    from engine.runtime.optim import OptimizerSpec
+    from engine.runtime.options import EngineOptions
     from partitioners import Partition
 
     mesh = init_mesh(2, 1, timeout_s=600)
@@ -202,7 +202,7 @@ def _deepspeed(work: Path, model: str) -> None:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from engine.deepspeed_peer import MeshpipeLayer, micro_batch_iterator
+    from scripts.deepspeed_peer import MeshpipeLayer, micro_batch_iterator
 
     # With LOCAL_SIZE set (its launcher sets it) DeepSpeed maps a 66 MiB /dev/shm segment per
     # rank for inference all-reduces, which the PipelineEngine never uses, and never unlinks it.
@@ -264,8 +264,8 @@ def _fairscale(work: Path, model: str) -> None:
 
 
 def _single(work: Path, model: str, threads: int) -> None:
-    from engine.optim import build_optimizer
-    from engine.reference import reference_step
+    from engine.runtime.optim import build_optimizer
+    from engine.runtime.reference import reference_step
 
     torch.set_num_threads(threads)
     model_ = build_layers(gpt_layers(MODELS[model]), seed=0)

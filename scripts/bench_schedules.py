@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from engine.batches import BatchLoader
-from engine.data import default_corpus, load_tokens
-from engine.engine import PipelineEngine
-from engine.launch import launch_local
-from engine.mesh import init_mesh
-from engine.optim import build_optimizer
-from engine.reference import reference_step
-from engine.schedules import VIRTUAL_SCHEDULES, make_schedule
-from engine.simulate import ActionCosts, simulate
+from engine.comm.launch import launch_local
+from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import build_optimizer
+from engine.runtime.reference import reference_step
+from engine.schedule.generators import VIRTUAL_SCHEDULES, make_schedule
+from engine.schedule.simulate import ActionCosts, simulate
+from engine.training.batches import BatchLoader
+from engine.training.data import default_corpus, load_tokens
 from models import build_layers, layer_specs
 from partitioners import partition_model
 

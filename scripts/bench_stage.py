@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
-from engine.options import EngineOptions
-from engine.precision import PRECISIONS, compute_dtype, step_casts
-from engine.stage import PipelineStage
-from engine.step_clock import StepClock, step_clock
+from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.options import EngineOptions
+from engine.runtime.precision import PRECISIONS, compute_dtype, step_casts
+from engine.runtime.stage import PipelineStage
+from engine.runtime.step_clock import StepClock, step_clock
 from models import MODEL_CONFIGS, LayerSpec, layer_specs
 from partitioners import Partition
 

@@ -18,10 +18,10 @@ from tests.dist.harness import run_ranks  # noqa: E402
 def _worker(rank: int, world: int, model: str, zero: int) -> tuple[int, int]:
     import torch
 
-    from engine.engine import PipelineEngine
-    from engine.mesh import init_mesh
-    from engine.optim import OptimizerSpec
-    from engine.options import EngineOptions
+    from engine.comm.mesh import init_mesh
+    from engine.runtime.engine import PipelineEngine
+    from engine.runtime.optim import OptimizerSpec
+    from engine.runtime.options import EngineOptions
     from models import layer_specs
     from partitioners import partition_model
 

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.cli import main as meshpipe_main
+from engine.cli.main import main as meshpipe_main
 
 
 def main(argv: list[str] | None = None) -> int:

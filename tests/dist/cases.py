@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from engine.clipping import global_grad_norm, global_parameter_order
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
-from engine.optim import OptimizerSpec
-from engine.options import EngineOptions
-from engine.precision import LossScaler
-from engine.reference import reference_step
+from engine.runtime.clipping import global_grad_norm, global_parameter_order
+from engine.runtime.engine import PipelineEngine
+from engine.comm.mesh import init_mesh
+from engine.runtime.optim import OptimizerSpec
+from engine.runtime.options import EngineOptions
+from engine.runtime.precision import LossScaler
+from engine.runtime.reference import reference_step
 from models import GPTConfig, LayerSpec, build_layers, layer_specs, lm_loss
 from partitioners import partition_model
 

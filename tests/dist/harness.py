@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.launch import free_port
+from engine.comm.launch import free_port
 
 __all__ = ["free_port", "run_ranks", "RanksFailed"]
 

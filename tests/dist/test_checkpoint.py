@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from engine.checkpoint_files import MODEL_INDEX, TensorReader
-from engine.cli import main
-from engine.config import TrainConfig
-from engine.data import prepare
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
-from engine.optim import OptimizerSpec, build_optimizer
-from engine.options import EngineOptions
-from engine.train import KILL_AT_STEP_ENV, train
-from engine.weights import local_optimizer
+from engine.checkpoint.save_load import TrainerState, load_checkpoint, save_checkpoint
+from engine.checkpoint.files import MODEL_INDEX, TensorReader
+from engine.cli.main import main
+from engine.training.config import TrainConfig
+from engine.training.data import prepare
+from engine.runtime.engine import PipelineEngine
+from engine.comm.mesh import init_mesh
+from engine.runtime.optim import OptimizerSpec, build_optimizer
+from engine.runtime.options import EngineOptions
+from engine.training.loop import KILL_AT_STEP_ENV, train
+from engine.checkpoint.weights import local_optimizer
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.harness import RanksFailed, run_ranks
@@ -286,7 +286,7 @@ def _load_where_rank1_sees_no_latest(
     """Rank 1's view of the folder lacks `latest` (no shared filesystem, a save racing the
     load): rank 0's choice of checkpoint must be the one every rank loads."""
     if rank == 1:
-        import engine.checkpoint
+        import engine.checkpoint.save_load
 
         def blind(*_: object, **__: object) -> list[Path]:
             raise AssertionError("rank 1 read the checkpoint folder itself")

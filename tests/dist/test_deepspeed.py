@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cli import build_parser, train_config
-from engine.config import TrainConfig
-from engine.deepspeed_config import deepspeed_lr, deepspeed_overrides
-from engine.train import lr_multiplier
+from engine.cli.main import build_parser, train_config
+from engine.training.config import TrainConfig
+from engine.training.deepspeed_config import deepspeed_lr, deepspeed_overrides
+from engine.training.loop import lr_multiplier
 from tests.dist.harness import run_ranks
 
 DS_CONFIG: dict[str, Any] = {
@@ -59,7 +59,7 @@ def _written(tmp_path: Path, ds_config: dict[str, Any]) -> str:
 def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
 
-    from engine.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
+    from scripts.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
     from models import layer_specs
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -73,8 +73,8 @@ def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dic
 
 def _meshpipe_run(rank: int, world_size: int, ds_json: str) -> dict[str, Any]:
     """`meshpipe train --deepspeed_config ds_json`'s settings, stepped by hand."""
-    from engine.engine import PipelineEngine
-    from engine.mesh import init_mesh
+    from engine.runtime.engine import PipelineEngine
+    from engine.comm.mesh import init_mesh
     from models import layer_specs
     from partitioners import partition_model
 

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.comm.mesh import init_mesh
 from models import GPTConfig, layer_specs
 from models.gpt import gpt_layers
 from partitioners import Partition

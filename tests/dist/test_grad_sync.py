@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.grad_sync import BucketedAllReduce
-from engine.mesh import init_mesh
+from engine.comm.grad_sync import BucketedAllReduce
+from engine.comm.mesh import init_mesh
 from tests.dist.harness import run_ranks
 
 

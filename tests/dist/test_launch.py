@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
-from engine.config import TrainConfig
-from engine.data import prepare
-from engine.train import train
+from engine.cli.main import main
+from engine.training.config import TrainConfig
+from engine.training.data import prepare
+from engine.training.loop import train
 from tests.dist.harness import run_ranks
 
 ARGS = ["--model", "llama-tiny", "--steps", "3", "--global-batch", "8", "--micro-batches", "2",
@@ -108,7 +108,7 @@ def test_a_failing_rank_is_reported_in_one_line_with_its_own_error(
 def test_ctrl_c_stops_every_rank_and_names_the_checkpoint_to_resume_from(
     tokens: str, tmp_path: Path
 ) -> None:
-    argv = [sys.executable, "-m", "engine.cli", "train", *ARGS, "--data", tokens, "--pp", "2",
+    argv = [sys.executable, "-m", "engine.cli.main", "train", *ARGS, "--data", tokens, "--pp", "2",
             "--checkpoint-dir", str(tmp_path), "--save-every", "1"]  # fmt: skip
     argv[argv.index("--steps") + 1] = "100000"
     # A terminal's Ctrl-C signals its whole process group: here, a session of its own.
@@ -130,7 +130,7 @@ def test_ctrl_c_in_one_process_says_no_checkpoint_was_written(
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sys.modules["engine.train"], "train_worker", interrupted)
+    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", interrupted)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *ARGS])
     assert exit_info.value.code == 130

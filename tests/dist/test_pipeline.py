@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.schedules import make_schedule
-from engine.simulate import simulate
+from engine.schedule.generators import make_schedule
+from engine.schedule.simulate import simulate
 from tests.dist.cases import Case, reference_run, run_cases
 from tests.dist.harness import run_ranks
 

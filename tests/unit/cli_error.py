@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli import main
+from engine.cli.main import main
 
 __all__ = ["cli_error"]
 

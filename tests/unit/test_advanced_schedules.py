@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from engine.actions import ActionKind, format_actions
-from engine.schedules import (
+from engine.schedule.actions import ActionKind, format_actions
+from engine.schedule.generators import (
     SCHEDULES,
     VIRTUAL_SCHEDULES,
     interleaved_1f1b,
@@ -18,8 +18,8 @@ from engine.schedules import (
     zb_h1,
     zb_h2,
 )
-from engine.simulate import ActionCosts, repeat, simulate, steady_state_bubble
-from engine.validate import validate
+from engine.schedule.simulate import ActionCosts, repeat, simulate, steady_state_bubble
+from engine.schedule.validate import validate
 
 UNIT = ActionCosts(forward=1, backward=2, input_grad=1, weight_grad=1)
 

@@ -11,8 +11,8 @@ from typing import IO
 import pytest
 import torch
 
-from engine.atomic import atomic_write, atomic_write_text, default_file_mode
-from engine.checkpoint_files import write_shard
+from engine.checkpoint.atomic import atomic_write, atomic_write_text, default_file_mode
+from engine.checkpoint.files import write_shard
 
 
 @pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])

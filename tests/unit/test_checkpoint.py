@@ -21,18 +21,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.checkpoint import (
+from engine.checkpoint.files import MODEL_INDEX, OPTIM_INDEX, CheckpointError, TensorReader
+from engine.checkpoint.rng_state import capture_rng, restore_rng
+from engine.checkpoint.save_load import (
     TrainerState,
     checkpoint_candidates,
     load_checkpoint,
     save_checkpoint,
 )
-from engine.checkpoint_files import MODEL_INDEX, OPTIM_INDEX, CheckpointError, TensorReader
-from engine.mesh import Mesh
-from engine.optim import build_optimizer
-from engine.rng_state import capture_rng, restore_rng
-from engine.stage import PipelineStage
-from engine.weights import read_module_weights, read_optimizer_state
+from engine.checkpoint.weights import read_module_weights, read_optimizer_state
+from engine.comm.mesh import Mesh
+from engine.runtime.optim import build_optimizer
+from engine.runtime.stage import PipelineStage
 from models import GPTConfig, build_layers, layer_specs
 from partitioners import Partition
 

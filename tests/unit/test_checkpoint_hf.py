@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint_files import CheckpointError, expected_names, save_weights
-from engine.cli import main
-from engine.config import TrainConfig
-from engine.generate import generate, generate_text, load_model
-from engine.hf_interop import HFSource, export_hf, import_hf, open_model
-from engine.train import train
-from engine.weights import stored_parameters
+from engine.checkpoint.files import CheckpointError, expected_names, save_weights
+from engine.checkpoint.hf_interop import HFSource, export_hf, import_hf, open_model
+from engine.checkpoint.weights import stored_parameters
+from engine.cli.main import main
+from engine.training.config import TrainConfig
+from engine.training.generate import generate, generate_text, load_model
+from engine.training.loop import train
 from models import GPTConfig, build_layers, layer_specs
 
 torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def test_a_failed_export_leaves_no_partial_folder(
     def disk_full(*args: Any) -> None:
         raise OSError("No space left on device")
 
-    monkeypatch.setattr("engine.hf_interop.atomic_write_text", disk_full)
+    monkeypatch.setattr("engine.checkpoint.hf_interop.atomic_write_text", disk_full)
     with pytest.raises(OSError, match="No space left"):
         export_hf(checkpoints["gpt-tiny"], tmp_path / "hf")
     assert list(tmp_path.iterdir()) == []

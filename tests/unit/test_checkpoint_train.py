@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.batches import BatchLoader
-from engine.cli import build_parser, main
-from engine.config import TrainConfig
-from engine.data import load_tokens, prepare
-from engine.generate import load_model
-from engine.optim import lr_factor
-from engine.resume_check import check_resumable
-from engine.train import TrainResult, train
+from engine.cli.main import build_parser, main
+from engine.runtime.optim import lr_factor
+from engine.training.batches import BatchLoader
+from engine.training.config import TrainConfig
+from engine.training.data import load_tokens, prepare
+from engine.training.generate import load_model
+from engine.training.loop import TrainResult, train
+from engine.training.resume_check import check_resumable
 from models import lm_loss
 
 torch.set_num_threads(1)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import _go_on_from, main
-from engine.config import TrainConfig
-from engine.launch import _a_value_error
-from engine.preflight import preflight
+from engine.cli.main import _go_on_from, main
+from engine.comm.launch import _a_value_error
+from engine.training.config import TrainConfig
+from engine.training.preflight import preflight
 from tests.unit.cli_error import cli_error
 
 
@@ -87,7 +87,7 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
     def no_training(*_: object) -> None:
         raise AssertionError("training started")
 
-    monkeypatch.setattr(sys.modules["engine.train"], "train_worker", no_training)
+    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", no_training)
     code, err = cli_error(["train", "--steps", "1", flag, path], capsys)
     assert code == 2
     assert re.search(message, err), err

@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.actions import parse_actions
-from engine.config import TrainConfig
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
-from engine.optim import build_optimizer
-from engine.options import EngineOptions
-from engine.schedules import Schedule
-from engine.stage import PipelineStage
+from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import build_optimizer
+from engine.runtime.options import EngineOptions
+from engine.runtime.stage import PipelineStage
+from engine.schedule.actions import parse_actions
+from engine.schedule.generators import Schedule
+from engine.training.config import TrainConfig
 from models import layer_specs
 from partitioners import Partition
 

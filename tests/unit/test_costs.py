@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cli import main
+from engine.cli.main import main
 from models import layer_specs
 from partitioners import Partition, layer_costs, partition_model
 from partitioners.costs import activation_costs, flop_costs, measured_costs, parameter_costs

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batches import BatchLoader
-from engine.cli import main
-from engine.data import (
+from engine.cli.main import main
+from engine.training.batches import BatchLoader
+from engine.training.data import (
     TokenDataset,
     decode,
     default_corpus,
@@ -224,7 +224,7 @@ def test_load_rejects_missing_files_with_the_command_that_makes_them(tmp_path: P
     with pytest.raises(ValueError, match=r"token file .*nothing\.bin' does not exist") as error:
         load_tokens(f"{prefix}.bin")
     assert f"`meshpipe data prepare SOURCE --out {prefix}`" in str(error.value)
-    assert "engine.data.prepare()" in str(error.value)
+    assert "engine.training.data.prepare()" in str(error.value)
 
 
 def test_load_rejects_a_bin_without_its_header(tmp_path: Path) -> None:

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.engine import PipelineEngine
-from engine.mesh import init_mesh
-from engine.optim import build_optimizer
-from engine.options import EngineOptions
-from engine.reference import reference_step
-from engine.schedules import Schedule, one_f_one_b
+from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import build_optimizer
+from engine.runtime.options import EngineOptions
+from engine.runtime.reference import reference_step
+from engine.schedule.generators import Schedule, one_f_one_b
 from models import build_layers, layer_specs
 from partitioners import Partition
 

@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.memory import MemoryConfig, estimate_memory, resolve
-from engine.memory_measure import measure_memory
-from engine.memory_plan import _held_with_gradients, _states_floor, memory_balanced, suggest
-from engine.memory_replay import build_stage, stage_actions
-from engine.memory_report import add_memory_parser, parse_size, run_memory
-from engine.memory_states import (
+from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
+from engine.memory.measure import measure_memory
+from engine.memory.replay import build_stage, stage_actions
+from engine.memory.report import add_memory_parser, parse_size, run_memory
+from engine.memory.states import (
     ParamInfo,
     deepspeed_zero2_model_states,
     dp_buckets,
@@ -28,9 +27,10 @@ from engine.memory_states import (
     stage_params,
     zero_shards,
 )
-from engine.memory_tracker import MemoryTracker, fake_device
-from engine.schedules import SCHEDULES, VIRTUAL_SCHEDULES, make_schedule
-from engine.simulate import simulate
+from engine.memory.suggest import _held_with_gradients, _states_floor, memory_balanced, suggest
+from engine.memory.tracker import MemoryTracker, fake_device
+from engine.schedule.generators import SCHEDULES, VIRTUAL_SCHEDULES, make_schedule
+from engine.schedule.simulate import simulate
 from models import layer_specs
 
 torch.set_num_threads(1)
@@ -236,7 +236,7 @@ def test_estimating_llama_70b_allocates_no_model_memory() -> None:
         """
         import resource, warnings
         warnings.simplefilter("ignore")
-        from engine.memory import MemoryConfig, estimate_memory
+        from engine.memory.estimate import MemoryConfig, estimate_memory
         config = MemoryConfig(model="llama-70b", pp=40, micro_batches=40, seq_len=4096)
         assert estimate_memory(config).peak > 20 * 2**30
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.metrics import MetricsLog, plot_metrics, read_records
+from engine.training.metrics import MetricsLog, plot_metrics, read_records
 
 RECORDS = [{"step": step, "loss": 5.0 - step} for step in range(3)]
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.profile
-import engine.stage
-from engine.cli import main
-from engine.profile import profile_stage_costs, stage_profile_bytes
-from engine.stage import PipelineStage
+import engine.plan.profile
+import engine.runtime.stage
+from engine.cli.main import main
+from engine.plan.profile import profile_stage_costs, stage_profile_bytes
+from engine.runtime.stage import PipelineStage
 from models import LayerSpec, layer_specs
 from partitioners import Partition, partition_model
 

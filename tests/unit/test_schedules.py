@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.actions import Action, ActionKind, format_actions, parse_action
-from engine.passes import add_communication, counterpart, is_lowered, peer_of, peer_stage
-from engine.schedule_text import format_schedule, parse_schedule
-from engine.schedules import SCHEDULES, Schedule, gpipe, make_schedule, one_f_one_b
+from engine.schedule.actions import Action, ActionKind, format_actions, parse_action
+from engine.schedule.generators import SCHEDULES, Schedule, gpipe, make_schedule, one_f_one_b
+from engine.schedule.passes import add_communication, counterpart, is_lowered, peer_of, peer_stage
+from engine.schedule.text import format_schedule, parse_schedule
 
 Generator = Callable[[int, int], Schedule]
 

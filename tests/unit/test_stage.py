@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.precision import autocast
-from engine.stage import PipelineStage
+from engine.runtime.precision import autocast
+from engine.runtime.stage import PipelineStage
 from models import build_layers, layer_specs, lm_loss
 
 torch.set_num_threads(1)

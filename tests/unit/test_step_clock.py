@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from engine.actions import Action, ActionKind
-from engine.runtime import execute
-from engine.schedules import Schedule
-from engine.step_clock import CudaClock, HostClock, step_clock
+from engine.runtime.interpreter import execute
+from engine.runtime.step_clock import CudaClock, HostClock, step_clock
+from engine.schedule.actions import Action, ActionKind
+from engine.schedule.generators import Schedule
 
 
 class _FakeGpu:

@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from engine.actions import format_actions
-from engine.cli import main
-from engine.config import TrainConfig
-from engine.passes import add_communication
-from engine.schedules import gpipe, interleaved_1f1b, make_schedule, zb_h1
-from engine.simulate import ActionCosts, simulate
-from engine.timeline import (
+from engine.cli.main import main
+from engine.schedule.actions import format_actions
+from engine.schedule.files import (
     chrome_trace,
     load_schedule,
     plot_timeline,
     save_schedule,
     schedule_for,
 )
-from engine.train import train
-from engine.validate import ScheduleError
+from engine.schedule.generators import gpipe, interleaved_1f1b, make_schedule, zb_h1
+from engine.schedule.passes import add_communication
+from engine.schedule.simulate import ActionCosts, simulate
+from engine.schedule.validate import ScheduleError
+from engine.training.config import TrainConfig
+from engine.training.loop import train
 from models import layer_specs
 from partitioners import Partition, partition_model
 
@@ -38,7 +38,7 @@ def profiled(monkeypatch: pytest.MonkeyPatch) -> list[Partition]:
         partitions.append(partition)
         return PROFILED
 
-    monkeypatch.setattr("engine.profile.profile_stage_costs", fake)
+    monkeypatch.setattr("engine.plan.profile.profile_stage_costs", fake)
     return partitions
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import TrainConfig, accumulate_gradients, lr_factor, split_micro_batches, train
-from engine.cli import build_parser, main
-from engine.data import prepare
-from engine.schedules import SCHEDULES
+from engine.cli.main import build_parser, main
+from engine.schedule.generators import SCHEDULES
+from engine.training.data import prepare
 from models import build_layers, layer_specs, lm_loss
 
 torch.set_num_threads(1)

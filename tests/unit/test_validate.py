@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.actions import format_actions
-from engine.passes import add_communication
-from engine.schedule_text import parse_schedule
-from engine.schedules import Schedule, gpipe, one_f_one_b
-from engine.simulate import ActionCosts, simulate
-from engine.validate import ScheduleError, validate
+from engine.schedule.actions import format_actions
+from engine.schedule.generators import Schedule, gpipe, one_f_one_b
+from engine.schedule.passes import add_communication
+from engine.schedule.simulate import ActionCosts, simulate
+from engine.schedule.text import parse_schedule
+from engine.schedule.validate import ScheduleError, validate
 
 Generator = Callable[[int, int], Schedule]
 GENERATORS = [gpipe, one_f_one_b]
@@ -272,7 +272,7 @@ def test_simulate_rejects_per_stage_costs_of_the_wrong_length() -> None:
 
 
 def test_forward_only_inference_schedule_is_valid_and_simulates() -> None:
-    from engine.schedules import inference
+    from engine.schedule.generators import inference
 
     schedule = inference(3, 4)
     validate(schedule)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.precision import step_casts
-from engine.weight_copies import WeightCopies
+from engine.runtime.precision import step_casts
+from engine.runtime.weight_copies import WeightCopies
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,281 @@
+"""Measuring a layout's memory by running its step: the check on `estimate_memory`.
+
+`measure_memory` builds each stage for real (on the CPU, or on a GPU with `device="cuda"`),
+replays every micro-batch of its schedule row, then awaits the sends and runs a real AdamW step,
+all under the same `MemoryTracker`; the allocator's own peak comes alongside. With `fake=True`
+it replays every micro-batch on fake tensors instead: what `estimate_memory` composes from one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.memory.estimate import (
+    Layout,
+    MemoryConfig,
+    MemoryReport,
+    StageMemory,
+    resolve,
+    stage_memory,
+)
+from engine.memory.replay import StageRun, build_stage, fake_parameters
+from engine.memory.states import optimizer_bytes, param_info, tail_peak
+from engine.memory.tracker import MemoryTracker, fake_device, round_up
+from engine.runtime.optim import build_optimizer
+from engine.schedule.actions import Action, split_units
+from models import LayerStack, build_layers
+
+__all__ = ["MEASURE_LIMIT", "check_measurable", "measure_memory"]
+
+MEASURE_LIMIT = 2**31
+"""Measuring builds the model for real: layouts whose states exceed 2 GiB are refused."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Measured:
+    step_peak: int
+    kept: int
+    weight_copies: int
+    weights: int
+    gradients: int
+    optimizer: int | None
+    allocator: int | None
+
+
+def _storages(tensors: Iterator[torch.Tensor] | list[torch.Tensor], block: int) -> int:
+    unique = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(round_up(n, block) for n in unique.values())
+
+
+def _module(config: MemoryConfig, layout: Layout, stage: int, fake: bool) -> LayerStack:
+    if fake:
+        module = build_stage(layout.stage_specs(stage))
+        fake_parameters(module)
+        return module
+    return build_layers(
+        layout.specs, layout.partition.layers_of(stage), seed=0, device=config.device
+    )
+
+
+def _optimizer(run: StageRun, impl: str) -> torch.optim.Optimizer:
+    """The engine's AdamW, stepped once so that its states exist, as in any step but the first."""
+    module = run.stage.module
+    optimizer = build_optimizer(module, lr=1e-4, weight_decay=0.1, impl=impl)
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for param in module.parameters():
+        param.grad = None
+    return optimizer
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's start/stop lines, which its C++ side writes to fd 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _allocator_peak(device: str, work: Callable[[], None]) -> int | None:
+    """The allocator's peak above its level before `work`: CUDA's statistics, or the CPU
+    allocator's events from the profiler (None where it records none)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        work()
+        return torch.cuda.max_memory_allocated() - base
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with (
+        _quiet_stderr(),
+        torch.profiler.profile(activities=activities, profile_memory=True) as prof,
+    ):
+        work()
+    try:
+        events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    except AttributeError:
+        return None
+    live = peak = 0
+    for _, delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _runs(
+    config: MemoryConfig,
+    layout: Layout,
+    stages: Sequence[int],
+    actions: Sequence[Action],
+    fake: bool,
+) -> dict[int, StageRun]:
+    """The stages' replays; each splits the micro-batches its row runs I for."""
+    last, split = layout.partition.num_stages - 1, split_units(actions)
+    return {
+        s: StageRun(
+            _module(config, layout, s, fake),
+            layout.stage_specs(s),
+            first=s == 0,
+            last=s == last,
+            split=frozenset(k for stage, k in split if stage == s),
+            shape=layout.shape(config, s),
+        )
+        for s in stages
+    }
+
+
+class _Step:
+    """One measured step of some stages of a rank: every micro-batch of their row inside the
+    stages' step scopes (the step's weight copies, as the engine runs its schedule), then the
+    step's end (real runs await the sends and step AdamW under the tracker)."""
+
+    def __init__(self, config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool):
+        row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
+        self.actions = [a for a in row if a.is_compute and a.stage in stages]
+        self.runs = _runs(config, layout, stages, self.actions, fake)
+        self.optimizers = (
+            [] if fake else [_optimizer(run, config.optimizer_impl) for run in self.runs.values()]
+        )
+        self.tracker = MemoryTracker(block=layout.block)
+        self.block = layout.block
+        self.kept = self.weight_copies = self.cached = self.held = self.live_end = 0
+
+    def __call__(self) -> None:
+        for run in self.runs.values():
+            run.begin()
+        first = self.actions[0]
+        with contextlib.ExitStack() as scope:
+            for run in self.runs.values():
+                scope.enter_context(run.stage.step_scope())
+            copies = self.tracker.weight_copies
+            net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
+            self.weight_copies = self.tracker.weight_copies - copies
+            self.kept = net - self.weight_copies
+            for action in self.actions[1:]:
+                self.runs[action.stage].act(action)
+            self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
+            self.live_end = self.tracker.live
+            self.cached = self.tracker.weight_copies
+        for run in self.runs.values():
+            run.finish()
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [run.stage.module for run in self.runs.values()]
+
+
+def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool) -> _Measured:
+    """Measure one step; fake runs (no optimizer without values) add the tail
+    `estimate_memory` adds, from the replay's end."""
+    step = _Step(config, layout, stages, fake)
+    with step.tracker:
+        allocator = None if fake else _allocator_peak(config.device, step)
+        if fake:
+            step()
+    modules, block = step.modules(), layout.block
+    params = [p for m in modules for p in param_info(m)]
+    tail = tail_peak(
+        params, live_end=step.live_end, held=step.held, cached=step.cached, states=layout.states
+    )
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    states = [
+        t
+        for o in step.optimizers
+        for st in o.state.values()
+        for t in st.values()
+        if t.device.type == config.device
+    ]
+    return _Measured(
+        step_peak=max(step.tracker.peak, tail) if fake else step.tracker.peak,
+        kept=step.kept,
+        weight_copies=step.weight_copies,
+        weights=_storages([p for m in modules for p in m.parameters()], block),
+        gradients=_storages(grads, block),
+        optimizer=None if fake else _storages(states, block),
+        allocator=allocator,
+    )
+
+
+def check_measurable(config: MemoryConfig) -> None:
+    """Refuse what one process here cannot run: dp > 1, a missing GPU, a model too large."""
+    layout = resolve(config)
+    if config.dp > 1:
+        raise ValueError(
+            f"--measure runs one replica in one process, so dp={config.dp}'s all-reduce cannot "
+            "run: measure with --dp 1 (the estimate models dp > 1)"
+        )
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--measure --device cuda needs a GPU and this machine has none: use --device cpu"
+        )
+    states = sum(
+        optimizer_bytes(layout.params([s]), layout.states)
+        for s in range(layout.partition.num_stages)
+    )
+    if 2 * states > MEASURE_LIMIT:
+        raise ValueError(
+            f"--measure builds {config.model} for real here, about {2 * states / 2**30:.1f} GiB "
+            f"of weights and optimizer states (limit {MEASURE_LIMIT / 2**30:.0f} GiB): measure a "
+            "small model such as gpt-tiny or llama-tiny"
+        )
+
+
+def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
+    """Run every stage's part of the step (and each multi-stage rank's whole row) and report
+    what the tracker saw; `fake` replays on fake tensors, without memory, for any model."""
+    layout = resolve(config)
+    if not fake:
+        check_measurable(config)
+    context = fake_device(cuda=config.device == "cuda") if fake else contextlib.nullcontext()
+    with context:
+        measured = {
+            s: _run_step(config, layout, [s], fake) for s in range(layout.partition.num_stages)
+        }
+        rows = [layout.schedule.stages_of(r) for r in range(config.pp)]
+        steps = [
+            measured[r[0]] if len(r) == 1 else _run_step(config, layout, r, fake) for r in rows
+        ]
+    stages = tuple(_stage(config, layout, s, m) for s, m in measured.items())
+    rank_peaks = tuple(
+        step.step_peak + sum(stages[s].weights + stages[s].optimizer for s in row)
+        for step, row in zip(steps, rows, strict=True)
+    )
+    return MemoryReport(
+        config=config,
+        partition=layout.partition,
+        stages=stages,
+        rank_peaks=rank_peaks,
+        source="fake replay" if fake else f"measured on {config.device}",
+        allocator_peaks=None if fake else tuple(m.allocator for m in measured.values()),
+    )
+
+
+def _stage(config: MemoryConfig, layout: Layout, stage: int, measured: _Measured) -> StageMemory:
+    predicted = stage_memory(
+        config,
+        layout,
+        stage,
+        kept=measured.kept,
+        weight_copies=measured.weight_copies,
+        step_peak=measured.step_peak,
+    )
+    return replace(
+        predicted,
+        weights=measured.weights,
+        gradients=measured.gradients,
+        optimizer=predicted.optimizer if measured.optimizer is None else measured.optimizer,
+    )

@@ -1,0 +1,339 @@
+"""A stage's part of a training step, replayed as the runtime runs it, for the memory tracker.
+
+The replay drives the runtime's own `PipelineStage` (forward, backward, the I/W split,
+autocast and its per-step weight casts, recompute) around prebuilt layers, fake or real, and
+mirrors the few things `engine._Step` and `StageExchange` add around it: receive buffers, sends
+held until the step's end, the step's batch and losses. So the tracker measures the runtime's
+code, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+from torch import nn
+
+import engine.runtime.stage
+from engine.memory.tracker import MemoryTracker, Span, fake_device, round_up
+from engine.runtime.precision import LossScaler, compute_dtype
+from engine.runtime.stage import PipelineStage
+from engine.schedule.actions import Action, ActionKind, split_units
+from engine.schedule.generators import Schedule
+from models import LayerSpec, LayerStack
+
+__all__ = [
+    "Phase",
+    "StageRun",
+    "StageShape",
+    "StageTrace",
+    "backward_styles",
+    "build_stage",
+    "compose",
+    "fake_parameters",
+    "in_flight",
+    "stage_actions",
+    "trace_stage",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageShape:
+    """What every micro-batch of a step looks like (all micro-batches are alike)."""
+
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    hidden: int
+    """Width of the activations that cross stage boundaries (d_model)."""
+    divisor: int
+    """What the last stage divides each micro-batch loss by (m · dp), as the engine does."""
+    precision: str
+    """`fp32`, `bf16` or `fp16`, as `EngineOptions.precision`."""
+    recompute: str
+    """Recompute policy of the stage, as `EngineOptions.recompute`."""
+
+
+Phase = tuple[ActionKind, bool]
+"""An action kind and whether its micro-batch's backward is split (I + W) or fused (B): a
+forward recording for a W keeps different tensors than one before a fused B."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTrace:
+    """One stage's traced step start and the first and a later run of each of its actions.
+
+    A stage's first B (or W) allocates its gradients and later ones accumulate into them; its
+    first F casts the weights, which every later F of the step reuses (`WeightCopies`); every
+    other action allocates the same each time.
+    """
+
+    begin: Span
+    """The step's token batch (first stage) and targets (last stage) arriving."""
+    first: Mapping[Phase, Span]
+    later: Mapping[Phase, Span]
+    held_per_micro_batch: int
+    """Sent tensors and losses one micro-batch leaves alive until the step's end."""
+    weight_copies: int
+    """Of the first forward's net bytes: the low-precision weight copies autocast made, kept
+    until the step's end and shared by every micro-batch."""
+
+    @property
+    def kept_per_micro_batch(self) -> int:
+        """Bytes a forward keeps until its backward, the weight copies aside (where fused and
+        split micro-batches mix, a split one keeps its Linears' outputs too; the replay counts
+        both)."""
+        return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
+
+
+def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
+    """The stage's layers on the meta device, weights tied inside the stage shared.
+
+    `models.build_layers` would initialise every weight on the CPU first, which planning a
+    70B stage cannot afford.
+    """
+    layers = {i: spec.build("meta") for i, spec in enumerate(specs)}
+    first: dict[str, nn.Parameter] = {}
+    for i, spec in enumerate(specs):
+        if spec.tie_key is None or spec.tied_param is None:
+            continue
+        parent_name, _, leaf = spec.tied_param.rpartition(".")
+        parent = layers[i].get_submodule(parent_name)
+        if spec.tie_key in first:
+            setattr(parent, leaf, first[spec.tie_key])
+        else:
+            first[spec.tie_key] = getattr(parent, leaf)
+    return LayerStack(layers)
+
+
+def fake_parameters(module: nn.Module) -> None:
+    """Give a meta module fake fp32 CPU parameters (inside a `FakeTensorMode`)."""
+    made: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape))
+                sub._parameters[name] = made[id(param)]
+
+
+def _runtime_stage(
+    module: LayerStack, specs: Sequence[LayerSpec], *, first: bool, last: bool, shape: StageShape
+) -> PipelineStage:
+    """The runtime's `PipelineStage` around prebuilt layers.
+
+    `PipelineStage` builds and initialises its layers itself; the replay hands it the fake or
+    already built ones instead (a constructor argument for that would retire this patch).
+    """
+    num_stages = 1 if first and last else 2 if first or last else 3
+    stage = 0 if first else num_stages - 1 if last else 1
+    with mock.patch.object(engine.runtime.stage, "build_layers", lambda *_, **__: module):
+        return PipelineStage(
+            specs,
+            stage=stage,
+            layers=range(len(specs)),
+            num_stages=num_stages,
+            seed=0,
+            device=next(module.parameters()).device,
+            precision=shape.precision,
+            recompute=shape.recompute,
+        )
+
+
+class StageRun:
+    """One stage's side of a training step, as `engine._Step` runs it.
+
+    F receives its input into a new buffer (the first stage slices the step's token batch);
+    B and I receive the output gradient into a new buffer. Sends are awaited only at the
+    step's end (`StageExchange.wait_sends`), so every sent tensor stays alive until then.
+    Gradients start the step as None, as `train_step` sets them. `split` names the
+    micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
+    """
+
+    def __init__(
+        self,
+        module: LayerStack,
+        specs: Sequence[LayerSpec],
+        *,
+        first: bool,
+        last: bool,
+        split: frozenset[int],
+        shape: StageShape,
+    ) -> None:
+        self.stage = _runtime_stage(module, specs, first=first, last=last, shape=shape)
+        if split:
+            self.stage.enable_split_backward()
+        self.shape, self.first, self.last, self.split = shape, first, last, split
+        self.device = next(module.parameters()).device
+        self.sent: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+        self._tokens = self._targets = torch.empty(0)
+        scaler = LossScaler() if shape.precision == "fp16" else None
+        self._loss_scale = scaler.scale if scaler is not None else 1.0
+
+    def begin(self) -> None:
+        """The step starts: gradients are None; the batch arrives (token ids, targets)."""
+        for param in self.stage.module.parameters():
+            param.grad = None
+        size = (self.shape.micro_batches * self.shape.micro_batch_size, self.shape.seq_len)
+        if self.first:
+            self._tokens = torch.zeros(size, dtype=torch.long, device=self.device)
+        if self.last:
+            self._targets = torch.zeros(size, dtype=torch.long, device=self.device)
+
+    def act(self, action: Action) -> None:
+        k, kind = action.micro_batch, action.kind
+        if kind is ActionKind.F:
+            self._forward(k)
+        elif kind is ActionKind.W:
+            self.stage.backward_weight(k)
+        else:
+            grads = () if self.last else (self._received(requires_grad=False),)
+            backward = self.stage.backward_input if kind is ActionKind.I else self.stage.backward
+            self._send(backward(k, grads))
+
+    def held_bytes(self, block: int) -> int:
+        """Bytes of what the step keeps until its end: sent tensors and losses."""
+        storages = [t.untyped_storage() for t in self.sent + self.losses]
+        held = {storage._cdata: storage.nbytes() for storage in storages}
+        return sum(round_up(n, block) for n in held.values())
+
+    def finish(self) -> None:
+        """The step's end: sends are awaited, the step's losses dropped."""
+        self.sent.clear()
+        self.losses.clear()
+
+    def _forward(self, k: int) -> None:
+        x = self._micro(self._tokens, k) if self.first else self._received(requires_grad=True)
+        outputs = self.stage.forward(
+            k,
+            (x,),
+            targets=self._micro(self._targets, k) if self.last else None,
+            loss_divisor=self.shape.divisor,
+            loss_scale=self._loss_scale,
+            split=k in self.split,
+        )
+        if self.last:
+            self.losses.append(outputs[0])
+        else:
+            self._send(outputs)
+
+    def _send(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """What `StageExchange.send` keeps until the step's end (the stage input sends none)."""
+        self.sent += [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+
+    def _micro(self, batch: torch.Tensor, k: int) -> torch.Tensor:
+        """Micro-batch `k` of the step's batch; the trace runs two micro-batches per backward
+        style whatever the step's count, so with fewer it wraps around (same shapes)."""
+        size = self.shape.micro_batch_size
+        start = (k % self.shape.micro_batches) * size
+        return batch[start : start + size]
+
+    def _received(self, *, requires_grad: bool) -> torch.Tensor:
+        shape = (self.shape.micro_batch_size, self.shape.seq_len, self.shape.hidden)
+        dtype = compute_dtype(self.shape.precision)
+        return torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad)
+
+
+def backward_styles(actions: Sequence[Action]) -> tuple[bool, ...]:
+    """A stage's backward styles in order of first appearance: `False` for fused B, `True`
+    for I + W; both where a schedule mixes them (zb_drain), none for forwards only."""
+    styles = [a.kind is ActionKind.I for a in actions if a.kind in (ActionKind.B, ActionKind.I)]
+    return tuple(dict.fromkeys(styles))
+
+
+def _group(style: bool | None) -> tuple[ActionKind, ...]:
+    """What one micro-batch of a backward style runs: F B, F I W, or F alone."""
+    if style is None:
+        return (ActionKind.F,)
+    return (ActionKind.F, ActionKind.I, ActionKind.W) if style else (ActionKind.F, ActionKind.B)
+
+
+def trace_stage(
+    specs: Sequence[LayerSpec],
+    *,
+    first: bool,
+    last: bool,
+    styles: tuple[bool, ...],
+    shape: StageShape,
+    cuda: bool,
+    block: int,
+) -> StageTrace:
+    """Trace the step start and two micro-batches of each backward style, in the stage's order.
+
+    The order matters where styles mix: the first backward of the step allocates the gradients
+    (a B all of them, an I only the non-GEMM ones) and later ones accumulate, and the first
+    forward casts the weights (so it must be of the first style: `memory.stage_trace` checks).
+    """
+    order: tuple[bool | None, ...] = styles or (None,)
+    split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
+    with fake_device(cuda=cuda):
+        module = build_stage(specs)
+        fake_parameters(module)
+        run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
+        tracker = MemoryTracker(block=block)
+        with tracker, run.stage.step_scope():
+            begin = tracker.measure(run.begin)
+            spans: list[dict[Phase, Span]] = [{}, {}]
+            for i, style in enumerate(order):
+                for j in (0, 1):
+                    for kind in _group(style):
+                        action = Action(0, kind, 2 * i + j)
+                        copies = tracker.weight_copies
+                        phase = (kind, bool(style))
+                        spans[j][phase] = tracker.measure(functools.partial(run.act, action))
+                        if i == j == 0 and kind is ActionKind.F:
+                            weight_copies = tracker.weight_copies - copies
+                    if i == j == 0:
+                        held = run.held_bytes(block)
+    return StageTrace(
+        begin=begin,
+        first=spans[0],
+        later=spans[1],
+        held_per_micro_batch=held,
+        weight_copies=weight_copies,
+    )
+
+
+def stage_actions(schedule: Schedule, stage: int) -> list[Action]:
+    """The stage's compute actions in its rank's order (what its replay runs)."""
+    row = schedule.rows[schedule.rank_of(stage)]
+    return [a for a in row if a.stage == stage and a.is_compute]
+
+
+def in_flight(actions: Sequence[Action]) -> int:
+    """Most micro-batches holding a stash at once: F opens one, B or W closes it."""
+    live = peak = 0
+    for action in actions:
+        if action.kind is ActionKind.F:
+            live += 1
+            peak = max(peak, live)
+        elif action.kind in (ActionKind.B, ActionKind.W):
+            live -= 1
+    return peak
+
+
+def compose(
+    stages: Sequence[int], actions: Sequence[Action], traces: Mapping[int, StageTrace]
+) -> tuple[int, int]:
+    """Peak and final live bytes of `replay`, from each event's traced peak and net change.
+
+    Micro-batches allocate alike, so this equals replaying all of them (tested).
+    """
+    events = [traces[s].begin for s in stages]
+    split = split_units(actions)
+    seen: set[tuple[int, Phase]] = set()
+    for action in actions:
+        phase = (action.kind, (action.stage, action.micro_batch) in split)
+        key = (action.stage, phase)
+        spans = traces[action.stage].later if key in seen else traces[action.stage].first
+        events.append(spans[phase])
+        seen.add(key)
+    live = peak = 0
+    for span in events:
+        peak = max(peak, live + span.peak)
+        live += span.net
+    return peak, live

@@ -1,0 +1,194 @@
+"""Bytes that follow from parameter shapes alone, and the reference formulas we compare with.
+
+The engine keeps fp32 weights and gradients whatever the compute precision (autocast casts inside
+each op) and AdamW's two fp32 states, sharded by ZeRO-1 as torch's `ZeroRedundancyOptimizer`
+assigns whole parameters. After the schedule, `BucketedAllReduce` flattens every gradient bucket
+at once (dp > 1), then AdamW steps: the fused kernel in place, the per-tensor loop with two
+temporaries the size of a parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from engine.memory.tracker import round_up
+from models import LayerSpec
+
+__all__ = [
+    "DP_BUCKET_BYTES",
+    "OPTIMIZER_IMPLS",
+    "ParamInfo",
+    "StateLayout",
+    "deepspeed_zero2_model_states",
+    "dp_buckets",
+    "megatron_activations",
+    "optimizer_bytes",
+    "param_info",
+    "stage_params",
+    "tail_peak",
+    "zero_shards",
+]
+
+DP_BUCKET_BYTES = 25 * 2**20
+"""`BucketedAllReduce`'s bucket size: a bucket closes once its gradients reach 25 MiB."""
+
+OPTIMIZER_IMPLS = ("fused", "per_tensor")
+"""AdamW implementations of `engine.optim` whose states live on the device."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateLayout:
+    """How a replica holds its model states on the modelled device."""
+
+    dp: int = 1
+    zero: int = 0
+    block: int = 1
+    """Allocation granularity (512 for CUDA)."""
+    optimizer_impl: str = "fused"
+    device: str = "cuda"
+
+    @property
+    def step_counters(self) -> bool:
+        """AdamW's `step` scalars count: fused keeps them beside the parameters, the per-tensor
+        loop on the host (which is the device when it is the CPU)."""
+        return self.optimizer_impl == "fused" or self.device == "cpu"
+
+    @property
+    def temporaries(self) -> int:
+        """Parameter-sized fp32 temporaries alive at once in one AdamW update: none in the fused
+        kernel, two in the per-tensor loop (`exp_avg_sq.sqrt() / bias_correction`);
+        `measure_memory` checks both on real tensors."""
+        return 0 if self.optimizer_impl == "fused" else 2
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """What the model states need to know of one parameter."""
+
+    numel: int
+    decay: bool
+    """In the weight-decay group (matrices), which ZeRO-1 partitions first."""
+
+
+def param_info(module: nn.Module) -> list[ParamInfo]:
+    """Parameters in `module.parameters()` order (shared ones once), as the engine sees them."""
+    return [ParamInfo(p.numel(), p.dim() >= 2) for p in module.parameters() if p.requires_grad]
+
+
+def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
+    """`param_info(build_stage(specs))` without building the stage: each distinct layer spec
+    is built on `meta` once (planning asks for the same blocks thousands of times), and a
+    weight tied to an earlier layer of the stage counts once, where it first appears."""
+    found: list[ParamInfo] = []
+    tied: set[str] = set()
+    for spec in specs:
+        for name, info in _layer_params(spec):
+            if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
+                continue
+            found.append(info)
+        if spec.tie_key is not None:
+            tied.add(spec.tie_key)
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(spec: LayerSpec) -> tuple[tuple[str, ParamInfo], ...]:
+    module = spec.build("meta")
+    return tuple(
+        (name, ParamInfo(p.numel(), p.dim() >= 2))
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    )
+
+
+def zero_shards(params: Sequence[ParamInfo], dp: int) -> list[list[ParamInfo]]:
+    """`ZeroRedundancyOptimizer`'s assignment: per group (decay, then no decay), largest first,
+    each parameter to the replica holding the fewest elements so far."""
+    shards: list[list[ParamInfo]] = [[] for _ in range(dp)]
+    sizes = [0] * dp
+    for group in ([p for p in params if p.decay], [p for p in params if not p.decay]):
+        for param in sorted(group, key=lambda p: p.numel, reverse=True):
+            rank = sizes.index(min(sizes))
+            shards[rank].append(param)
+            sizes[rank] += param.numel
+    return shards
+
+
+def _own(params: Sequence[ParamInfo], states: StateLayout) -> list[list[ParamInfo]]:
+    return zero_shards(params, states.dp) if states.zero and states.dp > 1 else [list(params)]
+
+
+def optimizer_bytes(params: Sequence[ParamInfo], states: StateLayout) -> int:
+    """AdamW's exp_avg and exp_avg_sq (fp32), and its step scalars where they are on the
+    device, on the replica with the largest shard."""
+    step = round_up(4, states.block) if states.step_counters else 0
+    return max(
+        sum(2 * round_up(4 * p.numel, states.block) + step for p in shard)
+        for shard in _own(params, states)
+    )
+
+
+def dp_buckets(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:
+    """`BucketedAllReduce`'s buckets, filled in parameter order."""
+    buckets: list[list[ParamInfo]] = [[]]
+    size = 0
+    for param in params:
+        if size >= DP_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += 4 * param.numel
+    return buckets
+
+
+def _fp32(params: Sequence[ParamInfo], block: int) -> int:
+    return sum(round_up(4 * p.numel, block) for p in params)
+
+
+def tail_peak(
+    params: Sequence[ParamInfo], *, live_end: int, held: int, cached: int, states: StateLayout
+) -> int:
+    """Peak after the schedule, from the replay's final live bytes (gradients and the step's
+    weight copies included; the copies, `cached` bytes, go when the schedule ends).
+
+    With dp > 1 the last backward posts every bucket's flat copy at once while the sends are
+    still held and the weight copies alive; after the sends complete, each reduced bucket
+    allocates shapes for its views and replaces its gradients. The optimizer step follows, its
+    temporaries the size of the largest parameter the replica steps.
+    """
+    block = states.block
+    largest = max((p.numel for shard in _own(params, states) for p in shard), default=0)
+    step = states.temporaries * round_up(4 * largest, block)
+    if states.dp == 1:
+        return live_end - held - cached + step
+    buckets = dp_buckets(params)
+    # each flat bucket also carries one count per gradient: which replicas held it
+    flat = sum(round_up(4 * (sum(p.numel for p in b) + len(b)), block) for b in buckets)
+    after_sends = live_end - held - cached + flat
+    return max(
+        live_end + flat,
+        after_sends + max(_fp32(bucket, block) for bucket in buckets),
+        after_sends - _fp32(params, block) + step,
+    )
+
+
+def deepspeed_zero2_model_states(params: int, num_gpus: int) -> int:
+    """DeepSpeed's `estimate_zero2_model_states_mem_needs` GPU bytes without offload:
+    fp16 weights and gradients (4 B) plus fp32 master, momentum, variance and gradient
+    partitions (16 B / num_gpus)."""
+    return 4 * params + int(16 * params / num_gpus)
+
+
+def megatron_activations(
+    *, seq_len: int, micro_batch_size: int, hidden: int, heads: int, layers: int, flash: bool
+) -> int:
+    """Korthikanti et al. 2022, eq. 1: s·b·h·(34 + 5·a·s/h) bytes per layer and micro-batch
+    (16-bit, no recompute); `flash` drops the attention matrix term (5·a·s/h), as
+    selective recompute or fused attention does."""
+    s, b, h = seq_len, micro_batch_size, hidden
+    per_layer = s * b * h * 34 + (0 if flash else 5 * heads * s * s * b)
+    return layers * per_layer

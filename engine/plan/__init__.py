@@ -1,0 +1,1 @@
+"""Planning a layout: measured per-stage costs for the simulator."""

@@ -1,0 +1,182 @@
+"""Measured per-stage costs for the simulator: time F, B, I and W of the real stages.
+
+Each stage is built alone (only its layers), run on sample input for a few micro-batches, and
+timed per action; the medians become `ActionCosts.per_stage`, so a prediction reflects the
+partition's real imbalance.
+
+One stage is built at a time, once: its fused backward (F, B) is timed first, then the same
+stage turns on the split backward and times I and W. Before anything is built, each stage's
+memory (fp32 weights and gradients plus an activation allowance) is checked against what the
+machine has available, so a layout too large for this host fails with the fixes instead of
+being killed by the kernel.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from engine.memory.report import format_size
+from engine.memory.states import stage_params
+from engine.runtime.stage import PipelineStage
+from engine.schedule.simulate import ActionCosts
+from models import LayerSpec
+from partitioners import Partition
+from partitioners.costs import activation_costs
+
+__all__ = ["profile_stage_costs", "stage_profile_bytes"]
+
+_MEMINFO = Path("/proc/meminfo")
+
+
+def _available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (`MemAvailable`), or None
+    where it cannot be read (not Linux, no /proc)."""
+    try:
+        lines = _MEMINFO.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            number, _, unit = value.strip().partition(" ")
+            return int(number) * (1024 if unit.strip().lower() == "kb" else 1)
+    return None
+
+
+def _output_bytes(spec: LayerSpec, batch_size: int, seq_len: int) -> int:
+    """Bytes of the layer's output for one micro-batch, traced on `meta`."""
+    out = spec.build("meta")(spec.example_input(batch_size, seq_len))
+    return int(out.numel() * 4)
+
+
+def stage_profile_bytes(
+    specs: Sequence[LayerSpec], layers: range, *, batch_size: int, seq_len: int
+) -> int:
+    """A rough estimate of the bytes profiling one stage adds to this process: fp32 weights
+    and gradients, the largest weight once more (initialisation draws each on the CPU before
+    copying it in), twice what the layers save for the backward (its transients are about as
+    large) and three copies of the stage's output (on the last stage the logits, their
+    log-softmax and their gradient)."""
+    stage_specs = [specs[i] for i in layers]
+    params = [p.numel for p in stage_params(stage_specs)]
+    states = 4 * (2 * sum(params) + max(params, default=0))
+    saved = sum(activation_costs(stage_specs, batch_size=batch_size, seq_len=seq_len))
+    return states + 2 * saved + 3 * _output_bytes(stage_specs[-1], batch_size, seq_len)
+
+
+def _check_fits(
+    specs: Sequence[LayerSpec], partition: Partition, batch_size: int, seq_len: int
+) -> None:
+    """Refuse before building anything when the largest stage cannot fit in this host's
+    available memory (skipped where that cannot be read)."""
+    available = _available_memory()
+    if available is None:
+        return
+    needs = [
+        stage_profile_bytes(specs, partition.layers_of(s), batch_size=batch_size, seq_len=seq_len)
+        for s in range(partition.num_stages)
+    ]
+    stage = max(range(len(needs)), key=needs.__getitem__)
+    if needs[stage] <= available:
+        return
+    layers = partition.layers_of(stage)
+    raise ValueError(
+        f"profiling stage {stage} (layers [{layers.start}, {layers.stop})) needs about "
+        f"{format_size(needs[stage])} (fp32 weights and gradients plus activations for "
+        f"micro-batches of {batch_size} × {seq_len} tokens) but this machine has "
+        f"{format_size(available)} available: "
+        "use more stages (--pp), a smaller --seq-len or --micro-batch-size, or give the "
+        "costs explicitly (--costs F,B,I,W)"
+    )
+
+
+def _time_actions(actions: Sequence[Callable[[int], object]], repeats: int) -> list[float]:
+    """Median seconds of each action over `repeats` micro-batches, after one warm-up
+    micro-batch (excluded: first-touch allocations, lazy kernel setup)."""
+    samples: list[list[float]] = [[] for _ in actions]
+    for k in range(repeats + 1):
+        for action, bucket in zip(actions, samples, strict=True):
+            start = time.perf_counter()
+            action(k)
+            if k:
+                bucket.append(time.perf_counter() - start)
+    return [statistics.median(bucket) for bucket in samples]
+
+
+def _profile_stage(
+    specs: Sequence[LayerSpec],
+    stage_index: int,
+    partition: Partition,
+    batch_size: int,
+    seq_len: int,
+    repeats: int,
+) -> tuple[float, float, float, float]:
+    """F and B with the fused backward, then I and W of the same stage with the split one.
+
+    `enable_split_backward` only adds forward hooks, so the fused micro-batches before it
+    are untouched, and the ones after it record their Linears for a real I/W split.
+    """
+    layers = partition.layers_of(stage_index)
+    stage = PipelineStage(
+        specs, stage=stage_index, layers=layers, num_stages=partition.num_stages, seed=0
+    )
+    first = specs[layers.start]
+    tokens = torch.randint(0, 256, (batch_size, seq_len))
+    shape = first.example_input(batch_size, seq_len).shape
+    grads: dict[int, tuple[torch.Tensor, ...]] = {}
+    inputs: list[torch.Tensor] = []
+
+    def forward(split: bool, k: int) -> None:
+        x = (tokens,) if first.input_kind == "tokens" else (inputs[k],)
+        out = stage.forward(k, x, targets=tokens, split=split)
+        grads[k] = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
+
+    inputs[:] = [torch.randn(shape).requires_grad_() for _ in range(repeats + 1)]
+    f, b = _time_actions(
+        [partial(forward, False), lambda k: stage.backward(k, grads.pop(k))], repeats
+    )
+    stage.enable_split_backward()
+    inputs[:] = [torch.randn(shape).requires_grad_() for _ in range(repeats + 1)]
+    _, i, w = _time_actions(
+        [
+            partial(forward, True),
+            lambda k: stage.backward_input(k, grads.pop(k)),
+            stage.backward_weight,
+        ],
+        repeats,
+    )
+    return f, b, i, w
+
+
+def profile_stage_costs(
+    specs: Sequence[LayerSpec],
+    partition: Partition,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 128,
+    repeats: int = 3,
+    comm: float = 0.0,
+) -> ActionCosts:
+    """Median seconds of F, B, I, W per stage (after a warm-up micro-batch) on this CPU.
+
+    Stages are built one at a time, each freed before the next. Raises ValueError, before
+    building any stage, when a stage would not fit in this machine's available memory.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1")
+    _check_fits(specs, partition, batch_size, seq_len)
+    per_stage = []
+    for s in range(partition.num_stages):
+        per_stage.append(_profile_stage(specs, s, partition, batch_size, seq_len, repeats))
+        # A stage with split backward holds itself through its forward hooks (and the
+        # timing closures through it): a reference cycle that only the collector frees, so
+        # without this the next stage would be built beside this one.
+        gc.collect()
+    return ActionCosts(per_stage=tuple(per_stage), comm=comm)

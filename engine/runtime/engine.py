@@ -1,0 +1,401 @@
+"""PipelineEngine: one training or evaluation step of a pipeline replica on the mesh.
+
+The stage computes, the runtime interprets the schedule, the exchange moves tensors, the
+reducers sum gradients; the engine wires them together for one step and reports what it saw
+(loss on every rank, busy time, measured bubble, in-flight peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.comm.channels import new_pipeline_channels
+from engine.comm.collective import naming_failures
+from engine.comm.grad_sync import (
+    BucketedAllReduce,
+    new_tie_groups,
+    share_local_ties,
+    tied_parameters,
+)
+from engine.comm.mesh import Mesh
+from engine.comm.p2p import StageExchange
+from engine.comm.step_report import StepReports
+from engine.runtime.clipping import (
+    clip_gradients,
+    global_grad_norm,
+    global_parameter_order,
+    gradient_norms,
+)
+from engine.runtime.interpreter import ActionTiming, execute
+from engine.runtime.optim import OptimizerSpec
+from engine.runtime.options import EngineOptions
+from engine.runtime.precision import LossScaler, step_casts
+from engine.runtime.reference import LossFn
+from engine.runtime.stage import PipelineStage
+from engine.runtime.step import StepRun
+from engine.runtime.step_clock import step_clock
+from engine.runtime.step_stats import StepStats, pipeline_bubble
+from engine.schedule.actions import split_units
+from engine.schedule.files import check_fits, schedule_for
+from engine.schedule.generators import Schedule
+from engine.schedule.passes import add_communication, forward_only
+from engine.schedule.validate import validate
+from models import LayerSpec, lm_loss
+from partitioners import Partition
+
+__all__ = ["OptimizerFactory", "PipelineEngine"]
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+class PipelineEngine:
+    """Runs this rank's stage of a partitioned layer list under a pipeline schedule."""
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        mesh: Mesh,
+        *,
+        partition: Partition,
+        micro_batches: int,
+        schedule: str | Schedule = "1f1b",
+        stages_per_rank: int = 1,
+        seed: int = 0,
+        optimizer: OptimizerFactory | OptimizerSpec | None = None,
+        loss_fn: LossFn = lm_loss,
+        timeout_s: float = 300.0,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.options = options or EngineOptions()
+        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
+        self.mesh, self.micro_batches = mesh, micro_batches
+        layout = {
+            "num_ranks": mesh.pp,
+            "micro_batches": micro_batches,
+            "stages_per_rank": stages_per_rank,
+        }
+        compute = (
+            check_fits(schedule, where=f"schedule {schedule.name!r}", **layout)
+            if isinstance(schedule, Schedule)
+            else schedule_for(schedule, **layout)
+        )
+        self.schedule = add_communication(compute)
+        validate(self.schedule)
+        self.eval_schedule = add_communication(forward_only(compute))
+        validate(self.eval_schedule)
+        self.stages = {
+            s: PipelineStage(
+                specs,
+                stage=s,
+                layers=partition.layers_of(s),
+                num_stages=partition.num_stages,
+                seed=seed,
+                device=mesh.device,
+                loss_fn=loss_fn,
+                precision=self.options.precision,
+                recompute=self.options.recompute,
+                compile=self.options.compile,
+            )
+            for s in self.schedule.stages_of(mesh.pp_rank)
+        }
+        self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
+        for stage in self.stages.values():
+            if self.split_units:
+                stage.enable_split_backward()
+        share_local_ties(specs, list(self.stages.values()))
+        self.module = nn.ModuleList(stage.module for stage in self.stages.values())
+        rank_of_stage = {
+            s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
+            for s in range(partition.num_stages)
+        }
+        self.timeout_s = timeout_s
+        self.closed = False
+        self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
+        """The process groups this rank's pipeline traffic travels over (one per edge)."""
+        self.exchange = StageExchange(
+            groups=self.channels.edges,
+            global_rank_of_stage=rank_of_stage,
+            device=mesh.device,
+            timeout_s=timeout_s,
+            wire_device=mesh.wire_device,
+        )
+        self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
+        self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
+        self.optimizer = self._build_optimizer(optimizer)
+        self._last_rank = rank_of_stage[partition.num_stages - 1]
+        self.reports = StepReports(
+            group=self.channels.reports,
+            ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
+            me=mesh.rank,
+            last=self._last_rank,
+            device=mesh.wire_device,
+            timeout_s=timeout_s,
+        )
+        self._previous_figures: Callable[[], tuple[float, float]] | None = None
+        self._order = global_parameter_order(specs)
+        self.scaler = LossScaler() if self.options.precision == "fp16" else None
+        self.skipped_steps = 0
+
+    def _build_optimizer(
+        self, optimizer: OptimizerFactory | OptimizerSpec | None
+    ) -> torch.optim.Optimizer | None:
+        if optimizer is None:
+            return None
+        if isinstance(optimizer, OptimizerSpec):
+            zero_group = self.mesh.dp_group if self.options.zero and self.mesh.dp > 1 else None
+            return optimizer.build(self.module, zero_group=zero_group)
+        if self.options.zero:
+            raise ValueError(
+                "ZeRO-1 shards the optimizer, so it needs an OptimizerSpec, not a factory"
+            )
+        return optimizer(self.module)
+
+    def _init_ties(
+        self, specs: Sequence[LayerSpec], partition: Partition, timeout_s: float
+    ) -> tuple[dict[str, nn.Parameter], dict[str, dist.ProcessGroup | None]]:
+        tied: dict[str, nn.Parameter] = {}
+        for stage in self.stages.values():
+            tied.update(tied_parameters(stage.module, specs, stage.layers))
+        if self.mesh.world_size == 1:
+            return tied, {}
+        layers = [partition.layers_of(s) for s in range(partition.num_stages)]
+        replicas = [
+            [
+                self.mesh.global_rank(pp_rank=self.schedule.rank_of(s), dp_rank=d)
+                for s in range(partition.num_stages)
+            ]
+            for d in range(self.mesh.dp)
+        ]
+        groups = new_tie_groups(specs, layers, replicas, timeout=timedelta(seconds=timeout_s))
+        return tied, groups
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        return max(self.stages) == self.schedule.num_stages - 1
+
+    @property
+    def synchronises_steps(self) -> bool:
+        """Whether every step ends with a blocking all-reduce of the gradient norm over the
+        pipeline: clipping and fp16's loss scale need the norm, the non-finite guard needs
+        every rank's verdict. Without one, steps follow each other with no barrier."""
+        options = self.options
+        return options.clip_grad_norm > 0 or options.precision == "fp16" or options.nonfinite_guard
+
+    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
+        """Forward and backward every micro-batch, reduce gradients, step the optimizer.
+
+        Only the first stage needs `inputs` and only the last needs `targets`; other ranks may
+        pass None. The returned loss is the global batch's mean, on every rank.
+        """
+        for param in self.module.parameters():
+            param.grad = None
+        origin = time.perf_counter()
+        timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
+        step_s = time.perf_counter() - origin
+        busy = sum(t.end - t.start for t in timings if t.action.is_compute)
+        phases: list[tuple[str, float, float]] = []
+        with naming_failures("the data-parallel gradient all-reduce", timeout_s=self.timeout_s):
+            self._dp_reduce.finish()
+        if self._dp_reduce.window is not None and self.mesh.dp > 1:
+            start, end = self._dp_reduce.window
+            phases.append(("dp all-reduce", start - origin, end - origin))
+        tie_start = time.perf_counter()
+        for key in sorted(self._tie_groups):  # one order on every rank: no crossed waits
+            param = self._tied[key]
+            if param.grad is None:  # a holder whose copy got no gradient still takes part
+                param.grad = torch.zeros_like(param)
+            with naming_failures(f"summing tied weight {key!r}", timeout_s=self.timeout_s):
+                dist.all_reduce(param.grad, group=self._tie_groups[key])
+        if self._tie_groups:
+            phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
+        opt_start = time.perf_counter()
+        if self.synchronises_steps:
+            norm, skipped = self._finish_gradients(loss)
+            figures = self._publish(busy, step_s, norm=norm)
+        else:
+            skipped = False
+            figures = self._publish(busy, step_s, norm=None)
+        if self.optimizer is not None and not skipped:
+            self.optimizer.step()
+        phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
+        scale = self.scaler.scale if self.scaler else 1.0
+        if self.scaler is not None:
+            self.scaler.update(not skipped)
+        if self._previous_figures is not None:
+            self._previous_figures()  # arrived during this step: frees its buffers, never waits
+        self._previous_figures = figures
+        return StepStats(
+            loss=loss,
+            step_s=step_s,
+            busy_s=busy,
+            in_flight_peak={s: stage.peak_in_flight for s, stage in self.stages.items()},
+            pending_w_peak={s: stage.peak_pending_w for s, stage in self.stages.items()},
+            timings=tuple(timings),
+            phases=tuple(phases),
+            skipped=skipped,
+            loss_scale=scale,
+            pipeline_figures=figures,
+        )
+
+    def _publish(
+        self, busy: float, step_s: float, *, norm: float | None
+    ) -> Callable[[], tuple[float, float]]:
+        """Send (busy, step seconds, per-parameter gradient norms unless `norm` is known) to
+        the pipeline peers; the result resolves (bubble, global norm) once theirs arrived."""
+        mine = torch.tensor([busy, step_s], dtype=torch.float64)
+        if norm is None:
+            norms = gradient_norms(self._global_named_parameters(), self._order)
+            mine = torch.cat([mine, norms.cpu().to(torch.float64)])
+        gather = self.reports.publish(mine) if self.mesh.pp > 1 else lambda: mine[None]
+
+        @functools.cache
+        def figures() -> tuple[float, float]:
+            every = gather()
+            bubble = pipeline_bubble(every[:, 0].tolist(), every[:, 1].tolist())
+            if norm is not None:
+                return bubble, norm
+            total = every[:, 2:].sum(0).to(torch.float32)
+            return bubble, float(torch.linalg.vector_norm(total, 2.0))
+
+        return figures
+
+    def _global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their global names (`layers.{i}.…`)."""
+        return [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
+
+    def _finish_gradients(self, loss: float) -> tuple[float, bool]:
+        """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks."""
+        params = list(self.module.parameters())
+        if self.scaler is not None:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / self.scaler.scale)
+        with naming_failures("the pipeline's gradient-norm all-reduce", timeout_s=self.timeout_s):
+            total = global_grad_norm(
+                self._global_named_parameters(),
+                self._order,
+                group=self.mesh.pp_group,
+                distributed=self.mesh.pp > 1,
+            )
+        norm = float(total)
+        skipped = not (math.isfinite(norm) and math.isfinite(loss))
+        if skipped:
+            self.skipped_steps += 1
+        elif self.options.clip_grad_norm > 0:
+            clip_gradients(params, total, self.options.clip_grad_norm)
+        return norm, skipped
+
+    def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """Forward-only loss of a batch, on every rank."""
+        return self._run(
+            self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
+        )[1]
+
+    def _run(
+        self,
+        schedule: Schedule,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        training: bool,
+        origin: float,
+    ) -> tuple[list[ActionTiming], float]:
+        """Run this rank's row of `schedule`; its action timings and the global mean loss.
+
+        The batch is checked and split before anything is posted to a peer, so a refused
+        batch leaves the engine ready for the next step.
+        """
+        if self.closed:
+            raise RuntimeError("this PipelineEngine is closed: build a new one to run steps")
+        if torch.is_autocast_enabled(self.mesh.device.type):
+            raise RuntimeError(
+                "the step was called inside torch.autocast: the engine casts by itself "
+                "(EngineOptions(precision='bf16' or 'fp16')), and an outer autocast would "
+                "override its precision and keep weight casts across optimizer steps: call "
+                "train_step and eval_step outside autocast"
+            )
+        step = StepRun(self, inputs, targets, training=training)
+        self.reports.begin_step()
+        for stage in self.stages.values():
+            stage.reset_peak()
+        clock = step_clock(self.mesh.device)
+        with contextlib.ExitStack() as scope:
+            if training:
+                for stage in self.stages.values():
+                    scope.enter_context(stage.step_scope())
+            else:
+                scope.enter_context(step_casts(self.options.precision, self.mesh.device))
+            timings = execute(
+                schedule, self.mesh.pp_rank, step.handlers(), clock=clock, origin=origin
+            )
+        self.exchange.wait_sends()
+        return timings, self._global_loss()
+
+    def _global_loss(self) -> float:
+        loss = self.reports.loss().clone()
+        if self.mesh.dp > 1:
+            with naming_failures("the loss's data-parallel mean", timeout_s=self.timeout_s):
+                dist.all_reduce(loss, group=self.mesh.dp_group)
+            loss /= self.mesh.dp
+        return float(loss)
+
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Release the process groups this engine made (pipeline edges, step reports, tied
+        weights); the mesh's own groups stay. Every rank calls it after its last step: by
+        default it first reads the last step's figures and waits for every rank at a barrier,
+        so no peer still uses a group being torn down. Each engine holds about 20 sockets and
+        12 threads per rank until then. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        if wait_for_peers and self.mesh.world_size > 1:
+            with naming_failures("closing the engine (a barrier)", timeout_s=self.timeout_s):
+                self.exchange.wait_sends()
+                if self._previous_figures is not None:
+                    self._previous_figures()
+                dist.barrier()
+        groups = [*self.channels.edges.values(), self.channels.reports]
+        groups += self._tie_groups.values()
+        for group in {id(g): g for g in groups if g is not None}.values():
+            dist.destroy_process_group(group)
+
+    def __enter__(self) -> PipelineEngine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
+
+
+def _check_layout(
+    specs: Sequence[LayerSpec],
+    mesh: Mesh,
+    partition: Partition,
+    micro_batches: int,
+    stages_per_rank: int,
+) -> None:
+    if partition.num_layers != len(specs):
+        raise ValueError(
+            f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
+            "partition this model's layer list"
+        )
+    if partition.num_stages != mesh.pp * stages_per_rank:
+        raise ValueError(
+            f"the partition has {partition.num_stages} stages but the mesh has pp={mesh.pp} "
+            f"pipeline ranks × {stages_per_rank} stages per rank: partition into "
+            f"{mesh.pp * stages_per_rank} stages"
+        )
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")

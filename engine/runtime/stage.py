@@ -1,0 +1,384 @@
+"""A pipeline stage: its own layers and the per-micro-batch state its backward needs.
+
+The stage computes; it never communicates. Inputs arrive as tensors (received activations or
+the first stage's token ids), outputs leave as tensors; between a micro-batch's forward and
+backward the stage stashes its inputs and outputs — the micro-batch is *in flight*.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.runtime.options import recompute_groups
+from engine.runtime.precision import autocast, compute_dtype, step_casts
+from engine.runtime.reference import LossFn
+from engine.runtime.weight_copies import WeightCopies
+from models import LayerSpec, build_layers, lm_loss
+
+__all__ = ["PipelineStage", "StageError"]
+
+
+class StageError(RuntimeError):
+    """A stage could not compute a micro-batch (for example a shape mismatch at its input)."""
+
+
+@dataclass
+class _InFlight:
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+    """(module, its input, its output) of every parameter-owning module, in forward order."""
+
+
+@dataclass
+class _PendingWeightGrad:
+    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    """(Linear, input, output, gradient at the output) waiting for their W; the output only
+    when W goes through autograd (it keeps the graph alive)."""
+
+
+class PipelineStage:
+    """The layers `[first, last)` of a layer list, built and initialised on this rank only."""
+
+    def __init__(
+        self,
+        specs: Sequence[LayerSpec],
+        *,
+        stage: int,
+        layers: range,
+        num_stages: int,
+        seed: int,
+        device: torch.device | str = "cpu",
+        loss_fn: LossFn = lm_loss,
+        precision: str = "fp32",
+        recompute: str = "none",
+        compile: bool = False,
+    ) -> None:
+        self.stage, self.num_stages, self.layers = stage, num_stages, layers
+        self.specs = [specs[i] for i in layers]
+        self.module = build_layers(specs, layers, seed=seed, device=device)
+        self.loss_fn = loss_fn
+        self.precision, self.device = precision, torch.device(device)
+        modules = list(self.module.layers.values())
+        self.compiled = compile
+        if compile:
+            for module in modules:
+                module.compile()  # in place: parameter names and state dicts stay as they are
+        self._runs = [
+            (nn.Sequential(*(modules[i] for i in run)), again)
+            for run, again in recompute_groups(len(modules), recompute)
+        ]
+        self._in_flight: dict[int, _InFlight] = {}
+        self._pending_w: dict[int, _PendingWeightGrad] = {}
+        self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] | None = None
+        self._hooks_on = False
+        self._fused_weight_grads = False
+        self._eager_params: list[nn.Parameter] = []
+        dtype = compute_dtype(precision)
+        self._copies = WeightCopies(self.module, dtype) if dtype is not torch.float32 else None
+        self._in_step = False
+        self.peak_in_flight = 0
+        self.peak_pending_w = 0
+
+    def enable_split_backward(self) -> None:
+        """Prepare the split backward: I now, the weight GEMMs later in W.
+
+        Only a GEMM's weight gradient (gᵀ·x of every `nn.Linear`) is worth deferring; forward
+        hooks record each Linear's input and output. The I pass asks autograd for the stage
+        input's gradient, each Linear output's gradient and, at once, the gradients of every
+        other parameter (norms, embeddings: cheap reductions that would otherwise need a
+        second pass over their inputs in W). Every kernel runs once, as in a fused backward.
+        """
+        if self._hooks_on or self._fused_weight_grads:
+            return
+        if self.compiled:
+            raise ValueError(
+                f"stage {self.stage} is compiled, and a compiled layer hides the Linears whose "
+                "weight gradients a split backward (I now, W later) defers: use a schedule "
+                "without I/W actions (1f1b, gpipe, interleaved_1f1b, looped_bfs) with compile, "
+                "or run the zero-bubble schedule uncompiled"
+            )
+        owners = [m for m in self.module.modules() if list(m.parameters(recurse=False))]
+        uses = [id(p) for m in owners for p in m.parameters(recurse=False)]
+        recomputed = any(again for _, again in self._runs)
+        if len(uses) != len(set(uses)) or recomputed:
+            # A parameter used by two modules of this stage (a tie held in one stage): the
+            # gradient at one module's output reaches it through the other too, so W cannot
+            # be taken per module. With recomputation, every per-module W would re-run the
+            # checkpointed forward. Such a stage runs its whole backward at I; W is empty.
+            self._fused_weight_grads = True
+            return
+        for module in owners:
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(self._record_output)
+            else:
+                self._eager_params += [p for p in module.parameters(recurse=False)]
+        self._hooks_on = True
+
+    def _record_output(
+        self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+    ) -> None:
+        if self._capture is not None and output.requires_grad:
+            self._capture.append((module, inputs[0], output))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def pending_weight_grads(self) -> int:
+        return len(self._pending_w)
+
+    @contextlib.contextmanager
+    def step_scope(self) -> Iterator[None]:
+        """One training step: its first forward makes the step's low-precision copies of the
+        Linear weights (`WeightCopies`), which every micro-batch and recompute shares, and
+        autocast's cast cache stays open for any other weight cast (`step_casts`). On exit,
+        before the optimizer, the fp32 masters are back in the modules, holding the step's
+        gradients. Outside a step scope forwards cast per micro-batch, as autocast does."""
+        self._in_step = True
+        try:
+            with step_casts(self.precision, self.device):
+                yield
+        except BaseException:
+            self._in_flight.clear()  # a failed step's micro-batches never get their backward
+            self._pending_w.clear()
+            raise
+        finally:
+            self._in_step = False
+            if self._copies is not None:
+                self._copies.restore()
+
+    def reset_peak(self) -> None:
+        self.peak_in_flight = len(self._in_flight)
+        self.peak_pending_w = len(self._pending_w)
+
+    def forward(
+        self,
+        micro_batch: int,
+        inputs: tuple[torch.Tensor, ...],
+        *,
+        targets: torch.Tensor | None = None,
+        loss_divisor: int = 1,
+        loss_scale: float = 1.0,
+        training: bool = True,
+        split: bool = True,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the stage on one micro-batch; the last stage returns its (unscaled) loss.
+
+        In training the last stage keeps `loss / loss_divisor` for the backward (the number of
+        micro-batches, exactly as the reference divides), other stages keep their outputs.
+        `split=False` says this micro-batch's backward will be a fused B, so the Linears'
+        inputs and outputs need not be recorded for a W.
+        """
+        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        self._capture = capture if training and split and self._hooks_on else None
+        if training and self._in_step and self._copies is not None:
+            self._copies.install()
+        with torch.set_grad_enabled(training), autocast(self.precision, self.device):
+            try:
+                out = self._run_layers(inputs[0], training)
+            except (RuntimeError, ValueError, IndexError) as error:
+                raise StageError(self._input_message(micro_batch, inputs, error)) from error
+            finally:
+                self._capture = None
+            if self.is_last:
+                if targets is None:
+                    raise StageError(f"stage {self.stage} is last but got no targets")
+                loss = self.loss_fn(out, targets)
+                root = (
+                    loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
+                )
+                outputs: tuple[torch.Tensor, ...] = (root,) if training else ()
+                result: tuple[torch.Tensor, ...] = (loss.detach(),)
+            else:
+                dtype = compute_dtype(self.precision)
+                out = out.to(dtype) if out.is_floating_point() else out
+                outputs = result = (out,)
+        if training:
+            self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        return result
+
+    def _run_layers(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """The stage's layers in order; recomputed runs keep only their input for backward
+        (the received one: the first run widens it inside)."""
+        for k, (run, again) in enumerate(self._runs):
+            step = partial(self._widened_run, run) if k == 0 else run
+            x = checkpoint(step, x, use_reentrant=False) if again and training else step(x)
+        return x
+
+    def _widened_run(self, run: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run on the received activation back in fp32: only the exchange is narrowed to the
+        compute dtype. The residual stream stays fp32 under autocast, as in the single-process
+        run, and norms see input and weight of one dtype (the fused kernel, not the composite).
+        """
+        if self.precision != "fp32" and x.is_floating_point() and x.dtype != torch.float32:
+            x = x.float()
+        return run(x)  # type: ignore[no-any-return]
+
+    def _pop(self, micro_batch: int) -> _InFlight:
+        state = self._in_flight.pop(micro_batch, None)
+        if state is None:
+            raise StageError(
+                f"stage {self.stage} has no forward state for micro-batch {micro_batch}: "
+                "the schedule runs its backward before its forward or twice"
+            )
+        return state
+
+    def _roots(
+        self, state: _InFlight, output_grads: tuple[torch.Tensor, ...]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if self.is_last:
+            return list(state.outputs), None
+        pairs = [
+            (o, g) for o, g in zip(state.outputs, output_grads, strict=True) if o.requires_grad
+        ]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(
+        self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """Backward of one micro-batch: accumulate parameter grads, return input grads."""
+        state = self._pop(micro_batch)
+        roots, grads = self._roots(state, output_grads)
+        torch.autograd.backward(roots, grad_tensors=grads)
+        return tuple(x.grad for x in state.inputs if x.requires_grad and x.grad is not None)
+
+    def backward_input(
+        self, micro_batch: int, output_grads: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[torch.Tensor, ...]:
+        """The I half: gradients of the stage input (to send upstream at once), of every
+        Linear's output (kept for W) and of every other parameter (accumulated now).
+
+        In fp32 W computes each Linear's weight gradient itself from (input, output gradient),
+        so the graph is freed here; under autocast W goes through autograd and keeps it.
+        """
+        if self._fused_weight_grads:
+            input_grads = self.backward(micro_batch, output_grads)
+            self._pending_w[micro_batch] = _PendingWeightGrad([])
+            self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
+            return input_grads
+        state = self._pop(micro_batch)
+        roots, grads = self._roots(state, output_grads)
+        wanted = [x for x in state.inputs if x.requires_grad]
+        nodes = [out for _, _, out in state.weight_nodes]
+        eager = [p for p in self._eager_params if p.requires_grad]
+        manual = self.precision == "fp32"
+        found = torch.autograd.grad(
+            roots,
+            wanted + nodes + eager,
+            grad_outputs=grads,
+            retain_graph=not manual,
+            allow_unused=True,
+        )
+        cut = len(wanted) + len(nodes)
+        input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
+        _accumulate(eager, found[cut:])
+        self._pending_w[micro_batch] = _PendingWeightGrad(
+            [
+                (m, x.detach(), None, g) if manual else (m, x, out, g)
+                for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
+                if g is not None
+            ]
+        )
+        self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
+        return tuple(g for g in input_grads if g is not None)
+
+    def backward_weight(self, micro_batch: int) -> None:
+        """The W half: each Linear's parameter gradients from its output's gradient.
+
+        Modules go last-to-first, the order a fused backward reaches them; in fp32 each is the
+        very GEMM autograd would run (same operands, same bits), otherwise one autograd call
+        that stops at the module's own parameters, so no gradient flows twice.
+        """
+        pending = self._pending_w.pop(micro_batch, None)
+        if pending is None:
+            raise StageError(
+                f"stage {self.stage} has no input-gradient state for micro-batch {micro_batch}: "
+                "the schedule runs its W before its I or twice"
+            )
+        for module, x, out, grad in reversed(pending.nodes):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if out is None:
+                assert isinstance(module, nn.Linear), "only Linears defer their W without graph"
+                values = _linear_weight_grads(module, x, grad)
+            else:
+                values = list(torch.autograd.grad(out, params, grad))
+            masters = params if self._copies is None else [self._copies.master(p) for p in params]
+            _accumulate(masters, values)
+
+    def _input_message(
+        self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception
+    ) -> str:
+        """What failed, on what input, and the likely cause: the batch on the first stage, the
+        layer list's boundary shapes on the others."""
+        first = self.layers.start
+        shapes = [tuple(t.shape) for t in inputs]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in inputs]
+        failed = (
+            f"stage {self.stage} (layers [{first}, {self.layers.stop}), first layer "
+            f"{self.specs[0].kind}) failed on micro-batch {micro_batch} with inputs of shapes "
+            f"{shapes} and dtypes {dtypes}: {error}."
+        )
+        if not self.is_first:
+            return (
+                f"{failed} If the shapes disagree with what layer {first} expects, the layer "
+                "list's stages disagree on the activation shape at this boundary"
+            )
+        tokens = inputs[0]
+        vocab = [m.num_embeddings for m in self.module.modules() if isinstance(m, nn.Embedding)]
+        if vocab and not tokens.is_floating_point() and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= vocab[0]:
+                return (
+                    f"{failed} The batch holds token ids in [{low}, {high}] but the model's "
+                    f"vocabulary has {vocab[0]}: ids must lie in [0, {vocab[0] - 1}] (tokenize "
+                    "with the model's tokenizer, or pick a model with a larger vocabulary)"
+                )
+        return (
+            f"{failed} This stage's input is the batch itself: check its dtype (integer token "
+            "ids for an embedding), its shape (batch, sequence) and its sequence length"
+        )
+
+
+def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
+    """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would (a
+    low-precision copy's gradient widened by the add, as `WeightCopies` does)."""
+    for param, value in zip(params, values, strict=True):
+        if value is None:
+            continue
+        if param.grad is None:
+            param.grad = value.to(param.dtype)
+        else:
+            param.grad += value
+
+
+def _linear_weight_grads(
+    module: nn.Linear, x: torch.Tensor, grad: torch.Tensor
+) -> list[torch.Tensor]:
+    """A Linear's weight (and bias) gradient as the GEMM autograd runs: gᵀ·x (and Σ g).
+
+    The same kernels on the same operands as autograd's AddmmBackward, so the same bits,
+    without an autograd call per module (the W pass's main overhead).
+    """
+    g2d = grad.reshape(-1, module.out_features)
+    values = [g2d.t().mm(x.detach().reshape(-1, module.in_features))]
+    if module.bias is not None and module.bias.requires_grad:
+        values.append(g2d.sum(0))
+    return values

@@ -1,0 +1,59 @@
+"""StepStats: what one pipeline step measured on a rank, and the bubble its figures give."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.runtime.interpreter import ActionTiming
+
+__all__ = ["StepStats", "pipeline_bubble"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What one step measured on this rank.
+
+    `bubble` and `grad_norm` need every pipeline rank's figures, which arrive without a
+    barrier: reading them right after the step waits until every peer has finished it; the
+    engine has them anyway by the end of the next step.
+    """
+
+    loss: float
+    """Mean loss over the global batch (the same on every rank)."""
+    step_s: float
+    """Seconds the schedule took on this rank."""
+    busy_s: float
+    """Seconds of compute (F, B, I, W) on this rank."""
+    in_flight_peak: dict[int, int]
+    """Peak micro-batches in flight (F done, B or I not) per stage held by this rank."""
+    pending_w_peak: dict[int, int]
+    """Peak micro-batches waiting for their W (I done) per stage held by this rank."""
+    timings: tuple[ActionTiming, ...]
+    """Every action's start and end on this rank, in seconds from the step's start."""
+    phases: tuple[tuple[str, float, float], ...] = ()
+    """Work outside the schedule (DP all-reduce, tied-weight sum, optimizer), same clock."""
+    skipped: bool = False
+    """True when a non-finite loss or gradient made every rank skip the optimizer step."""
+    loss_scale: float = 1.0
+    """fp16's loss scale used in this step (1 otherwise)."""
+    pipeline_figures: Callable[[], tuple[float, float]] = field(
+        default=lambda: (0.0, 0.0), repr=False, compare=False
+    )
+    """Resolves (bubble, grad norm) from every pipeline rank's figures."""
+
+    @property
+    def bubble(self) -> float:
+        """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""
+        return self.pipeline_figures()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        """Global gradient norm before clipping (the same on every rank)."""
+        return self.pipeline_figures()[1]
+
+
+def pipeline_bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
+    """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
+    slowest = max(step_s)
+    return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0

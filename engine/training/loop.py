@@ -1,0 +1,350 @@
+"""The training loop behind `meshpipe train`: one process or a pp × dp mesh of them.
+
+Every rank runs this loop. Only the first stage reads inputs and only the last reads targets;
+global rank 0 shows the progress bar and writes the metrics. With --checkpoint-dir the loop
+saves every --save-every steps and after the last one; with --resume it first continues from
+the checkpoint `latest` names, so ranks restarted by --max-restarts pick up where they died.
+
+Test-only fault injection: with `MESHPIPE_TEST_KILL_AT_STEP=S` in the environment, global rank
+`MESHPIPE_TEST_KILL_RANK` (default: the last) SIGKILLs itself as step S begins, on the
+launcher's first attempt only (`TORCHELASTIC_RESTART_COUNT` unset or 0), so the restart tests
+watch a real crash. Nothing else reads these variables; never set them outside tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+
+from engine.checkpoint.hf_interop import open_weights
+from engine.checkpoint.save_load import (
+    TrainerState,
+    has_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
+from engine.comm.mesh import Mesh, init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import lr_factor
+from engine.runtime.step_stats import StepStats
+from engine.training.batches import BatchLoader
+from engine.training.config import TrainConfig
+from engine.training.data import TokenDataset, default_corpus, load_tokens
+from engine.training.deepspeed_config import deepspeed_lr
+from engine.training.metrics import MetricsLog
+from engine.training.preflight import check_before_loading, check_outputs, stage_partition
+from engine.training.resume_check import (
+    check_resumable,
+    keep_new_hyperparameters,
+    optimizer_hyperparameters,
+)
+from engine.training.trace import TraceRecorder
+from models import LayerSpec, get_config, layer_specs
+
+__all__ = [
+    "KILL_AT_STEP_ENV",
+    "KILL_RANK_ENV",
+    "TrainResult",
+    "lr_multiplier",
+    "open_dataset",
+    "train",
+    "train_worker",
+]
+
+KILL_AT_STEP_ENV = "MESHPIPE_TEST_KILL_AT_STEP"
+KILL_RANK_ENV = "MESHPIPE_TEST_KILL_RANK"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What a finished run reports."""
+
+    losses: tuple[float, ...]
+    """Mean loss of every step, in order."""
+    tokens_per_s: float
+    """Throughput over the run after its first step (warm-up), or of that step if alone."""
+    bubbles: tuple[float, ...] = ()
+    """Measured pipeline bubble of every step."""
+    first_step: int = 0
+    """Step this process started at (> 0 after resuming); `losses[0]` is that step's."""
+
+    @property
+    def final_loss(self) -> float:
+        """Loss of the last step run here (NaN when a resumed run had no steps left)."""
+        return self.losses[-1] if self.losses else math.nan
+
+    @property
+    def mean_bubble(self) -> float:
+        """Mean measured bubble after the first step (warm-up), or of that step if alone."""
+        steady = self.bubbles[1:] or self.bubbles
+        return sum(steady) / len(steady) if steady else math.nan
+
+
+def open_dataset(config: TrainConfig) -> TokenDataset:
+    """The run's token data, checked against the model's vocabulary."""
+    dataset = load_tokens(config.data) if config.data else load_tokens(default_corpus().bin_path)
+    vocab = get_config(config.model).vocab_size
+    if dataset.info.vocab_size > vocab:
+        raise ValueError(
+            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
+            f"{config.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
+        )
+    return dataset
+
+
+def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    elif mesh.world_size > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
+    return PipelineEngine(
+        specs,
+        mesh,
+        partition=stage_partition(config, specs),
+        micro_batches=config.micro_batches,
+        schedule=config.schedule,
+        stages_per_rank=config.stages_per_rank,
+        seed=config.seed,
+        optimizer=config.optimizer_spec(),
+        timeout_s=config.timeout,
+        options=config.engine_options(),
+    )
+
+
+def lr_multiplier(config: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr per step: ours, or a DeepSpeed scheduler's exact values."""
+    if config.lr_schedule.startswith("deepspeed:"):
+        kind = config.lr_schedule.split(":", 1)[1]
+        params = json.loads(config.lr_schedule_args)
+        return lambda step: deepspeed_lr(step, kind, params, config.lr) / config.lr
+    return lambda step: lr_factor(
+        step,
+        schedule=config.lr_schedule,
+        warmup_steps=config.warmup_steps,
+        total_steps=config.steps,
+        min_ratio=config.min_lr_ratio,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """The pieces of a run that the loop, the checkpoints and resume all touch."""
+
+    config: TrainConfig
+    engine: PipelineEngine
+    specs: list[LayerSpec]
+    loader: BatchLoader
+    scheduler: LambdaLR
+
+    def step(self, step: int) -> tuple[StepStats, float, float]:
+        """Train one step; returns its stats, the learning rate it used and its seconds."""
+        engine = self.engine
+        assert engine.optimizer is not None
+        needs_data = engine.is_first or engine.is_last
+        inputs, targets = self.loader.batch_at(step) if needs_data else (None, None)
+        lr = float(engine.optimizer.param_groups[0]["lr"])
+        start = time.perf_counter()
+        stats = engine.train_step(inputs, targets)
+        self.scheduler.step()
+        return stats, lr, time.perf_counter() - start
+
+    def saves_at(self, done: int) -> bool:
+        """Whether a checkpoint is written after `done` steps."""
+        config = self.config
+        every = config.save_every > 0 and done % config.save_every == 0
+        return config.checkpoint_dir is not None and (every or done == config.steps)
+
+    def save(self, done: int) -> None:
+        """Checkpoint after `done` steps, when the config asks for it (collective)."""
+        config = self.config
+        if config.checkpoint_dir is None or not self.saves_at(done):
+            return
+        state = TrainerState(
+            step=done,
+            loader={**self.loader.state_dict(), "position": done},
+            scheduler=self.scheduler.state_dict(),
+            config=config.to_dict(),
+            loss_scale=self.engine.scaler.state_dict() if self.engine.scaler else {},
+            skipped_steps=self.engine.skipped_steps,
+        )
+        save_checkpoint(
+            self.engine, self.specs, config.checkpoint_dir, state=state, keep=config.keep
+        )
+
+    def restore(self) -> int:
+        """Resume from `latest` or start from --init-from weights; returns the first step."""
+        config, engine = self.config, self.engine
+        root = config.checkpoint_dir
+        if config.resume and root is not None and has_checkpoint(root):
+            assert engine.optimizer is not None
+            check_before_loading(root, config)
+            built = optimizer_hyperparameters(engine.optimizer)
+            where, state = load_checkpoint(
+                engine, self.specs, root, fallback=config.resume_fallback
+            )
+            changed = check_resumable(state.config, config, state.step, str(where))
+            self.scheduler.load_state_dict(state.scheduler)
+            if changed:
+                keep_new_hyperparameters(engine.optimizer, self.scheduler, built)
+                _say(engine.mesh, f"continuing with new settings ({changed})")
+            self.loader.load_state_dict(state.loader)
+            if engine.scaler is not None and state.loss_scale:
+                engine.scaler.load_state_dict(state.loss_scale)
+            engine.skipped_steps = state.skipped_steps
+            _say(engine.mesh, f"resumed from step {state.step} ({where})")
+            return state.step
+        if config.init_from is not None:
+            source = open_weights(config.init_from, get_config(config.model))
+            load_model_weights(engine, self.specs, source)
+            _say(engine.mesh, f"initialised from {config.init_from}")
+        return 0
+
+
+def _log_line(record: dict[str, Any], skipped: int) -> str:
+    return (
+        f"step {record['step'] + 1}: loss {record['loss']:.4f}, "
+        f"{record['tokens_per_s']:,.0f} tokens/s, bubble {record['bubble']:.1%}, "
+        f"grad norm {record['grad_norm']:.3g}, lr {record['lr']:.3g}, skipped {skipped}"
+    )
+
+
+def _say(mesh: Mesh, message: str) -> None:
+    if mesh.rank == 0:
+        print(f"meshpipe: {message}", file=sys.stderr, flush=True)
+
+
+def _test_fault(step: int, mesh: Mesh) -> None:
+    """The test-only crash of the module docstring: SIGKILL, so nothing is cleaned up."""
+    at = os.environ.get(KILL_AT_STEP_ENV)
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if mesh.rank == int(os.environ.get(KILL_RANK_ENV, mesh.world_size - 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
+    """Metrics of the steps before `start`, replayed into the log when a run resumes."""
+    if path is None or start == 0 or not Path(path).is_file():
+        return []
+    kept = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the crash
+        if isinstance(record, dict) and record.get("step", start) < start:
+            kept.append(record)
+    return kept
+
+
+def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
+    loader = BatchLoader(
+        open_dataset(config),
+        seq_len=config.seq_len,
+        global_batch=config.global_batch,
+        seed=config.seed,
+        dp_rank=mesh.dp_rank,
+        dp_size=config.dp,
+    )
+    specs = layer_specs(config.model)
+    engine = _build_engine(config, mesh, specs)
+    assert engine.optimizer is not None
+    scheduler = LambdaLR(engine.optimizer, lr_multiplier(config))
+    return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
+
+
+def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
+    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    check_outputs(config)
+    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout, device=config.device)
+    _set_threads(config, mesh)
+    run = _open_run(config, mesh)
+    first = run.restore()
+    tokens_per_step = config.global_batch * config.seq_len
+    stats: list[StepStats] = []
+    wall: list[float] = []
+    path = config.metrics_file if mesh.rank == 0 else None
+    show = progress and mesh.rank == 0
+    kept = _kept_records(path, first)
+    trace = TraceRecorder() if config.trace else None
+    with MetricsLog(total_steps=config.steps, path=path, progress=show, kept=kept) as log:
+
+        def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
+            record = {
+                "step": step,
+                "loss": result.loss,
+                "lr": lr,
+                "step_s": seconds,
+                "tokens_per_s": tokens_per_step / seconds,
+                "bubble": result.bubble,
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+            }
+            log.record(**record)
+            if config.log_every and (step + 1) % config.log_every == 0:
+                _say(mesh, _log_line(record, run.engine.skipped_steps))
+
+        # A step is logged once the next one ran: its bubble and grad norm need every pipeline
+        # rank's figures, which have arrived by then without holding any rank back.
+        pending: tuple[int, StepStats, float, float] | None = None
+        for step in range(first, config.steps):
+            _test_fault(step, mesh)
+            started = time.perf_counter()
+            result, lr, seconds = run.step(step)
+            if trace is not None:
+                trace.record(step, started, result)
+            wall.append(seconds)
+            stats.append(result)
+            if pending is not None:
+                emit(*pending)
+            pending = (step, result, lr, seconds)
+            if run.saves_at(step + 1):
+                emit(*pending)
+                pending = None
+            run.save(step + 1)
+        if pending is not None:
+            emit(*pending)
+    run.engine.close()
+    if trace is not None and config.trace is not None:
+        trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
+        _say(mesh, f"wrote trace {config.trace}")
+    timed = wall[1:] or wall
+    steady = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
+    return TrainResult(
+        losses=tuple(s.loss for s in stats),
+        tokens_per_s=steady,
+        bubbles=tuple(s.bubble for s in stats),
+        first_step=first,
+    )
+
+
+def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
+    """Entry point of each locally launched rank. Ctrl-C reaches every rank of the terminal's
+    process group; the launcher reports it once, so a rank ends without a traceback."""
+    try:
+        return train(config, progress=progress)
+    except KeyboardInterrupt:
+        if "LOCAL_RANK" not in os.environ:
+            raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent passes the signal on too
+        sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

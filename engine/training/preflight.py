@@ -1,0 +1,127 @@
+"""Checks a run passes before its first step: its partition, the paths it writes, and the
+settings of the checkpoint it resumes.
+
+A launcher runs `preflight` before starting ranks, so a mistake fails once, in the terminal,
+rather than in every rank or, for an output path, after the last step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.checkpoint.files import (
+    TRAINER_FILE,
+    CheckpointError,
+    checkpoint_candidates,
+    has_checkpoint,
+    read_trainer,
+    step_dirs,
+)
+from engine.comm.mesh import check_device
+from engine.training.config import TrainConfig
+from engine.training.resume_check import check_resumable
+from models import LayerSpec, layer_specs
+from partitioners import Partition, partition_model
+
+__all__ = [
+    "check_before_loading",
+    "check_outputs",
+    "preflight",
+    "stage_partition",
+    "writable_folder",
+]
+
+
+def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
+    """The run's stages, partitioned as the config asks."""
+    return partition_model(
+        specs,
+        method=config.partition,
+        num_stages=config.pp * config.stages_per_rank,
+        batch_size=config.global_batch // (config.dp * config.micro_batches),
+        seq_len=config.seq_len,
+    )
+
+
+def writable_folder(folder: Path, flag: str, given: str) -> None:
+    """Create `folder` now, so a path that cannot be written fails before the first step,
+    not after the last one."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(
+            f"{flag} {given}: {folder} is a file, not a folder: pick another path"
+        ) from None
+    except OSError as error:
+        raise ValueError(f"{flag} {given}: cannot create {folder} ({error.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {given}: {folder} is not writable: pick another path")
+
+
+def check_outputs(config: TrainConfig) -> None:
+    """Every path the run writes (checkpoints, metrics, trace) can be written, and a new run
+    does not write over another run's checkpoints (same-named steps would be replaced and
+    --keep would delete the rest)."""
+    root = config.checkpoint_dir
+    if root is not None:
+        _not_a_checkpoint(Path(root))
+        writable_folder(Path(root), "--checkpoint-dir", root)
+        if not config.resume and has_checkpoint(root):
+            newest = step_dirs(Path(root))
+            held = f" (newest {newest[-1].name})" if newest else ""
+            raise ValueError(
+                f"--checkpoint-dir {root} already holds a run's checkpoints{held}: add --resume "
+                "to continue it, or give another --checkpoint-dir to start a new run"
+            )
+    for flag, path in (("--metrics-file", config.metrics_file), ("--trace", config.trace)):
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a folder: give a file name")
+        writable_folder(Path(path).parent, flag, path)
+
+
+def _not_a_checkpoint(root: Path) -> None:
+    """--checkpoint-dir is the folder that holds a run's `step-NNNNNNNN` checkpoints; given one
+    checkpoint (a step folder, or what `meshpipe import` wrote) the run would find nothing to
+    resume, train from scratch and nest new checkpoints inside it."""
+    if not (root / TRAINER_FILE).is_file():
+        return
+    parent = root.parent
+    resume = (
+        f"to continue its run, give its folder: --checkpoint-dir {parent} --resume; "
+        if has_checkpoint(parent)
+        else ""
+    )
+    raise ValueError(
+        f"--checkpoint-dir {root} is a checkpoint, not a folder of checkpoints: {resume}to "
+        f"start a new run from its weights, use --init-from {root} with a new --checkpoint-dir"
+    )
+
+
+def preflight(config: TrainConfig) -> None:
+    """Everything a launcher checks before starting ranks; says when a new run replaces an
+    existing metrics file."""
+    check_device(config.device)
+    stage_partition(config, layer_specs(config.model))
+    check_outputs(config)
+    metrics = config.metrics_file
+    if metrics is not None and not config.resume and Path(metrics).is_file():
+        print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
+    root = config.checkpoint_dir
+    if config.resume and root is not None and has_checkpoint(root):
+        check_before_loading(root, config)
+
+
+def check_before_loading(root: str, config: TrainConfig) -> None:
+    """Refuse changed settings before loading: a checkpoint of another optimizer or model
+    fails to load, which would hide the plain reason and its fix."""
+    try:
+        directory = checkpoint_candidates(root, fallback=config.resume_fallback)[0]
+        trainer = read_trainer(directory)
+    except CheckpointError:
+        return  # loading reports it, or falls back to an older checkpoint
+    check_resumable(trainer.get("config", {}), config, trainer.get("step", 0), str(directory))
