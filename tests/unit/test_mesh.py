@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import mesh
+from engine.comm import mesh
 
 CPU = torch.device("cpu")
 
