@@ -1,18 +1,17 @@
 """meshpipe's engine: schedules, the pipeline runtime on a mesh, data, training and the CLI."""
 
+from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.checkpoint.files import CheckpointError
-from engine.checkpoint.save_load import load_checkpoint, save_checkpoint
 from engine.comm.mesh import Mesh, init_mesh
 from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.runtime.engine import PipelineEngine
+from engine.runtime.micro_batches import split_micro_batches
 from engine.runtime.optim import OptimizerSpec, build_optimizer, lr_factor
 from engine.runtime.options import EngineOptions
-from engine.runtime.reference import accumulate_gradients, reference_step, split_micro_batches
+from engine.runtime.reference import accumulate_gradients, reference_step
 from engine.runtime.step_stats import StepStats
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.files import load_schedule, save_schedule
 from engine.schedule.generators import (
-    Schedule,
     gpipe,
     inference,
     interleaved_1f1b,
@@ -24,7 +23,9 @@ from engine.schedule.generators import (
     zb_h2,
 )
 from engine.schedule.passes import add_communication
+from engine.schedule.schedule import Schedule
 from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
+from engine.schedule.text import load_schedule, save_schedule
 from engine.schedule.validate import validate
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.runtime.reference import LossFn, split_micro_batches
+from engine.runtime.micro_batches import LossFn, split_micro_batches
 from models import LayerSpec, build_layers, lm_loss
 
 __all__ = ["MeshpipeLayer", "deepspeed_pipeline", "micro_batch_iterator"]

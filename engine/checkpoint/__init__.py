@@ -1,3 +1,26 @@
 """Checkpoints: collective save and load, on-disk files and indexes, atomic writes, RNG states,
 and Hugging Face names and folders.
 """
+
+from engine.checkpoint.files import (
+    CheckpointError,
+    TrainerState,
+    checkpoint_candidates,
+    has_checkpoint,
+    read_trainer,
+    step_dirs,
+)
+from engine.checkpoint.load import load_checkpoint, load_model_weights
+from engine.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "TrainerState",
+    "checkpoint_candidates",
+    "has_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "read_trainer",
+    "save_checkpoint",
+    "step_dirs",
+]

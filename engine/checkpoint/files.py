@@ -15,7 +15,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointError",
     "ShardRecord",
     "TensorReader",
+    "TrainerState",
     "atomic_write_text",
     "canonical_name",
     "checkpoint_candidates",
@@ -69,6 +70,25 @@ OPTIM_INDEX = "optim.safetensors.index.json"
 TRAINER_FILE = "trainer.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerState:
+    """What the training loop resumes besides weights and optimizer state."""
+
+    step: int
+    """Optimizer steps completed; the resumed run continues with this step."""
+    loader: dict[str, int] = field(default_factory=dict)
+    """`BatchLoader.state_dict()` at `step`."""
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    """The LR scheduler's `state_dict()`."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The run's `TrainConfig` as a dict (for the record, and for `generate`/`export`)."""
+    loss_scale: dict[str, float] = field(default_factory=dict)
+    """fp16's `LossScaler.state_dict()` (empty in other precisions): the scale the next step
+    uses and how close it is to growing, so a resumed run skips and steps as this one would."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped so far for a non-finite loss or gradient."""
 
 
 class CheckpointError(ValueError):

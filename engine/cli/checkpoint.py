@@ -1,13 +1,14 @@
 """`meshpipe export | import | generate`: the commands that read and write checkpoints.
 
-Kept apart from `engine.cli` so that file only registers them and dispatches here.
+`engine.cli.main` registers them and dispatches here.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-__all__ = ["COMMANDS", "add_commands", "run_command"]
+__all__ = ["COMMANDS", "add_parsers", "run"]
 
 COMMANDS = ("export", "import", "generate")
 
@@ -26,7 +27,7 @@ def _shard_bytes(text: str) -> int:
     return value
 
 
-def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the checkpoint commands on `meshpipe`'s subparsers."""
     export = commands.add_parser("export", help="write a checkpoint as a Hugging Face model")
     export.add_argument("--checkpoint", required=True, help="checkpoint dir or its root")
@@ -49,7 +50,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run one of `COMMANDS`; bad input raises ValueError (the CLI prints it)."""
     from engine.checkpoint.hf_interop import export_hf, import_hf
     from engine.training.generate import generate_text

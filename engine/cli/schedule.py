@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.schedule.files import chrome_trace, load_schedule, plot_timeline, save_schedule
-from engine.schedule.generators import SCHEDULES, Schedule, make_schedule
+from engine.schedule.generators import SCHEDULES, make_schedule
+from engine.schedule.plots import chrome_trace, plot_timeline
+from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
-from engine.schedule.text import format_schedule
+from engine.schedule.text import load_schedule, save_schedule
 from engine.training.preflight import writable_folder
 
-__all__ = ["add_schedule_parser", "parse_costs", "run_schedule"]
+__all__ = ["COMMANDS", "add_parsers", "parse_costs", "run"]
+
+COMMANDS = ("schedule",)
 
 
-def add_schedule_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "schedule", help="generate or load a pipeline schedule, simulate, plot and save it"
     )
@@ -126,7 +130,7 @@ def _schedule(args: argparse.Namespace) -> Schedule:
     )
 
 
-def run_schedule(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for flag in ("plot", "trace", "out"):  # before the report, not after it
         path = getattr(args, flag)
         if path:

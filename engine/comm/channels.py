@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from engine.comm.mesh import Mesh
-from engine.schedule.generators import Schedule
+from engine.schedule.schedule import Schedule
 
 __all__ = ["Edge", "PipelineChannels", "cross_rank_edges", "new_pipeline_channels"]
 

@@ -37,7 +37,8 @@ from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.runtime.options import recompute_groups
 from engine.runtime.precision import PRECISIONS
 from engine.schedule.actions import ActionKind, split_units
-from engine.schedule.generators import SCHEDULES, Schedule, make_schedule
+from engine.schedule.generators import SCHEDULES, make_schedule
+from engine.schedule.schedule import Schedule
 from engine.schedule.validate import validate
 from models import LayerSpec, get_config, layer_specs
 from partitioners import COST_MODELS, Partition, partition_model

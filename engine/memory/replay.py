@@ -22,7 +22,7 @@ from engine.memory.tracker import MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind, split_units
-from engine.schedule.generators import Schedule
+from engine.schedule.schedule import Schedule
 from models import LayerSpec, LayerStack
 
 __all__ = [

@@ -36,18 +36,18 @@ from engine.runtime.clipping import (
     gradient_norms,
 )
 from engine.runtime.interpreter import ActionTiming, execute
+from engine.runtime.micro_batches import LossFn
 from engine.runtime.optim import OptimizerSpec
 from engine.runtime.options import EngineOptions
 from engine.runtime.precision import LossScaler, step_casts
-from engine.runtime.reference import LossFn
 from engine.runtime.stage import PipelineStage
 from engine.runtime.step import StepRun
 from engine.runtime.step_clock import step_clock
 from engine.runtime.step_stats import StepStats, pipeline_bubble
 from engine.schedule.actions import split_units
-from engine.schedule.files import check_fits, schedule_for
-from engine.schedule.generators import Schedule
 from engine.schedule.passes import add_communication, forward_only
+from engine.schedule.resolve import check_fits, schedule_for
+from engine.schedule.schedule import Schedule
 from engine.schedule.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition

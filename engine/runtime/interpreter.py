@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from engine.runtime.step_clock import HostClock, StepClock
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.generators import Schedule
-from engine.schedule.text import format_schedule
+from engine.schedule.schedule import Schedule, format_schedule
 
 __all__ = ["ActionTiming", "Handler", "PipelineRuntimeError", "execute"]
 

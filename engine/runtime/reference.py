@@ -8,32 +8,16 @@ step can reproduce it bit for bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.runtime.clipping import clip_gradients, global_grad_norm
+from engine.runtime.micro_batches import LossFn, split_micro_batches
 from engine.runtime.precision import LossScaler, autocast
 from models import lm_loss
 
-__all__ = ["LossFn", "accumulate_gradients", "reference_step", "split_micro_batches"]
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def split_micro_batches(batch: torch.Tensor, micro_batches: int) -> tuple[torch.Tensor, ...]:
-    """Split along dim 0 into `micro_batches` equal slices (views, no copy)."""
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
-    size = batch.shape[0]
-    if size % micro_batches:
-        raise ValueError(
-            f"a batch of {size} sequences does not split into {micro_batches} equal "
-            f"micro-batches: use a batch that is a multiple of {micro_batches} or change "
-            "the number of micro-batches"
-        )
-    return batch.split(size // micro_batches)
+__all__ = ["accumulate_gradients", "reference_step"]
 
 
 def accumulate_gradients(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.runtime.reference import split_micro_batches
+from engine.runtime.micro_batches import split_micro_batches
 from engine.schedule.actions import Action, ActionKind
 
 if TYPE_CHECKING:

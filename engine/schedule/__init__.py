@@ -3,3 +3,56 @@ simulation and plots.
 
 Nothing here imports torch.distributed: a schedule is plain data that every other layer reads.
 """
+
+from engine.schedule.actions import Action, ActionKind, split_units
+from engine.schedule.generators import (
+    SCHEDULES,
+    VIRTUAL_SCHEDULES,
+    gpipe,
+    inference,
+    interleaved_1f1b,
+    looped_bfs,
+    make_schedule,
+    one_f_one_b,
+    zb_drain,
+    zb_h1,
+    zb_h2,
+)
+from engine.schedule.passes import add_communication, forward_only
+from engine.schedule.resolve import check_fits, schedule_for
+from engine.schedule.schedule import Schedule, format_schedule
+from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
+from engine.schedule.text import load_schedule, parse_schedule, save_schedule
+from engine.schedule.validate import ScheduleError, validate
+
+__all__ = [
+    "SCHEDULES",
+    "VIRTUAL_SCHEDULES",
+    "Action",
+    "ActionCosts",
+    "ActionKind",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "add_communication",
+    "check_fits",
+    "format_schedule",
+    "forward_only",
+    "gpipe",
+    "inference",
+    "interleaved_1f1b",
+    "load_schedule",
+    "looped_bfs",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_schedule",
+    "save_schedule",
+    "schedule_for",
+    "simulate",
+    "split_units",
+    "steady_state_bubble",
+    "validate",
+    "zb_drain",
+    "zb_h1",
+    "zb_h2",
+]

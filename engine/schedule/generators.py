@@ -1,21 +1,19 @@
-"""Pipeline schedules as data: for every pipeline rank, its ordered list of actions.
+"""Schedule generators: GPipe, 1F1B, interleaved, looped BFS and the zero-bubble family.
 
-Generators build compute-only schedules; `engine.passes` lowers them (adds communication);
-the validator, the simulator and the runtime all read the same `Schedule` value
-(`engine.schedule_text` writes and reads it as text).
+Each builds a compute-only `Schedule` (F, B, I, W actions per rank); `make_schedule` picks one by
+the name a config or the CLI uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.schedule.actions import Action, ActionKind
+from engine.schedule.schedule import Schedule
 
 __all__ = [
     "SCHEDULES",
     "VIRTUAL_SCHEDULES",
-    "Schedule",
     "gpipe",
     "inference",
     "interleaved_1f1b",
@@ -26,60 +24,6 @@ __all__ = [
     "zb_h1",
     "zb_h2",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Schedule:
-    """Per-rank action lists plus where each stage lives."""
-
-    name: str
-    """Generator that made it (`gpipe`, `1f1b`, …) or `custom`."""
-    num_ranks: int
-    """Pipeline ranks (P)."""
-    num_stages: int
-    """Stages (S = P·v with v stages per rank)."""
-    micro_batches: int
-    """Micro-batches per step (m)."""
-    placement: tuple[int, ...]
-    """Rank of each stage: `placement[s]`."""
-    rows: tuple[tuple[Action, ...], ...]
-    """`rows[r]`: rank r's actions in execution order."""
-    lowered: bool = False
-    """True once `engine.passes.add_communication` has added the sends and receives."""
-
-    def __post_init__(self) -> None:
-        # Shape only: the content (orders, counts, matching sends) is `engine.validate`'s job,
-        # so that a broken schedule can still be built and then explained in full.
-        if self.num_ranks < 1 or self.num_stages < 1 or self.micro_batches < 1:
-            raise ValueError(
-                f"schedule needs num_ranks, num_stages, micro_batches >= 1, got "
-                f"{self.num_ranks}, {self.num_stages}, {self.micro_batches}"
-            )
-        if len(self.rows) != self.num_ranks:
-            raise ValueError(
-                f"schedule has {len(self.rows)} rows for {self.num_ranks} ranks: give one per rank"
-            )
-        if len(self.placement) != self.num_stages:
-            raise ValueError(
-                f"placement {self.placement} has {len(self.placement)} entries for "
-                f"{self.num_stages} stages: give the rank of every stage"
-            )
-        bad = [r for r in self.placement if not 0 <= r < self.num_ranks]
-        if bad:
-            raise ValueError(
-                f"placement {self.placement} names ranks {bad} outside 0..{self.num_ranks - 1}"
-            )
-
-    def rank_of(self, stage: int) -> int:
-        return self.placement[stage]
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.placement) if r == rank)
-
-    def __str__(self) -> str:
-        from engine.schedule.text import format_schedule  # the text module builds Schedules
-
-        return format_schedule(self)
 
 
 def _check_sizes(num_ranks: int, micro_batches: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
-from engine.schedule.generators import Schedule
+from engine.schedule.schedule import Schedule
 
 __all__ = [
     "add_communication",

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
-from engine.schedule.generators import Schedule
 from engine.schedule.passes import add_communication, counterpart, is_lowered
-from engine.schedule.text import format_schedule
+from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.validate import ScheduleError, validate
 
 __all__ = [

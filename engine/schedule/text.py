@@ -1,16 +1,20 @@
-"""A schedule as text, one line per rank (`rank 0: 0F0 0F1 0B0 …`): what `meshpipe schedule`
-prints, what a runtime or simulator error shows around the failing action, and what tests and
-users write by hand to run a schedule no generator makes.
+"""Schedules people read and write: rows of action tokens, as text or in CSV/text files.
+
+A schedule file has one row of action tokens per rank and a `#` header with what the tokens
+cannot say (name, stage placement, micro-batches); loading validates before anything runs.
+Tests and users write rows by hand to run a schedule no generator makes (`parse_schedule`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from engine.schedule.actions import Action, parse_actions
-from engine.schedule.generators import Schedule
+from engine.schedule.actions import Action, format_actions, parse_actions
+from engine.schedule.schedule import Schedule
+from engine.schedule.validate import validate
 
-__all__ = ["format_schedule", "parse_schedule"]
+__all__ = ["load_schedule", "parse_schedule", "save_schedule"]
 
 
 def parse_schedule(
@@ -37,37 +41,69 @@ def parse_schedule(
     )
 
 
-def _window_tokens(row: Sequence[Action], lo: int, hi: int, marked: int | None) -> list[str]:
-    tokens = [f">>{a}<<" if i == marked else str(a) for i, a in enumerate(row) if lo <= i < hi]
-    if lo > 0 and row:
-        tokens.insert(0, "…")
-    if hi < len(row):
-        tokens.append("…")
-    return tokens
+def save_schedule(schedule: Schedule, path: str | Path, *, fmt: str = "csv") -> None:
+    """Write one row per rank (`csv`: comma-separated, `text`: space-separated)."""
+    if fmt not in ("csv", "text"):
+        raise ValueError(f"unknown schedule format {fmt!r}: use csv or text")
+    sep = "," if fmt == "csv" else " "
+    header = (
+        f"# meshpipe schedule name={schedule.name} micro_batches={schedule.micro_batches} "
+        f"placement={','.join(map(str, schedule.placement))}\n"
+    )
+    body = "".join(
+        (format_actions(row).replace(" ", sep) if row else "") + "\n" for row in schedule.rows
+    )
+    Path(path).write_text(header + body, encoding="utf-8")
 
 
-def format_schedule(
-    schedule: Schedule, *, around: tuple[int, int] | None = None, width: int = 12
-) -> str:
-    """One line per rank, `rank 0: 0F0 0F1 0B0 …`.
+def _header(lines: Sequence[str]) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line.startswith("#"):
+            for part in line.lstrip("# ").split():
+                key, sep, value = part.partition("=")
+                if sep:
+                    fields[key] = value
+    return fields
 
-    With `around=(rank, index)` only `width` positions around that action are shown on every
-    rank and the action itself is marked `>>0B1<<`: what a runtime error shows.
+
+def load_schedule(path: str | Path) -> Schedule:
+    """Read a schedule file (ours, or plain rows of tokens) and validate it.
+
+    Without a header, micro-batches and stages are inferred from the tokens and stage s is
+    placed on rank s mod P.
+
+    A blank row is a rank with no actions (`save_schedule` writes one), but blank lines at the
+    end beyond the ranks the header's placement names (all of them without a header) are an
+    editor's trailing newlines, not ranks, and are dropped.
     """
-    label = len(str(schedule.num_ranks - 1))
-    if around is None:
-        lo, hi, focus = 0, max((len(row) for row in schedule.rows), default=0), None
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read schedule file {path}: {error}") from error
+    fields = _header(lines)
+    rows = [tuple(parse_actions(line)) for line in lines if not line.startswith("#")]
+    actions: list[Action] = [a for row in rows for a in row]
+    if not actions:
+        raise ValueError(f"schedule file {path} holds no actions: write one row of tokens per rank")
+    placed = tuple(int(r) for r in fields["placement"].split(",")) if "placement" in fields else ()
+    named_ranks = max(placed) + 1 if placed else 0
+    while len(rows) > named_ranks and not rows[-1]:
+        rows.pop()
+    num_ranks = len(rows)
+    if placed:
+        placement = placed
     else:
-        focus_rank, index = around
-        if not 0 <= focus_rank < schedule.num_ranks:
-            raise ValueError(f"around={around}: rank must be in 0..{schedule.num_ranks - 1}")
-        if width < 1:
-            raise ValueError(f"width={width}: show at least 1 action")
-        lo = max(0, index - width // 2)
-        hi, focus = lo + width, around
-    lines = []
-    for rank, row in enumerate(schedule.rows):
-        marked = focus[1] if focus is not None and focus[0] == rank else None
-        tokens = _window_tokens(row, lo, hi, marked)
-        lines.append(f"rank {rank:>{label}}: {' '.join(tokens)}".rstrip())
-    return "\n".join(lines)
+        stages = max(a.stage for a in actions) + 1
+        placement = tuple(s % num_ranks for s in range(stages))
+    schedule = Schedule(
+        name=fields.get("name", "custom"),
+        num_ranks=num_ranks,
+        num_stages=len(placement),
+        micro_batches=int(fields.get("micro_batches", max(a.micro_batch for a in actions) + 1)),
+        placement=placement,
+        rows=tuple(rows),
+        lowered=any(not a.is_compute for a in actions),
+    )
+    validate(schedule)
+    return schedule

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections import Counter
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
-from engine.schedule.generators import Schedule
 from engine.schedule.passes import (
     communication_for,
     counterpart,
     is_lowered,
     peer_stage,
 )
+from engine.schedule.schedule import Schedule
 
 __all__ = ["ScheduleError", "validate"]
 

@@ -10,7 +10,7 @@ from engine.comm.mesh import DEVICES
 from engine.runtime.optim import LR_SCHEDULES, OPTIMIZERS, OptimizerSpec
 from engine.runtime.options import EngineOptions
 from engine.schedule.actions import split_units
-from engine.schedule.files import schedule_for
+from engine.schedule.resolve import schedule_for
 from engine.training.deepspeed_config import (
     DEEPSPEED_SCHEDULERS,
     deepspeed_defaults,

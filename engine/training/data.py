@@ -98,7 +98,7 @@ def _prepare_fix(prefix: Path) -> str:
     """How to (re)create the token files `prefix`.bin/.json, from the shell and from Python."""
     return (
         f"run `meshpipe data prepare SOURCE --out {_quote(prefix)}` with SOURCE your text file or "
-        "folder (engine.data.prepare() from Python)"
+        "folder (engine.prepare() from Python)"
     )
 
 
@@ -227,7 +227,7 @@ def _not_token_file(given: Path, bin_path: Path, json_path: Path) -> str | None:
         return (
             f"{str(given)!r} is {what}, not a token file (a pair PREFIX.bin + PREFIX.json): "
             f"tokenize it with `meshpipe data prepare {_quote(given)} --out {_quote(prefix)}`, "
-            f"then pass --data {_quote(prefix)} (engine.data.prepare() and load_tokens() from "
+            f"then pass --data {_quote(prefix)} (engine.prepare() and load_tokens() from "
             "Python)"
         )
     prefix = bin_path.with_name(bin_path.name.removesuffix(".bin"))

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
-from engine.checkpoint.hf_interop import open_weights
-from engine.checkpoint.save_load import (
+from engine.checkpoint import (
     TrainerState,
     has_checkpoint,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
 )
+from engine.checkpoint.hf_interop import open_weights
 from engine.comm.mesh import Mesh, init_mesh
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import lr_factor

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine.runtime.step_stats import StepStats
-from engine.schedule.files import chrome_trace
+from engine.schedule.plots import chrome_trace
 
 __all__ = ["TraceRecorder"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint.save_load import TrainerState, load_checkpoint, save_checkpoint
+from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from engine.checkpoint.files import MODEL_INDEX, TensorReader
 from engine.cli.main import main
 from engine.training.config import TrainConfig
@@ -286,12 +286,12 @@ def _load_where_rank1_sees_no_latest(
     """Rank 1's view of the folder lacks `latest` (no shared filesystem, a save racing the
     load): rank 0's choice of checkpoint must be the one every rank loads."""
     if rank == 1:
-        import engine.checkpoint.save_load
+        import engine.checkpoint.load
 
         def blind(*_: object, **__: object) -> list[Path]:
             raise AssertionError("rank 1 read the checkpoint folder itself")
 
-        engine.checkpoint.checkpoint_candidates = blind  # type: ignore[assignment]
+        engine.checkpoint.load.checkpoint_candidates = blind  # type: ignore[assignment]
     return _load(rank, world_size, root, 2, "llama-tiny")
 
 

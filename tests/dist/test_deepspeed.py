@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cli.main import build_parser, train_config
+from engine.cli.main import build_parser
+from engine.cli.train import train_config
 from engine.training.config import TrainConfig
 from engine.training.deepspeed_config import deepspeed_lr, deepspeed_overrides
 from engine.training.loop import lr_multiplier

@@ -108,7 +108,7 @@ def test_a_failing_rank_is_reported_in_one_line_with_its_own_error(
 def test_ctrl_c_stops_every_rank_and_names_the_checkpoint_to_resume_from(
     tokens: str, tmp_path: Path
 ) -> None:
-    argv = [sys.executable, "-m", "engine.cli.main", "train", *ARGS, "--data", tokens, "--pp", "2",
+    argv = [sys.executable, "-m", "engine.cli", "train", *ARGS, "--data", tokens, "--pp", "2",
             "--checkpoint-dir", str(tmp_path), "--save-every", "1"]  # fmt: skip
     argv[argv.index("--steps") + 1] = "100000"
     # A terminal's Ctrl-C signals its whole process group: here, a session of its own.

@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.checkpoint.files import MODEL_INDEX, OPTIM_INDEX, CheckpointError, TensorReader
-from engine.checkpoint.rng_state import capture_rng, restore_rng
-from engine.checkpoint.save_load import (
+from engine.checkpoint import (
     TrainerState,
     checkpoint_candidates,
     load_checkpoint,
     save_checkpoint,
 )
+from engine.checkpoint.files import MODEL_INDEX, OPTIM_INDEX, CheckpointError, TensorReader
+from engine.checkpoint.rng_state import capture_rng, restore_rng
 from engine.checkpoint.weights import read_module_weights, read_optimizer_state
 from engine.comm.mesh import Mesh
 from engine.runtime.optim import build_optimizer

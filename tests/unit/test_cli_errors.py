@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli.main import _go_on_from, main
+from engine.cli.main import main
+from engine.cli.train import interrupt_advice
 from engine.comm.launch import _a_value_error
 from engine.training.config import TrainConfig
 from engine.training.preflight import preflight
@@ -165,7 +166,7 @@ def test_an_interrupted_run_advises_only_flags_it_lacks(
     checkpointing: dict[str, int], advice: str, tmp_path: Path
 ) -> None:
     root = {"checkpoint_dir": str(tmp_path / "ck")} if checkpointing else {}
-    assert re.search(advice, _go_on_from(TrainConfig(**root, **checkpointing)))
+    assert re.search(advice, interrupt_advice(TrainConfig(**root, **checkpointing)))
 
 
 def test_max_restarts_under_an_outside_launcher_says_whose_flag_it_is(

@@ -15,7 +15,7 @@ from engine.runtime.optim import build_optimizer
 from engine.runtime.options import EngineOptions
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import parse_actions
-from engine.schedule.generators import Schedule
+from engine.schedule.schedule import Schedule
 from engine.training.config import TrainConfig
 from models import layer_specs
 from partitioners import Partition

@@ -67,7 +67,7 @@ def test_a_compiled_bf16_stage_computes_what_the_eager_one_does_on_the_gpu() -> 
 def _losses(tmp_path: Path, device: str) -> list[float]:
     metrics = tmp_path / f"{device}.jsonl"
     command = [
-        sys.executable, "-m", "engine.cli.main", "train", "--model", "gpt-tiny", "--pp", "2",
+        sys.executable, "-m", "engine.cli", "train", "--model", "gpt-tiny", "--pp", "2",
         "--steps", "3", "--global-batch", "8", "--micro-batches", "4", "--seq-len", "32",
         "--device", device, "--metrics-file", str(metrics), "--no-progress", "--timeout", "120",
     ]  # fmt: skip

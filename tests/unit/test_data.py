@@ -224,7 +224,7 @@ def test_load_rejects_missing_files_with_the_command_that_makes_them(tmp_path: P
     with pytest.raises(ValueError, match=r"token file .*nothing\.bin' does not exist") as error:
         load_tokens(f"{prefix}.bin")
     assert f"`meshpipe data prepare SOURCE --out {prefix}`" in str(error.value)
-    assert "engine.training.data.prepare()" in str(error.value)
+    assert "engine.prepare()" in str(error.value)
 
 
 def test_load_rejects_a_bin_without_its_header(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_optimizer
 from engine.runtime.options import EngineOptions
 from engine.runtime.reference import reference_step
-from engine.schedule.generators import Schedule, one_f_one_b
+from engine.schedule.generators import one_f_one_b
+from engine.schedule.schedule import Schedule
 from models import build_layers, layer_specs
 from partitioners import Partition
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cli.memory import add_parsers, run
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
 from engine.memory.measure import measure_memory
 from engine.memory.replay import build_stage, stage_actions
-from engine.memory.report import add_memory_parser, parse_size, run_memory
+from engine.memory.sizes import parse_size
 from engine.memory.states import (
     ParamInfo,
     deepspeed_zero2_model_states,
@@ -383,8 +384,8 @@ def test_reference_formulas_are_their_sources() -> None:
 
 def _memory(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     parser = argparse.ArgumentParser(prog="meshpipe")
-    add_memory_parser(parser.add_subparsers(dest="command"))
-    code = run_memory(parser.parse_args(["memory", *argv]))
+    add_parsers(parser.add_subparsers(dest="command"))
+    code = run(parser.parse_args(["memory", *argv]), argv)
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine.cli.main import main
-from engine.memory.report import DOES_NOT_FIT
+from engine.cli.memory import DOES_NOT_FIT
 
 LAYOUT = ["memory", "--model", "gpt-tiny", "--pp", "2", "--micro-batch-size", "2"]
 """gpt-tiny peaks at a few MiB per rank: over 1KB, under 1GB."""

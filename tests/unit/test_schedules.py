@@ -7,9 +7,10 @@ from collections.abc import Callable
 import pytest
 
 from engine.schedule.actions import Action, ActionKind, format_actions, parse_action
-from engine.schedule.generators import SCHEDULES, Schedule, gpipe, make_schedule, one_f_one_b
+from engine.schedule.generators import SCHEDULES, gpipe, make_schedule, one_f_one_b
 from engine.schedule.passes import add_communication, counterpart, is_lowered, peer_of, peer_stage
-from engine.schedule.text import format_schedule, parse_schedule
+from engine.schedule.schedule import Schedule, format_schedule
+from engine.schedule.text import parse_schedule
 
 Generator = Callable[[int, int], Schedule]
 

@@ -10,7 +10,7 @@ import torch
 from engine.runtime.interpreter import execute
 from engine.runtime.step_clock import CudaClock, HostClock, step_clock
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.generators import Schedule
+from engine.schedule.schedule import Schedule
 
 
 class _FakeGpu:

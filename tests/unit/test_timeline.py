@@ -9,16 +9,12 @@ import pytest
 
 from engine.cli.main import main
 from engine.schedule.actions import format_actions
-from engine.schedule.files import (
-    chrome_trace,
-    load_schedule,
-    plot_timeline,
-    save_schedule,
-    schedule_for,
-)
 from engine.schedule.generators import gpipe, interleaved_1f1b, make_schedule, zb_h1
 from engine.schedule.passes import add_communication
+from engine.schedule.plots import chrome_trace, plot_timeline
+from engine.schedule.resolve import schedule_for
 from engine.schedule.simulate import ActionCosts, simulate
+from engine.schedule.text import load_schedule, save_schedule
 from engine.schedule.validate import ScheduleError
 from engine.training.config import TrainConfig
 from engine.training.loop import train

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from engine.schedule.actions import format_actions
-from engine.schedule.generators import Schedule, gpipe, one_f_one_b
+from engine.schedule.generators import gpipe, one_f_one_b
 from engine.schedule.passes import add_communication
+from engine.schedule.schedule import Schedule
 from engine.schedule.simulate import ActionCosts, simulate
 from engine.schedule.text import parse_schedule
 from engine.schedule.validate import ScheduleError, validate

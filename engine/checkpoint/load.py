@@ -1,0 +1,165 @@
+"""Loading a checkpoint into any layout, all or nothing.
+
+Loading stages everything first: each rank reads and checks its own stages' tensors (a tied
+weight under its lowest layer's name), the ranks agree that all of them succeeded, and only
+then is anything copied into parameters and optimizers; a bad checkpoint never leaves a
+partly loaded model. Rank 0 chooses the candidate checkpoints for every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint.agree import everywhere, rank0_decides
+from engine.checkpoint.atomic import sha256_file
+from engine.checkpoint.files import (
+    MODEL_INDEX,
+    OPTIM_INDEX,
+    RESUME_FALLBACK_FIX,
+    TRAINER_FILE,
+    CheckpointError,
+    TensorReader,
+    TrainerState,
+    checkpoint_candidates,
+    model_config_dict,
+    read_json,
+    read_trainer,
+    step_dirs,
+)
+from engine.checkpoint.rng_state import restore_rng
+from engine.checkpoint.weights import (
+    TensorSource,
+    check_names,
+    read_module_weights,
+    read_optimizer_state,
+)
+from engine.runtime.engine import PipelineEngine
+from models import LayerSpec
+
+__all__ = ["load_checkpoint", "load_model_weights"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Staged:
+    """Everything one rank will apply, read and checked but not yet applied."""
+
+    weights: list[tuple[torch.nn.Parameter, torch.Tensor]]
+    optimizer: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    trainer: TrainerState
+
+    def apply(self, engine: PipelineEngine) -> None:
+        with torch.no_grad():
+            for param, tensor in self.weights:
+                param.copy_(tensor)
+        if self.optimizer is not None and engine.optimizer is not None:
+            engine.optimizer.load_state_dict(self.optimizer)
+        if self.rng is not None:
+            restore_rng(self.rng)
+
+
+def _check_model(trainer: dict[str, Any], specs: Sequence[LayerSpec], directory: Path) -> None:
+    saved, ours = trainer.get("model", {}), model_config_dict(specs[0].config)
+    if saved != ours:
+        diff = {k: (saved.get(k), ours.get(k)) for k in ours if saved.get(k) != ours.get(k)}
+        raise CheckpointError(
+            f"{directory / TRAINER_FILE} was saved from another model: (saved, this run) "
+            f"differ in {diff}; pick the --model it was trained with"
+        )
+
+
+def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) -> Any:
+    layout = trainer.get("layout", {})
+    if (layout.get("pp"), layout.get("dp")) != (engine.mesh.pp, engine.mesh.dp):
+        return None
+    name = f"rng-rank{engine.mesh.rank:05d}.json"
+    want = trainer.get("rng", {}).get(name)
+    if want is None or sha256_file(directory / name) != want:
+        raise CheckpointError(f"{directory / name}: missing, or its sha256 differs from trainer")
+    return read_json(directory / name)
+
+
+def _stage(
+    engine: PipelineEngine, specs: Sequence[LayerSpec], directory: Path, weights_only: bool
+) -> _Staged:
+    trainer = read_trainer(directory)
+    _check_model(trainer, specs, directory)
+    reader = TensorReader(directory, MODEL_INDEX)
+    check_names(reader, specs)
+    weights = [
+        pair
+        for stage in engine.stages.values()
+        for pair in read_module_weights(stage.module, specs, reader, exact_dtype=True)
+    ]
+    optimizer = None
+    if not weights_only and engine.optimizer is not None:
+        modules = [stage.module for stage in engine.stages.values()]
+        optim = TensorReader(directory, OPTIM_INDEX)
+        optimizer = read_optimizer_state(engine.optimizer, modules, specs, optim)
+    state = TrainerState(
+        step=int(trainer.get("step", 0)),
+        loader=trainer.get("loader") or {},
+        scheduler=trainer.get("scheduler") or {},
+        config=trainer.get("config") or {},
+        loss_scale=trainer.get("loss_scale") or {},
+        skipped_steps=int(trainer.get("skipped_steps", 0)),
+    )
+    rng = None if weights_only else _read_rng(directory, trainer, engine)
+    return _Staged(weights=weights, optimizer=optimizer, rng=rng, trainer=state)
+
+
+def load_checkpoint(
+    engine: PipelineEngine,
+    specs: Sequence[LayerSpec],
+    path: str | Path,
+    *,
+    fallback: bool = False,
+    weights_only: bool = False,
+) -> tuple[Path, TrainerState]:
+    """Load a checkpoint (or what `path`'s `latest` names) into this rank's stages; collective.
+
+    Nothing is applied unless every rank read and checked its part. With `fallback`, a
+    checkpoint that fails is skipped for the previous complete one (said on stderr).
+    """
+    failures: list[str] = []
+    for directory in rank0_decides(lambda: checkpoint_candidates(path, fallback=fallback)):
+        try:
+            read = functools.partial(_stage, engine, specs, directory, weights_only)
+            staged, _ = everywhere(f"loading {directory}", read)
+        except CheckpointError as error:
+            failures.append(str(error))
+            if engine.mesh.rank == 0 and fallback:
+                print(f"meshpipe: {error}; trying an older checkpoint", file=sys.stderr)
+            continue
+        staged.apply(engine)
+        return directory, staged.trainer
+    older = [p for p in step_dirs(Path(path)) if p.name < directory.name] if not fallback else []
+    if older:
+        failures.append(f"the previous complete checkpoint is {older[-1]}: {RESUME_FALLBACK_FIX}")
+    raise CheckpointError("\n".join(failures))
+
+
+def load_model_weights(
+    engine: PipelineEngine, specs: Sequence[LayerSpec], source: TensorSource
+) -> None:
+    """Weights only, from any source (a checkpoint or a Hugging Face folder); collective."""
+
+    def read() -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        check_names(source, specs)
+        return [
+            pair
+            for stage in engine.stages.values()
+            for pair in read_module_weights(stage.module, specs, source, exact_dtype=False)
+        ]
+
+    pairs, _ = everywhere(f"loading weights from {source.where('')}", read)
+    with torch.no_grad():
+        for param, tensor in pairs:
+            param.copy_(tensor)

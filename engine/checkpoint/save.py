@@ -1,0 +1,191 @@
+"""Saving a run on the mesh: atomic, checksummed, under global names any layout can load.
+
+A checkpoint is a directory `step-{N:08d}` (N optimizer steps done) under the run's checkpoint
+folder. Every rank writes its part into `.tmp-step-…`: each stage's first replica (dp rank 0)
+its `model-stageSSS.safetensors` and `optim-stageSSS.safetensors` under global names, every
+rank its `rng-rankRRRRR.json`. Under ZeRO-1 every replica writes the optimizer state of the
+parameters it owns, `optim-stageSSS-dpDDD.safetensors`, into the same index. When all ranks
+have reported (a gather that is also the barrier) global rank 0 writes the indexes and
+`trainer.json`, renames the directory into place, and only then moves the `latest` pointer;
+rotation deletes the oldest checkpoints after that.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint.agree import everywhere
+from engine.checkpoint.atomic import atomic_write_text, fsync_dir, sha256_file
+from engine.checkpoint.files import (
+    FORMAT,
+    LATEST,
+    MODEL_INDEX,
+    OPTIM_INDEX,
+    TRAINER_FILE,
+    TRASH_PREFIX,
+    ShardRecord,
+    TrainerState,
+    model_config_dict,
+    step_dir_name,
+    step_dirs,
+    trash_owner,
+    write_index,
+    write_shard,
+)
+from engine.checkpoint.rng_state import capture_rng
+from engine.checkpoint.weights import is_sharded, optimizer_state, stored_parameters
+from engine.runtime.engine import PipelineEngine
+from models import LayerSpec
+
+__all__ = ["save_checkpoint"]
+
+
+def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -> dict[str, Any]:
+    """This rank's files; returns what rank 0 needs for the indexes."""
+    report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": []}
+    rng = tmp / f"rng-rank{engine.mesh.rank:05d}.json"
+    atomic_write_text(rng, json.dumps(capture_rng()))
+    report["rng"] = (rng.name, sha256_file(rng))
+    first_replica = engine.mesh.dp_rank == 0
+    for s, stage in engine.stages.items():
+        report["stages"][s] = (stage.layers.start, stage.layers.stop)
+        params = stored_parameters(stage.module, specs)
+        if first_replica and params:  # no params: only tied copies, stored by a lower stage
+            report["model"].append(write_shard(tmp, f"model-stage{s:03d}.safetensors", params))
+        if engine.optimizer is not None:
+            _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
+    return report
+
+
+def _write_optimizer(
+    engine: PipelineEngine,
+    optimizer: torch.optim.Optimizer,
+    specs: Sequence[LayerSpec],
+    tmp: Path,
+    s: int,
+    report: dict[str, Any],
+) -> None:
+    """Stage `s`'s optimizer state: from the first replica, or under ZeRO-1 from every replica,
+    each the state of the parameters it owns (global names, so the shards never overlap)."""
+    sharded = is_sharded(optimizer)
+    if not sharded and engine.mesh.dp_rank != 0:
+        return
+    tensors, meta = optimizer_state(optimizer, engine.stages[s].module, specs)
+    if tensors:
+        dp = f"-dp{engine.mesh.dp_rank:03d}" if sharded else ""
+        report["optim"].append(write_shard(tmp, f"optim-stage{s:03d}{dp}.safetensors", tensors))
+    report["optim_meta"].append(meta)
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale)
+    for trash in root.glob(f"{TRASH_PREFIX}step-*"):
+        replaced = root / trash_owner(trash)
+        if replaced.exists():
+            shutil.rmtree(trash)
+        else:  # a replacement cut off between its two renames: the previous copy goes back
+            trash.rename(replaced)
+    tmp.mkdir()
+
+
+def _write_indexes(tmp: Path, reports: list[dict[str, Any]], step: int) -> list[int]:
+    stages = sorted({s: r for report in reports for s, r in report["stages"].items()}.items())
+    boundaries = [0, *(stop for _, (_, stop) in stages)]
+    model: list[ShardRecord] = [rec for report in reports for rec in report["model"]]
+    write_index(tmp / MODEL_INDEX, model, {"step": step, "partition": boundaries})
+    metas = [m for report in reports for m in report["optim_meta"]]
+    optim: list[ShardRecord] = [rec for report in reports for rec in report["optim"]]
+    if metas:
+        state_keys = {k: v for m in metas for k, v in m["state_keys"].items()}
+        scalars = {k: v for m in metas for k, v in m["scalars"].items()}
+        meta = {
+            **metas[0],
+            "state_keys": dict(sorted(state_keys.items())),
+            "scalars": dict(sorted(scalars.items())),
+            "step": step,
+        }
+        write_index(tmp / OPTIM_INDEX, optim, meta)
+    return boundaries
+
+
+def _finish(
+    engine: PipelineEngine,
+    specs: Sequence[LayerSpec],
+    tmp: Path,
+    reports: list[dict[str, Any]],
+    state: TrainerState,
+) -> None:
+    trainer = {
+        "format": FORMAT,
+        "step": state.step,
+        "loader": state.loader,
+        "scheduler": state.scheduler,
+        "config": state.config,
+        "loss_scale": state.loss_scale,
+        "skipped_steps": state.skipped_steps,
+        "model": model_config_dict(specs[0].config),
+        "partition": _write_indexes(tmp, reports, state.step),
+        "layout": {"pp": engine.mesh.pp, "dp": engine.mesh.dp, "schedule": engine.schedule.name},
+        "rng": dict(report["rng"] for report in reports),
+        "torch": torch.__version__,
+    }
+    atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
+    fsync_dir(tmp)
+
+
+def _publish(tmp: Path, final: Path, keep: int) -> None:
+    """Rename into place, then move `latest`, then rotate: `latest` is always complete."""
+    root = final.parent
+    if final.exists():
+        trash = root / f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        final.rename(trash)
+        tmp.rename(final)
+        shutil.rmtree(trash)
+    else:
+        tmp.rename(final)
+    fsync_dir(root)
+    atomic_write_text(root / LATEST, final.name + "\n")
+    if keep > 0:
+        complete = step_dirs(root)
+        for old in [p for p in complete if p != final][: max(0, len(complete) - keep)]:
+            shutil.rmtree(old)
+
+
+def save_checkpoint(
+    engine: PipelineEngine,
+    specs: Sequence[LayerSpec],
+    root: str | Path,
+    *,
+    state: TrainerState,
+    keep: int = 0,
+) -> Path:
+    """Write `step-{state.step}` under `root`; collective over every rank of the run.
+
+    Returns once the checkpoint is complete and `latest` names it; `keep` > 0 then deletes all
+    but the newest `keep` checkpoints.
+    """
+    root = Path(root)
+    final = root / step_dir_name(state.step)
+    tmp = root / f".tmp-{final.name}"
+    leader = engine.mesh.rank == 0
+    everywhere(f"preparing {tmp}", lambda: _prepare(root, tmp) if leader else None)
+    _, reports = everywhere(
+        f"writing {tmp}", lambda: _write_rank(engine, specs, tmp), report=lambda r: r
+    )
+
+    def finish() -> None:
+        if leader:
+            _finish(engine, specs, tmp, reports, state)
+            _publish(tmp, final, keep)
+
+    everywhere(f"publishing {final}", finish)
+    return final

@@ -1,0 +1,131 @@
+"""`meshpipe train` and `meshpipe plot`: a run's flags (generated from `TrainConfig`), its
+launch, what it prints at the end or on Ctrl-C, and its loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.checkpoint.files import step_dirs
+from engine.cli.flags import add_config_flags, given_fields
+from engine.training.config import TrainConfig
+from engine.training.metrics import plot_metrics
+from engine.training.resume_check import DECAYING_SCHEDULES
+
+__all__ = ["COMMANDS", "Interrupted", "add_parsers", "interrupt_advice", "run", "train_config"]
+
+COMMANDS = ("train", "plot")
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `train` and `plot` on `meshpipe`'s subparsers."""
+    train = commands.add_parser("train", help="train a model (the default corpus if no --data)")
+    add_config_flags(train, TrainConfig)
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    train.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
+    train.add_argument(
+        "--deepspeed_config",
+        "--deepspeed-config",
+        default=None,
+        help="a DeepSpeed JSON: its batch, optimizer, scheduler, precision, clipping, ZeRO, "
+        "partition, recompute and seed keys override the flags above; a setting it omits "
+        "takes the flag if given, else DeepSpeed's default (clipping at 1.0; with an "
+        "optimizer: its own betas, eps and weight decay, and a constant lr without a scheduler)",
+    )
+    plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
+    plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")
+    plot.add_argument("--out", default=None, help="PNG to write (default: METRICS with .png)")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.command == "plot":
+        print(f"wrote {plot_metrics(args.metrics, args.out)}")
+        return 0
+    config = train_config(args, argv)
+    try:
+        return _train(config, args)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; {interrupt_advice(config)}") from None
+
+
+def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
+    """The config a parsed `train` command line asks for; with --deepspeed_config only the
+    flags `argv` gives count, so the JSON's omissions take DeepSpeed's defaults, not ours."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {k: v for k, v in vars(args).items() if k in names}
+    if not args.deepspeed_config:
+        return TrainConfig(**fields)
+    given = given_fields(TrainConfig, argv)
+    return TrainConfig.from_deepspeed(
+        args.deepspeed_config, **{k: v for k, v in fields.items() if k in given}
+    )
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) ended a run: the message says where it can go on from."""
+
+
+def interrupt_advice(config: TrainConfig) -> str:
+    """What an interrupted run kept, and how to continue it."""
+    if config.checkpoint_dir is None:
+        return "no checkpoint was written (--checkpoint-dir D --save-every N keep progress)"
+    saved = step_dirs(Path(config.checkpoint_dir))
+    if not saved:
+        every = f"every {config.save_every} steps" if config.save_every else "after the last step"
+        return (
+            f"it stopped before its first checkpoint ({every}): a smaller --save-every keeps "
+            "more of a run"
+        )
+    return f"the newest checkpoint is {saved[-1]}: the same command with --resume goes on from it"
+
+
+def _train(config: TrainConfig, args: argparse.Namespace) -> int:
+    from engine.comm.launch import is_launched, launch_local
+    from engine.comm.mesh import launcher_world_size
+    from engine.training.loop import train_worker
+    from engine.training.preflight import preflight
+
+    ranks = config.pp * config.dp
+    preflight(config)
+    if ranks > 1 and not is_launched():
+        progress = not args.no_progress
+        restarts = config.max_restarts
+        result = launch_local(train_worker, ranks, config, progress, max_restarts=restarts)[0]
+    else:
+        if is_launched() and launcher_world_size() != ranks:
+            raise ValueError(
+                f"--pp {config.pp} × --dp {config.dp} = {ranks} ranks, but the launcher "
+                f"started {launcher_world_size()}: make them equal"
+            )
+        if is_launched() and config.max_restarts and int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"meshpipe: --max-restarts {config.max_restarts} is for meshpipe's own launcher; "
+                "under torchrun or deepspeed give the launcher's own (torchrun --max-restarts)",
+                file=sys.stderr,
+            )
+        result = train_worker(config, not args.no_progress)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    if not result.losses:
+        more = (
+            " with --resume-with-new-hparams (the learning rate schedule decays over --steps)"
+            if config.lr_schedule in DECAYING_SCHEDULES
+            else ""
+        )
+        print(
+            f"nothing to train: the checkpoint is at step {result.first_step} and --steps is "
+            f"{config.steps} (give a larger --steps{more} to train on)"
+        )
+        return 0
+    print(
+        f"final loss {result.final_loss:.4f} after {config.steps} steps "
+        f"({result.tokens_per_s:,.0f} tokens/s, bubble {result.mean_bubble:.1%})"
+    )
+    return 0

@@ -1,0 +1,82 @@
+"""The schedule a run executes: a generator by name or a schedule file, checked against the run's
+layout and dry-run before any rank starts (a deadlocking schedule would hang every rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.schedule.generators import SCHEDULES, make_schedule
+from engine.schedule.schedule import Schedule
+from engine.schedule.simulate import simulate
+from engine.schedule.text import load_schedule
+from engine.schedule.validate import ScheduleError
+
+__all__ = ["check_fits", "schedule_for"]
+
+
+def schedule_for(
+    name_or_file: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
+) -> Schedule:
+    """The compute schedule a run executes: a registered generator by name, or a schedule file
+    (`meshpipe schedule --out`, or written by hand) checked against the run's layout."""
+    if name_or_file in SCHEDULES:
+        return make_schedule(
+            name_or_file,
+            num_ranks=num_ranks,
+            micro_batches=micro_batches,
+            stages_per_rank=stages_per_rank,
+        )
+    if not Path(name_or_file).is_file():
+        looks_like_a_path = "/" in name_or_file or Path(name_or_file).suffix != ""
+        if looks_like_a_path:
+            raise ValueError(
+                f"schedule file {name_or_file} does not exist: give an existing file "
+                f"(meshpipe schedule --out FILE writes one) or one of {', '.join(SCHEDULES)}"
+            )
+        raise ValueError(
+            f"unknown schedule {name_or_file!r}: choose one of {', '.join(SCHEDULES)}, or give "
+            "a schedule file (meshpipe schedule --out FILE writes one)"
+        )
+    return check_fits(
+        load_schedule(name_or_file),
+        where=f"schedule file {name_or_file}",
+        num_ranks=num_ranks,
+        micro_batches=micro_batches,
+        stages_per_rank=stages_per_rank,
+    )
+
+
+def check_fits(
+    schedule: Schedule, *, where: str, num_ranks: int, micro_batches: int, stages_per_rank: int
+) -> Schedule:
+    """`schedule`, once it is known to be compute-only, built for the run's ranks,
+    micro-batches and stages per rank, and free of deadlock (a dry run: a schedule given as
+    data would otherwise hang every rank until the timeout); otherwise an error naming
+    `where` and the fix."""
+    if schedule.lowered:
+        raise ValueError(
+            f"{where} holds SEND/RECV actions: a run takes compute actions only (F, B, I, W) "
+            "and places the communication itself; remove them"
+        )
+    if schedule.num_ranks != num_ranks:
+        raise ValueError(
+            f"{where} has {schedule.num_ranks} rank rows but the run has {num_ranks} pipeline "
+            f"ranks: use --pp {schedule.num_ranks} or a file for {num_ranks}"
+        )
+    if schedule.micro_batches != micro_batches:
+        raise ValueError(
+            f"{where} runs {schedule.micro_batches} micro-batches but the run has "
+            f"{micro_batches}: use --micro-batches {schedule.micro_batches}"
+        )
+    if schedule.num_stages != num_ranks * stages_per_rank:
+        raise ValueError(
+            f"{where} places {schedule.num_stages} stages on {num_ranks} ranks but the run has "
+            f"{stages_per_rank} stage(s) per rank: use --stages-per-rank "
+            f"{schedule.num_stages // num_ranks}"
+        )
+    try:
+        simulate(schedule)
+    except ScheduleError as error:
+        raise ScheduleError(f"{where}: {error}") from error
+    return schedule
