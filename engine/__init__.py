@@ -1,36 +1,55 @@
-"""meshpipe's engine: schedules, the pipeline runtime on a mesh, data, training and the CLI."""
+"""meshpipe's engine: schedules, the pipeline runtime on a mesh, data, training and the CLI.
 
-from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.checkpoint.files import CheckpointError
-from engine.comm.mesh import Mesh, init_mesh
-from engine.memory.estimate import MemoryConfig, estimate_memory
-from engine.runtime.engine import PipelineEngine
-from engine.runtime.micro_batches import split_micro_batches
-from engine.runtime.optim import OptimizerSpec, build_optimizer, lr_factor
-from engine.runtime.options import EngineOptions
-from engine.runtime.reference import accumulate_gradients, reference_step
-from engine.runtime.step_stats import StepStats
-from engine.schedule.actions import Action, ActionKind
-from engine.schedule.generators import (
+Subpackages by concept, lowest first (each imports only those before it; tests/unit/
+test_layers.py checks): schedule, comm, parallel, runtime, checkpoint, memory, plan, training,
+cli. The names below are the public API.
+"""
+
+from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from engine.comm import Mesh, init_mesh
+from engine.memory import MemoryConfig, estimate_memory
+from engine.runtime import (
+    EngineOptions,
+    OptimizerSpec,
+    PipelineEngine,
+    StepStats,
+    accumulate_gradients,
+    build_optimizer,
+    lr_factor,
+    reference_step,
+    split_micro_batches,
+)
+from engine.schedule import (
+    Action,
+    ActionCosts,
+    ActionKind,
+    Schedule,
+    add_communication,
     gpipe,
     inference,
     interleaved_1f1b,
+    load_schedule,
     looped_bfs,
     make_schedule,
     one_f_one_b,
+    save_schedule,
+    simulate,
+    steady_state_bubble,
+    validate,
     zb_drain,
     zb_h1,
     zb_h2,
 )
-from engine.schedule.passes import add_communication
-from engine.schedule.schedule import Schedule
-from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
-from engine.schedule.text import load_schedule, save_schedule
-from engine.schedule.validate import validate
-from engine.training.batches import BatchLoader
-from engine.training.config import TrainConfig
-from engine.training.data import TokenDataset, default_corpus, load_tokens, prepare
-from engine.training.loop import TrainResult, train
+from engine.training import (
+    BatchLoader,
+    TokenDataset,
+    TrainConfig,
+    TrainResult,
+    default_corpus,
+    load_tokens,
+    prepare,
+    train,
+)
 
 __all__ = [
     "Action",

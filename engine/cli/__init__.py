@@ -1,5 +1,7 @@
-"""The `meshpipe` command: argparse and printing only, one module per command group."""
+"""The `meshpipe` command: argparse and printing only, one module per command group.
 
-from engine.cli.main import main
+`engine.cli.main:main` is the console script; `python -m engine.cli …` runs it too (what
+torchrun and the deepspeed launcher start on every rank).
+"""
 
-__all__ = ["main"]
+__all__: list[str] = []

@@ -1,4 +1,4 @@
-"""Gradient reduction across the mesh: data-parallel replicas and tied weights.
+"""Gradient reduction across the data-parallel replicas of a stage.
 
 Gradients are summed (each micro-batch loss is already divided by the global number of
 micro-batches), in buckets of flattened gradients so a stage sends a few large messages, and
@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from models import LayerSpec
-
-__all__ = ["BucketedAllReduce", "new_tie_groups", "tied_parameters"]
+__all__ = ["BucketedAllReduce"]
 
 
 class BucketedAllReduce:
@@ -73,62 +69,3 @@ class BucketedAllReduce:
         if self._inflight and self.window is not None:
             self.window = (self.window[0], time.perf_counter())
         self._inflight = []
-
-
-def tied_parameters(
-    module: nn.Module, specs: Sequence[LayerSpec], layers: range
-) -> dict[str, nn.Parameter]:
-    """This stage's copy of each tied weight, by tie key."""
-    found: dict[str, nn.Parameter] = {}
-    for i in layers:
-        spec = specs[i]
-        if spec.tie_key is not None and spec.tie_key not in found:
-            found[spec.tie_key] = module.get_parameter(f"layers.{i}.{spec.tied_param}")
-    return found
-
-
-def new_tie_groups(
-    specs: Sequence[LayerSpec],
-    stage_layers: Sequence[range],
-    replica_ranks: Sequence[Sequence[int]],
-    *,
-    timeout: timedelta,
-) -> dict[str, dist.ProcessGroup | None]:
-    """For each tie key held by more than one pipeline rank, the group of those ranks.
-
-    `stage_layers[s]` are the layers of stage s; `replica_ranks[d][s]` the global rank holding
-    stage s in replica d. Every rank calls this identically (`new_group` is collective over the
-    world); only the groups this rank belongs to are kept.
-    """
-    holders: dict[str, set[int]] = {}
-    for stage, layers in enumerate(stage_layers):
-        for i in layers:
-            if specs[i].tie_key is not None:
-                holders.setdefault(str(specs[i].tie_key), set()).add(stage)
-    groups: dict[str, dist.ProcessGroup | None] = {}
-    for key in sorted(holders):
-        for ranks_of_stage in replica_ranks:
-            ranks = sorted({ranks_of_stage[s] for s in holders[key]})
-            if len(ranks) < 2:
-                continue
-            group = dist.new_group(ranks, timeout=timeout)
-            if dist.get_rank() in ranks:
-                groups[key] = group
-    return groups
-
-
-def share_local_ties(specs: Sequence[LayerSpec], stages: Sequence[Any]) -> None:
-    """Stages on one rank that hold the same tie key share one parameter (V placement puts
-    GPT-2's embedding and head on rank 0), so autograd sums the two uses itself."""
-    first: dict[str, nn.Parameter] = {}
-    for stage in stages:
-        for i in stage.layers:
-            spec = specs[i]
-            if spec.tie_key is None or spec.tied_param is None:
-                continue
-            parent_name, _, leaf = f"layers.{i}.{spec.tied_param}".rpartition(".")
-            parent = stage.module.get_submodule(parent_name)
-            if spec.tie_key in first:
-                setattr(parent, leaf, first[spec.tie_key])
-            else:
-                first[spec.tie_key] = getattr(parent, leaf)

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-__all__ = ["RankFailed", "free_port", "is_launched", "launch_local"]
+__all__ = ["RankFailed", "free_port", "is_launched", "launch_local", "names_a_value_error"]
 
 T = TypeVar("T")
 
@@ -55,10 +55,12 @@ def _first_failure(error: ChildFailedError) -> RankFailed:
     text = str(message.get("message", "")) if isinstance(message, dict) else str(message)
     where = f" (its traceback: {failure.error_file})" if os.path.isfile(failure.error_file) else ""
     kind = text.strip().split(":", 1)[0]  # the record reads "CheckpointError: …"
-    return RankFailed(f"rank {rank} failed: {text.strip()}{where}", bad_input=_a_value_error(kind))
+    return RankFailed(
+        f"rank {rank} failed: {text.strip()}{where}", bad_input=names_a_value_error(kind)
+    )
 
 
-def _a_value_error(name: str) -> bool:
+def names_a_value_error(name: str) -> bool:
     """Whether `name` is ValueError or a subclass loaded here (the rank runs the same code),
     known only by name from the rank's error record."""
     pending: list[type] = [ValueError]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DEVICES", "Mesh", "check_device", "init_mesh", "launcher_world_size"]
+__all__ = ["DEVICES", "Mesh", "check_device", "init_mesh", "launcher_world_size", "placement"]
 
 DEVICES = ("auto", "cuda", "cpu")
 """Where `init_mesh` may place ranks (`meshpipe train --device`)."""
@@ -71,15 +71,6 @@ class Mesh:
         replica = self.dp_rank if dp_rank is None else dp_rank
         return replica * self.pp + pp_rank
 
-    @property
-    def prev_rank(self) -> int | None:
-        return self.global_rank(pp_rank=self.pp_rank - 1) if self.pp_rank > 0 else None
-
-    @property
-    def next_rank(self) -> int | None:
-        last = self.pp_rank == self.pp - 1
-        return None if last else self.global_rank(pp_rank=self.pp_rank + 1)
-
 
 def _check_layout(pp: int, dp: int, world_size: int) -> None:
     if pp < 1 or dp < 1:
@@ -124,7 +115,7 @@ def check_device(device: str) -> None:
         raise _no_cuda("--device cuda")
 
 
-def _placement(backend: str | None, device: str) -> tuple[torch.device, str]:
+def placement(backend: str | None, device: str) -> tuple[torch.device, str]:
     """Where this rank computes and which backend carries its traffic.
 
     `auto`: CUDA with NCCL when the host has a GPU for each of its ranks (NCCL needs one per
@@ -176,7 +167,7 @@ def init_mesh(
 ) -> Mesh:
     """Join the launcher's process group and build the named pp × dp grid.
 
-    `device` says where ranks compute (see `_placement`): by default CUDA with NCCL when the
+    `device` says where ranks compute (see `placement`): by default CUDA with NCCL when the
     host has a GPU for each of its ranks, otherwise the CPU with gloo (four local ranks on a
     one-GPU laptop run on its CPU, with a warning); `cuda` lets ranks share the GPUs over gloo.
 
@@ -184,7 +175,7 @@ def init_mesh(
     """
     world_size = launcher_world_size()
     _check_layout(pp, dp, world_size)
-    place, backend = _placement(backend, device)
+    place, backend = placement(backend, device)
     if place.type == "cuda":
         torch.cuda.set_device(place)
     if world_size == 1:

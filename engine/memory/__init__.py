@@ -1,3 +1,20 @@
 """`meshpipe memory`: per-stage memory of a layout, from a replay of the real stage code on
 fake tensors.
 """
+
+from engine.memory.estimate import MemoryConfig, MemoryReport, StageMemory, estimate_memory
+from engine.memory.measure import measure_memory
+from engine.memory.sizes import format_size, parse_size
+from engine.memory.suggest import Suggestion, suggest
+
+__all__ = [
+    "MemoryConfig",
+    "MemoryReport",
+    "StageMemory",
+    "Suggestion",
+    "estimate_memory",
+    "format_size",
+    "measure_memory",
+    "parse_size",
+    "suggest",
+]

@@ -12,12 +12,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 from torch import nn
 
-import engine.runtime.stage
 from engine.memory.tracker import MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
@@ -123,24 +121,20 @@ def fake_parameters(module: nn.Module) -> None:
 def _runtime_stage(
     module: LayerStack, specs: Sequence[LayerSpec], *, first: bool, last: bool, shape: StageShape
 ) -> PipelineStage:
-    """The runtime's `PipelineStage` around prebuilt layers.
-
-    `PipelineStage` builds and initialises its layers itself; the replay hands it the fake or
-    already built ones instead (a constructor argument for that would retire this patch).
-    """
+    """The runtime's `PipelineStage` around prebuilt (fake or already built) layers."""
     num_stages = 1 if first and last else 2 if first or last else 3
     stage = 0 if first else num_stages - 1 if last else 1
-    with mock.patch.object(engine.runtime.stage, "build_layers", lambda *_, **__: module):
-        return PipelineStage(
-            specs,
-            stage=stage,
-            layers=range(len(specs)),
-            num_stages=num_stages,
-            seed=0,
-            device=next(module.parameters()).device,
-            precision=shape.precision,
-            recompute=shape.recompute,
-        )
+    return PipelineStage(
+        specs,
+        stage=stage,
+        layers=range(len(specs)),
+        num_stages=num_stages,
+        seed=0,
+        device=next(module.parameters()).device,
+        precision=shape.precision,
+        recompute=shape.recompute,
+        built=module,
+    )
 
 
 class StageRun:

@@ -29,7 +29,14 @@ from engine.schedule.actions import Action, ActionKind
 from engine.schedule.generators import make_schedule
 from partitioners import Partition
 
-__all__ = ["Suggestion", "layer_memory", "memory_balanced", "suggest"]
+__all__ = [
+    "Suggestion",
+    "held_with_gradients",
+    "layer_memory",
+    "memory_balanced",
+    "states_floor",
+    "suggest",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +129,7 @@ def memory_balanced(
     return Partition(boundaries=tuple(reversed(bounds)))
 
 
-def _held_with_gradients(actions: Sequence[Action]) -> int:
+def held_with_gradients(actions: Sequence[Action]) -> int:
     """Most micro-batches holding a stash once the stage's first backward has begun (its
     gradients then exist): F opens a stash, B or W closes it, as `in_flight` counts."""
     live = peak = 0
@@ -154,7 +161,7 @@ def _balanced_for(config: MemoryConfig, pp: int) -> Partition:
         kept,
         [in_flight(row) for row in rows],
         grads=grads,
-        after=[_held_with_gradients(row) for row in rows],
+        after=[held_with_gradients(row) for row in rows],
     )
 
 
@@ -169,13 +176,13 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
     Every size is estimated in increasing order. The per-layer sums `memory_balanced` weighs
     leave out transients but also overcount (gpt-tiny's 3 stages under GPipe sum to more than
     their estimate), so they are no lower bound: skipping on them passed over the smallest size
-    that fits. Only `_states_floor`, a true lower bound, skips a size unestimated. Stages built
+    that fits. Only `states_floor`, a true lower bound, skips a size unestimated. Stages built
     alike share one traced replay, so llama-70b's scan at pp 8 takes about 6 s.
     """
     best: MemoryReport | None = None
     for pp in range(config.pp + 1, len(resolve(config).specs) + 1):
         candidate = replace(config, pp=pp, partition=_layout_flags(_balanced_for(config, pp)))
-        if _states_floor(candidate) > device_memory:
+        if states_floor(candidate) > device_memory:
             continue
         report = estimate_memory(candidate)
         if best is None or report.peak < best.peak:
@@ -191,7 +198,7 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
     return Suggestion(change=change, report=best, note=note)
 
 
-def _states_floor(config: MemoryConfig) -> int:
+def states_floor(config: MemoryConfig) -> int:
     """The largest rank's weights, gradients and optimizer states, as `estimate_memory`
     counts them.
 

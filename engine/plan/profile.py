@@ -30,12 +30,12 @@ from models import LayerSpec
 from partitioners import Partition
 from partitioners.costs import activation_costs
 
-__all__ = ["profile_stage_costs", "stage_profile_bytes"]
+__all__ = ["available_memory", "profile_stage_costs", "stage_profile_bytes"]
 
 _MEMINFO = Path("/proc/meminfo")
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes the kernel says can be allocated without swapping (`MemAvailable`), or None
     where it cannot be read (not Linux, no /proc)."""
     try:
@@ -76,7 +76,7 @@ def _check_fits(
 ) -> None:
     """Refuse before building anything when the largest stage cannot fit in this host's
     available memory (skipped where that cannot be read)."""
-    available = _available_memory()
+    available = available_memory()
     if available is None:
         return
     needs = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -20,35 +19,24 @@ from torch import nn
 
 from engine.comm.channels import new_pipeline_channels
 from engine.comm.collective import naming_failures
-from engine.comm.grad_sync import (
-    BucketedAllReduce,
-    new_tie_groups,
-    share_local_ties,
-    tied_parameters,
-)
+from engine.comm.grad_sync import BucketedAllReduce
 from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
-from engine.runtime.clipping import (
-    clip_gradients,
-    global_grad_norm,
-    global_parameter_order,
-    gradient_norms,
-)
+from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
+from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.optim import OptimizerSpec
 from engine.runtime.options import EngineOptions
 from engine.runtime.precision import LossScaler, step_casts
 from engine.runtime.stage import PipelineStage
-from engine.runtime.step import StepRun
+from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
 from engine.runtime.step_stats import StepStats, pipeline_bubble
 from engine.schedule.actions import split_units
-from engine.schedule.passes import add_communication, forward_only
-from engine.schedule.resolve import check_fits, schedule_for
+from engine.schedule.resolve import lowered_schedules
 from engine.schedule.schedule import Schedule
-from engine.schedule.validate import validate
 from models import LayerSpec, lm_loss
 from partitioners import Partition
 
@@ -77,73 +65,97 @@ class PipelineEngine:
     ) -> None:
         self.options = options or EngineOptions()
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
-        self.mesh, self.micro_batches = mesh, micro_batches
-        layout = {
-            "num_ranks": mesh.pp,
-            "micro_batches": micro_batches,
-            "stages_per_rank": stages_per_rank,
-        }
-        compute = (
-            check_fits(schedule, where=f"schedule {schedule.name!r}", **layout)
-            if isinstance(schedule, Schedule)
-            else schedule_for(schedule, **layout)
+        self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
+        self.schedule, self.eval_schedule = lowered_schedules(
+            schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
-        self.schedule = add_communication(compute)
-        validate(self.schedule)
-        self.eval_schedule = add_communication(forward_only(compute))
-        validate(self.eval_schedule)
-        self.stages = {
+        self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
+        self.stages = self._build_stages(specs, partition, seed, loss_fn)
+        self.module = nn.ModuleList(stage.module for stage in self.stages.values())
+        self.closed = False
+        self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
+        """The process groups this rank's pipeline traffic travels over (one per edge)."""
+        self.exchange = self._build_exchange(partition)
+        self.reports = self._build_reports(partition)
+        self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
+        self.ties = self._build_ties(specs, partition)
+        self.optimizer = self._build_optimizer(optimizer)
+        self._previous_figures: Callable[[], tuple[float, float]] | None = None
+        self.gradients = StepGradients(
+            self.module,
+            specs,
+            group=mesh.pp_group if mesh.pp > 1 else None,
+            clip_grad_norm=self.options.clip_grad_norm,
+        )
+        self.scaler = LossScaler() if self.options.precision == "fp16" else None
+        self.skipped_steps = 0
+
+    def _build_stages(
+        self, specs: Sequence[LayerSpec], partition: Partition, seed: int, loss_fn: LossFn
+    ) -> dict[int, PipelineStage]:
+        """This rank's stages, built on its device; stages on one rank share their tied
+        weights, and every stage of a rank whose row splits a backward records for its W."""
+        options = self.options
+        stages = {
             s: PipelineStage(
                 specs,
                 stage=s,
                 layers=partition.layers_of(s),
                 num_stages=partition.num_stages,
                 seed=seed,
-                device=mesh.device,
+                device=self.mesh.device,
                 loss_fn=loss_fn,
-                precision=self.options.precision,
-                recompute=self.options.recompute,
-                compile=self.options.compile,
+                precision=options.precision,
+                recompute=options.recompute,
+                compile=options.compile,
             )
-            for s in self.schedule.stages_of(mesh.pp_rank)
+            for s in self.schedule.stages_of(self.mesh.pp_rank)
         }
-        self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        for stage in self.stages.values():
-            if self.split_units:
+        if self.split_units:
+            for stage in stages.values():
                 stage.enable_split_backward()
-        share_local_ties(specs, list(self.stages.values()))
-        self.module = nn.ModuleList(stage.module for stage in self.stages.values())
-        rank_of_stage = {
-            s: mesh.global_rank(pp_rank=self.schedule.rank_of(s))
-            for s in range(partition.num_stages)
-        }
-        self.timeout_s = timeout_s
-        self.closed = False
-        self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
-        """The process groups this rank's pipeline traffic travels over (one per edge)."""
-        self.exchange = StageExchange(
+        share_local_ties(specs, list(stages.values()))
+        return stages
+
+    def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
+        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
+
+    def _build_exchange(self, partition: Partition) -> StageExchange:
+        return StageExchange(
             groups=self.channels.edges,
-            global_rank_of_stage=rank_of_stage,
-            device=mesh.device,
-            timeout_s=timeout_s,
-            wire_device=mesh.wire_device,
+            global_rank_of_stage={
+                s: self._global_rank_of_stage(s) for s in range(partition.num_stages)
+            },
+            device=self.mesh.device,
+            timeout_s=self.timeout_s,
+            wire_device=self.mesh.wire_device,
         )
-        self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
-        self._tied, self._tie_groups = self._init_ties(specs, partition, timeout_s)
-        self.optimizer = self._build_optimizer(optimizer)
-        self._last_rank = rank_of_stage[partition.num_stages - 1]
-        self.reports = StepReports(
+
+    def _build_reports(self, partition: Partition) -> StepReports:
+        mesh = self.mesh
+        return StepReports(
             group=self.channels.reports,
             ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
             me=mesh.rank,
-            last=self._last_rank,
+            last=self._global_rank_of_stage(partition.num_stages - 1),
             device=mesh.wire_device,
-            timeout_s=timeout_s,
+            timeout_s=self.timeout_s,
         )
-        self._previous_figures: Callable[[], tuple[float, float]] | None = None
-        self._order = global_parameter_order(specs)
-        self.scaler = LossScaler() if self.options.precision == "fp16" else None
-        self.skipped_steps = 0
+
+    def _build_ties(self, specs: Sequence[LayerSpec], partition: Partition) -> TiedWeights:
+        tied: dict[str, nn.Parameter] = {}
+        for stage in self.stages.values():
+            tied.update(tied_parameters(stage.module, specs, stage.layers))
+        groups: dict[str, dist.ProcessGroup | None] = {}
+        if self.mesh.world_size > 1:
+            stages = range(partition.num_stages)
+            groups = new_tie_groups(
+                specs,
+                [partition.layers_of(s) for s in stages],
+                [[self._global_rank_of_stage(s, d) for s in stages] for d in range(self.mesh.dp)],
+                timeout=timedelta(seconds=self.timeout_s),
+            )
+        return TiedWeights(tied, groups, timeout_s=self.timeout_s)
 
     def _build_optimizer(
         self, optimizer: OptimizerFactory | OptimizerSpec | None
@@ -158,25 +170,6 @@ class PipelineEngine:
                 "ZeRO-1 shards the optimizer, so it needs an OptimizerSpec, not a factory"
             )
         return optimizer(self.module)
-
-    def _init_ties(
-        self, specs: Sequence[LayerSpec], partition: Partition, timeout_s: float
-    ) -> tuple[dict[str, nn.Parameter], dict[str, dist.ProcessGroup | None]]:
-        tied: dict[str, nn.Parameter] = {}
-        for stage in self.stages.values():
-            tied.update(tied_parameters(stage.module, specs, stage.layers))
-        if self.mesh.world_size == 1:
-            return tied, {}
-        layers = [partition.layers_of(s) for s in range(partition.num_stages)]
-        replicas = [
-            [
-                self.mesh.global_rank(pp_rank=self.schedule.rank_of(s), dp_rank=d)
-                for s in range(partition.num_stages)
-            ]
-            for d in range(self.mesh.dp)
-        ]
-        groups = new_tie_groups(specs, layers, replicas, timeout=timedelta(seconds=timeout_s))
-        return tied, groups
 
     @property
     def is_first(self) -> bool:
@@ -206,34 +199,12 @@ class PipelineEngine:
         timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
         step_s = time.perf_counter() - origin
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
-        phases: list[tuple[str, float, float]] = []
-        with naming_failures("the data-parallel gradient all-reduce", timeout_s=self.timeout_s):
-            self._dp_reduce.finish()
-        if self._dp_reduce.window is not None and self.mesh.dp > 1:
-            start, end = self._dp_reduce.window
-            phases.append(("dp all-reduce", start - origin, end - origin))
-        tie_start = time.perf_counter()
-        for key in sorted(self._tie_groups):  # one order on every rank: no crossed waits
-            param = self._tied[key]
-            if param.grad is None:  # a holder whose copy got no gradient still takes part
-                param.grad = torch.zeros_like(param)
-            with naming_failures(f"summing tied weight {key!r}", timeout_s=self.timeout_s):
-                dist.all_reduce(param.grad, group=self._tie_groups[key])
-        if self._tie_groups:
-            phases.append(("tied sum", tie_start - origin, time.perf_counter() - origin))
+        phases = [*self._finish_dp_reduction(origin), *self._sum_tied_weights(origin)]
         opt_start = time.perf_counter()
-        if self.synchronises_steps:
-            norm, skipped = self._finish_gradients(loss)
-            figures = self._publish(busy, step_s, norm=norm)
-        else:
-            skipped = False
-            figures = self._publish(busy, step_s, norm=None)
-        if self.optimizer is not None and not skipped:
-            self.optimizer.step()
+        norm, skipped = self._check_gradients(loss)
+        figures = self._publish(busy, step_s, norm=norm)
+        scale = self._optimizer_step(skipped)
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
-        scale = self.scaler.scale if self.scaler else 1.0
-        if self.scaler is not None:
-            self.scaler.update(not skipped)
         if self._previous_figures is not None:
             self._previous_figures()  # arrived during this step: frees its buffers, never waits
         self._previous_figures = figures
@@ -250,6 +221,44 @@ class PipelineEngine:
             pipeline_figures=figures,
         )
 
+    def _check_gradients(self, loss: float) -> tuple[float | None, bool]:
+        """When steps synchronise: the global norm and whether every rank skips this step
+        (unscaled and clipped as the options ask). Otherwise no norm yet, and no skip."""
+        if not self.synchronises_steps:
+            return None, False
+        what = "the pipeline's gradient-norm all-reduce"
+        with naming_failures(what, timeout_s=self.timeout_s):
+            norm, skipped = self.gradients.finish(loss, self.scaler)
+        self.skipped_steps += skipped
+        return norm, skipped
+
+    def _optimizer_step(self, skipped: bool) -> float:
+        """Step (unless skipped) and update fp16's loss scale; returns the scale this step
+        used (1 without one)."""
+        if self.optimizer is not None and not skipped:
+            self.optimizer.step()
+        if self.scaler is None:
+            return 1.0
+        scale = self.scaler.scale
+        self.scaler.update(not skipped)
+        return scale
+
+    def _finish_dp_reduction(self, origin: float) -> list[tuple[str, float, float]]:
+        """Wait for the data-parallel gradient sum the stage's last backward started; its window
+        as a phase of the step when there are replicas."""
+        with naming_failures("the data-parallel gradient all-reduce", timeout_s=self.timeout_s):
+            self._dp_reduce.finish()
+        window = self._dp_reduce.window
+        if window is None or self.mesh.dp == 1:
+            return []
+        return [("dp all-reduce", window[0] - origin, window[1] - origin)]
+
+    def _sum_tied_weights(self, origin: float) -> list[tuple[str, float, float]]:
+        start = time.perf_counter()
+        if not self.ties.sum_gradients():
+            return []
+        return [("tied sum", start - origin, time.perf_counter() - origin)]
+
     def _publish(
         self, busy: float, step_s: float, *, norm: float | None
     ) -> Callable[[], tuple[float, float]]:
@@ -257,7 +266,7 @@ class PipelineEngine:
         the pipeline peers; the result resolves (bubble, global norm) once theirs arrived."""
         mine = torch.tensor([busy, step_s], dtype=torch.float64)
         if norm is None:
-            norms = gradient_norms(self._global_named_parameters(), self._order)
+            norms = self.gradients.local_norms()
             mine = torch.cat([mine, norms.cpu().to(torch.float64)])
         gather = self.reports.publish(mine) if self.mesh.pp > 1 else lambda: mine[None]
 
@@ -271,32 +280,6 @@ class PipelineEngine:
             return bubble, float(torch.linalg.vector_norm(total, 2.0))
 
         return figures
-
-    def _global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their global names (`layers.{i}.…`)."""
-        return [(n.split(".", 1)[1], p) for n, p in self.module.named_parameters()]
-
-    def _finish_gradients(self, loss: float) -> tuple[float, bool]:
-        """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks."""
-        params = list(self.module.parameters())
-        if self.scaler is not None:
-            for param in params:
-                if param.grad is not None:
-                    param.grad.mul_(1.0 / self.scaler.scale)
-        with naming_failures("the pipeline's gradient-norm all-reduce", timeout_s=self.timeout_s):
-            total = global_grad_norm(
-                self._global_named_parameters(),
-                self._order,
-                group=self.mesh.pp_group,
-                distributed=self.mesh.pp > 1,
-            )
-        norm = float(total)
-        skipped = not (math.isfinite(norm) and math.isfinite(loss))
-        if skipped:
-            self.skipped_steps += 1
-        elif self.options.clip_grad_norm > 0:
-            clip_gradients(params, total, self.options.clip_grad_norm)
-        return norm, skipped
 
     def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """Forward-only loss of a batch, on every rank."""
@@ -327,7 +310,7 @@ class PipelineEngine:
                 "override its precision and keep weight casts across optimizer steps: call "
                 "train_step and eval_step outside autocast"
             )
-        step = StepRun(self, inputs, targets, training=training)
+        step = StepRun(self._step_context(schedule), inputs, targets, training=training)
         self.reports.begin_step()
         for stage in self.stages.values():
             stage.reset_peak()
@@ -343,6 +326,21 @@ class PipelineEngine:
             )
         self.exchange.wait_sends()
         return timings, self._global_loss()
+
+    def _step_context(self, schedule: Schedule) -> StepContext:
+        dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
+        return StepContext(
+            stages=self.stages,
+            row=schedule.rows[self.mesh.pp_rank],
+            micro_batches=self.micro_batches,
+            loss_divisor=self.micro_batches * self.mesh.dp,
+            loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+            split_units=self.split_units,
+            device=self.mesh.device,
+            exchange=self.exchange,
+            reports=self.reports,
+            gradients_final=dp_reduce,
+        )
 
     def _global_loss(self) -> float:
         loss = self.reports.loss().clone()
@@ -368,7 +366,7 @@ class PipelineEngine:
                     self._previous_figures()
                 dist.barrier()
         groups = [*self.channels.edges.values(), self.channels.reports]
-        groups += self._tie_groups.values()
+        groups += self.ties.groups.values()
         for group in {id(g): g for g in groups if g is not None}.values():
             dist.destroy_process_group(group)
 

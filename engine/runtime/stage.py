@@ -20,7 +20,7 @@ from engine.runtime.micro_batches import LossFn
 from engine.runtime.options import recompute_groups
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
-from models import LayerSpec, build_layers, lm_loss
+from models import LayerSpec, LayerStack, build_layers, lm_loss
 
 __all__ = ["PipelineStage", "StageError"]
 
@@ -60,10 +60,15 @@ class PipelineStage:
         precision: str = "fp32",
         recompute: str = "none",
         compile: bool = False,
+        built: LayerStack | None = None,
     ) -> None:
+        """`built`: the stage's layers already made (the memory replay's fake ones); by
+        default they are built and initialised here, on `device`."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
-        self.module = build_layers(specs, layers, seed=seed, device=device)
+        self.module = (
+            build_layers(specs, layers, seed=seed, device=device) if built is None else built
+        )
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
@@ -139,10 +144,6 @@ class PipelineStage:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
-
-    @property
-    def pending_weight_grads(self) -> int:
-        return len(self._pending_w)
 
     @contextlib.contextmanager
     def step_scope(self) -> Iterator[None]:

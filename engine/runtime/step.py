@@ -1,24 +1,58 @@
 """One step's state on one rank: the handler table the interpreter runs a schedule through.
 
 Holds what lives only for a step — the micro-batches, tensors received and waiting to be sent,
-the losses — and turns each action into a call on a stage or on the exchange.
+the losses — and turns each action into a call on a stage or on the exchange. It sees the
+engine only through a `StepContext`: what a step needs, and nothing else.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
+from engine.comm.p2p import StageExchange
+from engine.comm.step_report import StepReports
 from engine.runtime.micro_batches import split_micro_batches
+from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind
 
-if TYPE_CHECKING:
-    from engine.runtime.engine import PipelineEngine
+__all__ = ["StepContext", "StepRun"]
 
-__all__ = ["StepRun"]
+
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What one step of one rank needs: its stages, its row of actions, how each micro-batch
+    loss is scaled, and the exchange and reports it talks through."""
+
+    stages: Mapping[int, PipelineStage]
+    """The stages this rank holds, by stage id."""
+    row: tuple[Action, ...]
+    """This rank's lowered actions for the step (the training or the evaluation schedule)."""
+    micro_batches: int
+    """Micro-batches per replica and step."""
+    loss_divisor: int
+    """What each micro-batch loss is divided by: micro-batches × replicas, as the reference."""
+    loss_scale: float
+    """fp16's loss scale (1 otherwise)."""
+    split_units: frozenset[tuple[int, int]]
+    """(stage, micro-batch) pairs whose backward runs as I then W."""
+    device: torch.device
+    """Where this rank computes: a loader's CPU batch moves here once per step."""
+    exchange: StageExchange
+    reports: StepReports
+    gradients_final: Callable[[], None]
+    """Called after the rank's last B or W: its gradients are final (the dp reduction starts)."""
+
+    @property
+    def is_first(self) -> bool:
+        return any(stage.is_first for stage in self.stages.values())
+
+    @property
+    def is_last(self) -> bool:
+        return any(stage.is_last for stage in self.stages.values())
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,39 +79,27 @@ class StepRun:
 
     def __init__(
         self,
-        engine: PipelineEngine,
+        context: StepContext,
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         *,
         training: bool,
     ) -> None:
-        m = engine.micro_batches
-        if engine.is_first and inputs is None:
+        if context.is_first and inputs is None:
             raise ValueError("the first pipeline stage needs the batch's inputs")
-        if engine.is_last and targets is None:
+        if context.is_last and targets is None:
             raise ValueError("the last pipeline stage needs the batch's targets")
-        self.engine, self.training = engine, training
-        device = engine.mesh.device  # a loader's CPU batch goes to the GPU once per step
-        self.inputs = (
-            split_micro_batches(inputs.to(device, non_blocking=True), m)
-            if engine.is_first and inputs is not None
-            else ()
-        )
-        self.targets = (
-            split_micro_batches(targets.to(device, non_blocking=True), m)
-            if engine.is_last and targets is not None
-            else ()
-        )
+        self.context, self.training = context, training
+        self.inputs = _split(inputs, context) if context.is_first else ()
+        self.targets = _split(targets, context) if context.is_last else ()
         self.activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.outbox: dict[tuple[ActionKind, int, int], tuple[torch.Tensor, ...]] = {}
         self.losses: list[torch.Tensor] = []
-        row = engine.schedule.rows[engine.mesh.pp_rank]
-        self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in row)
-        schedule = engine.schedule if training else engine.eval_schedule
-        firsts, self._next_recv = _receive_plan(schedule.rows[engine.mesh.pp_rank])
+        self._grads_left = sum(a.kind in (ActionKind.B, ActionKind.W) for a in context.row)
+        firsts, self._next_recv = _receive_plan(context.row)
         for first in firsts:
-            engine.exchange.post_ahead(first, training=training)
+            context.exchange.post_ahead(first, training=training)
 
     def handlers(self) -> dict[ActionKind, Callable[[Action], None]]:
         return {
@@ -93,61 +115,66 @@ class StepRun:
 
     def forward(self, action: Action) -> None:
         s, k = action.stage, action.micro_batch
-        stage = self.engine.stages[s]
+        context = self.context
+        stage = context.stages[s]
         inputs = (self.inputs[k],) if stage.is_first else self.activations.pop((s, k))
-        divisor = self.engine.micro_batches * self.engine.mesh.dp
-        scaler = self.engine.scaler
         outputs = stage.forward(
             k,
             inputs,
             targets=self.targets[k] if stage.is_last else None,
-            loss_divisor=divisor,
-            loss_scale=scaler.scale if scaler is not None else 1.0,
+            loss_divisor=context.loss_divisor,
+            loss_scale=context.loss_scale,
             training=self.training,
-            split=(s, k) in self.engine.split_units,
+            split=(s, k) in context.split_units,
         )
         if stage.is_last:
             self.losses.append(outputs[0])
-            if len(self.losses) == self.engine.micro_batches:
-                self.engine.reports.send_loss(torch.stack(self.losses).mean())
-        elif s + 1 in self.engine.stages:
+            if len(self.losses) == context.micro_batches:
+                context.reports.send_loss(torch.stack(self.losses).mean())
+        elif s + 1 in context.stages:
             self.activations[(s + 1, k)] = tuple(o.detach().requires_grad_() for o in outputs)
         else:
             self.outbox[(ActionKind.SEND_F, s, k)] = outputs
 
     def backward(self, action: Action) -> None:
         s, k = action.stage, action.micro_batch
-        stage = self.engine.stages[s]
+        stage = self.context.stages[s]
         grads = () if stage.is_last else self.gradients.pop((s, k))
         if action.kind is ActionKind.I:
             input_grads = stage.backward_input(k, grads)
         else:
             input_grads = stage.backward(k, grads)
             self._gradient_done()
-        if s > 0 and s - 1 in self.engine.stages:
+        if s > 0 and s - 1 in self.context.stages:
             self.gradients[(s - 1, k)] = input_grads
         elif s > 0:
             self.outbox[(ActionKind.SEND_B, s, k)] = input_grads
 
     def weight_grad(self, action: Action) -> None:
-        self.engine.stages[action.stage].backward_weight(action.micro_batch)
+        self.context.stages[action.stage].backward_weight(action.micro_batch)
         self._gradient_done()
 
     def _gradient_done(self) -> None:
         """After the rank's last B or W of the step, its gradients are final: reduce them."""
         self._grads_left -= 1
-        if self._grads_left == 0 and self.engine.mesh.dp > 1:
-            self.engine._dp_reduce.start()
+        if self._grads_left == 0:
+            self.context.gradients_final()
 
     def send(self, action: Action) -> None:
         tensors = self.outbox.pop((action.kind, action.stage, action.micro_batch))
-        self.engine.exchange.send(action, tensors, training=self.training)
+        self.context.exchange.send(action, tensors, training=self.training)
 
     def recv(self, action: Action) -> None:
-        exchange = self.engine.exchange
+        exchange = self.context.exchange
         tensors = exchange.recv(action, training=self.training)
         following = self._next_recv.get(action)
         if following is not None:
             exchange.post_ahead(following, training=self.training)
         box = self.activations if action.kind is ActionKind.RECV_F else self.gradients
         box[(action.stage, action.micro_batch)] = tensors
+
+
+def _split(batch: torch.Tensor | None, context: StepContext) -> tuple[torch.Tensor, ...]:
+    """The batch on this rank's device, in micro-batches (views)."""
+    assert batch is not None
+    return split_micro_batches(batch.to(context.device, non_blocking=True), context.micro_batches)

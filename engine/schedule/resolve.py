@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.schedule.generators import SCHEDULES, make_schedule
+from engine.schedule.passes import add_communication, forward_only
 from engine.schedule.schedule import Schedule
 from engine.schedule.simulate import simulate
 from engine.schedule.text import load_schedule
-from engine.schedule.validate import ScheduleError
+from engine.schedule.validate import ScheduleError, validate
 
-__all__ = ["check_fits", "schedule_for"]
+__all__ = ["check_fits", "lowered_schedules", "schedule_for"]
 
 
 def schedule_for(
@@ -80,3 +81,24 @@ def check_fits(
     except ScheduleError as error:
         raise ScheduleError(f"{where}: {error}") from error
     return schedule
+
+
+def lowered_schedules(
+    schedule: str | Schedule, *, num_ranks: int, micro_batches: int, stages: int
+) -> tuple[Schedule, Schedule]:
+    """The training schedule and its forward-only twin for `eval_step`, both lowered (sends
+    and receives spelled out) and validated; a schedule given as data is dry-run first."""
+    layout = {
+        "num_ranks": num_ranks,
+        "micro_batches": micro_batches,
+        "stages_per_rank": stages,
+    }
+    compute = (
+        check_fits(schedule, where=f"schedule {schedule.name!r}", **layout)
+        if isinstance(schedule, Schedule)
+        else schedule_for(schedule, **layout)
+    )
+    lowered = add_communication(compute), add_communication(forward_only(compute))
+    for each in lowered:
+        validate(each)
+    return lowered

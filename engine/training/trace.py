@@ -25,10 +25,6 @@ class TraceRecorder:
         self._origin = time.perf_counter()
         self._slices: list[tuple[str, float, float]] = []
 
-    def step_started(self) -> float:
-        """Call right before `train_step`; returns the step's start on the shared clock."""
-        return time.perf_counter()
-
     def record(self, step: int, started: float, stats: StepStats) -> None:
         offset = started - self._origin
         for timing in stats.timings:

@@ -11,7 +11,7 @@ import pytest
 
 from engine.cli.main import main
 from engine.cli.train import interrupt_advice
-from engine.comm.launch import _a_value_error
+from engine.comm.launch import names_a_value_error
 from engine.training.config import TrainConfig
 from engine.training.preflight import preflight
 from tests.unit.cli_error import cli_error
@@ -187,4 +187,4 @@ def test_max_restarts_under_an_outside_launcher_says_whose_flag_it_is(
 def test_a_rank_failure_is_bad_input_when_the_rank_raised_a_value_error(
     kind: str, bad_input: bool
 ) -> None:
-    assert _a_value_error(kind) is bad_input
+    assert names_a_value_error(kind) is bad_input

@@ -28,7 +28,7 @@ from engine.memory.states import (
     stage_params,
     zero_shards,
 )
-from engine.memory.suggest import _held_with_gradients, _states_floor, memory_balanced, suggest
+from engine.memory.suggest import held_with_gradients, memory_balanced, states_floor, suggest
 from engine.memory.tracker import MemoryTracker, fake_device
 from engine.schedule.generators import SCHEDULES, VIRTUAL_SCHEDULES, make_schedule
 from engine.schedule.simulate import simulate
@@ -308,7 +308,7 @@ def test_stashes_held_once_gradients_exist_follow_the_1f1b_rows(
     """With m <= P, 1F1B's first stages run every forward before their first B: the
     gradients that B allocates never meet all of their stashes."""
     schedule = make_schedule("1f1b", num_ranks=4, micro_batches=micro_batches)
-    assert [_held_with_gradients(stage_actions(schedule, s)) for s in range(4)] == held
+    assert [held_with_gradients(stage_actions(schedule, s)) for s in range(4)] == held
 
 
 @pytest.mark.parametrize(
@@ -339,8 +339,8 @@ def test_no_suggestion_is_worse_than_the_layout(config: MemoryConfig) -> None:
 def test_states_floor_is_a_lower_bound_of_the_estimate(changes: dict[str, object]) -> None:
     """Weights, gradients and optimizer states: `_more_stages` skips sizes on it unestimated."""
     config = _tiny(pp=3, **changes)
-    assert _states_floor(config) <= estimate_memory(config).peak
-    assert _states_floor(config) > max(
+    assert states_floor(config) <= estimate_memory(config).peak
+    assert states_floor(config) > max(
         s.weights + s.optimizer for s in estimate_memory(config).stages
     )
 

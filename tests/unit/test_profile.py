@@ -39,12 +39,12 @@ def _partition(model: str, stages: int, seq_len: int) -> tuple[list[LayerSpec], 
 def test_a_stage_too_large_for_the_available_memory_is_refused_before_it_is_built(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(engine.profile, "_available_memory", lambda: 8 * 2**30)
+    monkeypatch.setattr(engine.plan.profile, "available_memory", lambda: 8 * 2**30)
 
     def built(*_: object, **__: object) -> None:
         raise AssertionError("a stage was built before the memory check")
 
-    monkeypatch.setattr(engine.profile, "PipelineStage", built)
+    monkeypatch.setattr(engine.plan.profile, "PipelineStage", built)
     specs, partition = _partition("llama-7b", 4, 64)
     with pytest.raises(ValueError) as error:
         profile_stage_costs(specs, partition, seq_len=64)
@@ -58,7 +58,7 @@ def test_a_stage_too_large_for_the_available_memory_is_refused_before_it_is_buil
 def test_the_schedule_command_exits_2_with_the_refusal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(engine.profile, "_available_memory", lambda: 2**30)
+    monkeypatch.setattr(engine.plan.profile, "available_memory", lambda: 2**30)
     argv = ["schedule", "--pp", "4", "--costs", "profile:llama-7b", "--seq-len", "64"]
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -79,10 +79,10 @@ def test_available_memory_reads_meminfo_and_is_skipped_without_it(
 ) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
-    monkeypatch.setattr(engine.profile, "_MEMINFO", meminfo)
-    assert engine.profile._available_memory() == 20000000 * 1024
-    monkeypatch.setattr(engine.profile, "_MEMINFO", tmp_path / "missing")
-    assert engine.profile._available_memory() is None
+    monkeypatch.setattr(engine.plan.profile, "_MEMINFO", meminfo)
+    assert engine.plan.profile.available_memory() == 20000000 * 1024
+    monkeypatch.setattr(engine.plan.profile, "_MEMINFO", tmp_path / "missing")
+    assert engine.plan.profile.available_memory() is None
     specs, partition = _partition("gpt-tiny", 2, 16)
     per_stage = profile_stage_costs(specs, partition, seq_len=16, repeats=1).per_stage
     assert per_stage is not None and len(per_stage) == 2
@@ -99,14 +99,14 @@ def test_each_stage_is_built_once_and_its_w_runs_the_deferred_gemms(
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             built.append(self.stage)
 
-    linear_grads = engine.stage._linear_weight_grads
+    linear_grads = engine.runtime.stage._linear_weight_grads
 
     def counted(*args: object) -> list[torch.Tensor]:
         gemms.append(1)
         return linear_grads(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine.profile, "PipelineStage", Counted)
-    monkeypatch.setattr(engine.stage, "_linear_weight_grads", counted)
+    monkeypatch.setattr(engine.plan.profile, "PipelineStage", Counted)
+    monkeypatch.setattr(engine.runtime.stage, "_linear_weight_grads", counted)
     specs, partition = _partition("llama-tiny", 2, 32)
     profile_stage_costs(specs, partition, seq_len=32, repeats=2)
     assert built == [0, 1]
@@ -126,7 +126,7 @@ def test_a_stage_is_freed_before_the_next_is_built(monkeypatch: pytest.MonkeyPat
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             stages.append(weakref.ref(self))
 
-    monkeypatch.setattr(engine.profile, "PipelineStage", Watched)
+    monkeypatch.setattr(engine.plan.profile, "PipelineStage", Watched)
     specs, partition = _partition("llama-tiny", 3, 16)
     with _collector_off():
         profile_stage_costs(specs, partition, seq_len=16, repeats=1)
