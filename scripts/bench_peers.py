@@ -123,9 +123,8 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     """meshpipe with the peers' semantics (no clipping, no non-finite guard, so steps follow
     each other without a barrier); `NAME+guard` keeps the guard and its per-step barrier."""
     from engine.comm.mesh import init_mesh
+    from engine.config import EngineOptions, OptimizerSpec
     from engine.runtime.engine import PipelineEngine
-    from engine.runtime.optim import OptimizerSpec
-    from engine.runtime.options import EngineOptions
     from partitioners import Partition
 
     mesh = init_mesh(2, 1, timeout_s=600)

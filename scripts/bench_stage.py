@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.comm.mesh import init_mesh
+from engine.config import PRECISIONS, EngineOptions
 from engine.runtime.engine import PipelineEngine
-from engine.runtime.options import EngineOptions
-from engine.runtime.precision import PRECISIONS, compute_dtype, step_casts
+from engine.runtime.precision import compute_dtype, step_casts
 from engine.runtime.stage import PipelineStage
 from engine.runtime.step_clock import StepClock, step_clock
 from models import MODEL_CONFIGS, LayerSpec, layer_specs

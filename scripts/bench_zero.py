@@ -19,9 +19,8 @@ def _worker(rank: int, world: int, model: str, zero: int) -> tuple[int, int]:
     import torch
 
     from engine.comm.mesh import init_mesh
+    from engine.config import EngineOptions, OptimizerSpec
     from engine.runtime.engine import PipelineEngine
-    from engine.runtime.optim import OptimizerSpec
-    from engine.runtime.options import EngineOptions
     from models import layer_specs
     from partitioners import partition_model
 

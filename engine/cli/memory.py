@@ -8,10 +8,11 @@ formulas beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 
+from engine.cli.flags import add_config_flags, flag_values
+from engine.config import require
 from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.report import (
@@ -23,11 +24,18 @@ from engine.memory.report import (
 )
 from engine.memory.sizes import parse_size
 from engine.memory.suggest import suggest
-from engine.schedule import SCHEDULES
 
 __all__ = ["COMMANDS", "DOES_NOT_FIT", "add_parsers", "config_from_args", "run"]
 
 COMMANDS = ("memory",)
+
+_NOT_MEMORY = frozenset(
+    {
+        *("global_batch", "lr", "weight_decay", "betas", "momentum", "adam_eps"),
+        *("clip_grad_norm", "no_nonfinite_guard"),
+    }
+)
+"""Settings that change no byte of the estimate: not flags of `meshpipe memory`."""
 
 DOES_NOT_FIT = 3
 """Exit code when a rank's estimated peak exceeds `--device-memory`, in text and JSON mode alike,
@@ -41,15 +49,6 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _stages_arg(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"cannot read stages {text!r}: give comma-separated stage numbers such as 0,1"
-        ) from None
-
-
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `meshpipe memory` to the object `ArgumentParser.add_subparsers()` returns."""
     p = subparsers.add_parser(
@@ -61,27 +60,17 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         f"given), {DOES_NOT_FIT} when a rank's peak exceeds --device-memory (the table and the "
         "alternatives are still printed), 2 on bad input.",
     )
-    p.add_argument("--model", default="gpt-tiny", help="a registered model name")
-    p.add_argument("--pp", type=int, default=1, help="pipeline ranks")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)}")
-    p.add_argument("--stages-per-rank", type=int, default=1, help="virtual stages per rank")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch")
+    add_config_flags(p, MemoryConfig, exclude=_NOT_MEMORY)
+    p.add_argument("--dtype", dest="precision", default=argparse.SUPPRESS, help="--precision")
     p.add_argument(
         "--global-batch", type=int, default=None, help="sequences per step, all replicas"
     )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument(
-        "--dtype", "--precision", dest="precision", default="bf16", help="fp32|bf16|fp16"
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default: 1, or what --global-batch gives)",
     )
-    p.add_argument("--partition", default="balanced", help="partition method, as meshpipe plan")
-    p.add_argument("--cost-model", default="flops", help="flops|parameters|activations")
-    p.add_argument("--recompute", default="none", help="none|full|every:N")
-    p.add_argument("--recompute-stages", type=_stages_arg, default=None, help="only these stages")
-    p.add_argument("--zero", type=int, default=0, help="1 shards AdamW's states over dp (ZeRO-1)")
-    p.add_argument("--optimizer-impl", default="fused", help="AdamW: fused or per_tensor")
-    p.add_argument("--device", default="cuda", help="device model: cuda or cpu")
     p.add_argument(
         "--device-memory",
         type=_size_arg,
@@ -98,32 +87,20 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def config_from_args(args: argparse.Namespace) -> MemoryConfig:
-    """The config the flags describe; `--global-batch` fixes the micro-batch size.
-
-    dp, micro-batches and the global batch are checked before the division, so a bad one is
-    named as given rather than as a divisor of 0 or a micro-batch size nobody typed.
-    """
-    size = args.micro_batch_size
-    if args.global_batch is not None:
-        for name in ("dp", "micro_batches", "global_batch"):
-            value = getattr(args, name)
-            if value < 1:
-                raise ValueError(f"{name.replace('_', '-')}={value} must be at least 1")
-        per = args.dp * args.micro_batches
-        if args.global_batch % per:
-            raise ValueError(
-                f"global batch {args.global_batch} does not split into dp {args.dp} × "
-                f"{args.micro_batches} micro-batches: use a multiple of {per}"
-            )
-        if size is not None and size != args.global_batch // per:
-            raise ValueError(
-                f"--global-batch {args.global_batch} means micro-batches of "
-                f"{args.global_batch // per} sequences, not --micro-batch-size {size}: give one"
-            )
-        size = args.global_batch // per
-    names = {f.name for f in dataclasses.fields(MemoryConfig)} - {"micro_batch_size"}
-    values = {n: getattr(args, n) for n in names}
-    return MemoryConfig(micro_batch_size=1 if size is None else size, **values)
+    """The config the flags describe: the batch as --micro-batch-size (1 by default) or as
+    --global-batch, or both when they agree."""
+    values = flag_values(MemoryConfig, args)
+    values.pop("global_batch")
+    size, total = args.micro_batch_size, args.global_batch
+    if total is None:
+        return MemoryConfig.of(micro_batch_size=1 if size is None else size, **values)
+    config = MemoryConfig.of(global_batch=total, **values)
+    require(
+        size is None or size == config.micro_batch_size,
+        f"--global-batch {total} means micro-batches of {config.micro_batch_size} sequences, "
+        f"not --micro-batch-size {size}: give one",
+    )
+    return config
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -5,14 +5,13 @@ launch, what it prints at the end or on Ctrl-C, and its loss curve.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from engine.checkpoint.files import step_dirs
-from engine.cli.flags import add_config_flags, given_fields
+from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.training.config import TrainConfig
 from engine.training.metrics import plot_metrics
 from engine.training.resume_check import DECAYING_SCHEDULES
@@ -58,10 +57,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
     """The config a parsed `train` command line asks for; with --deepspeed_config only the
     flags `argv` gives count, so the JSON's omissions take DeepSpeed's defaults, not ours."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    fields = {k: v for k, v in vars(args).items() if k in names}
+    fields = flag_values(TrainConfig, args)
     if not args.deepspeed_config:
-        return TrainConfig(**fields)
+        return TrainConfig.of(**fields)
     given = given_fields(TrainConfig, argv)
     return TrainConfig.from_deepspeed(
         args.deepspeed_config, **{k: v for k, v in fields.items() if k in given}
@@ -74,11 +72,15 @@ class Interrupted(Exception):
 
 def interrupt_advice(config: TrainConfig) -> str:
     """What an interrupted run kept, and how to continue it."""
-    if config.checkpoint_dir is None:
+    if config.checkpoint.checkpoint_dir is None:
         return "no checkpoint was written (--checkpoint-dir D --save-every N keep progress)"
-    saved = step_dirs(Path(config.checkpoint_dir))
+    saved = step_dirs(Path(config.checkpoint.checkpoint_dir))
     if not saved:
-        every = f"every {config.save_every} steps" if config.save_every else "after the last step"
+        every = (
+            f"every {config.checkpoint.save_every} steps"
+            if config.checkpoint.save_every
+            else "after the last step"
+        )
         return (
             f"it stopped before its first checkpoint ({every}): a smaller --save-every keeps "
             "more of a run"
@@ -92,22 +94,23 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.training.loop import train_worker
     from engine.training.preflight import preflight
 
-    ranks = config.pp * config.dp
+    ranks = config.parallel.world_size
     preflight(config)
     if ranks > 1 and not is_launched():
         progress = not args.no_progress
-        restarts = config.max_restarts
+        restarts = config.run.max_restarts
         result = launch_local(train_worker, ranks, config, progress, max_restarts=restarts)[0]
     else:
         if is_launched() and launcher_world_size() != ranks:
             raise ValueError(
-                f"--pp {config.pp} × --dp {config.dp} = {ranks} ranks, but the launcher "
-                f"started {launcher_world_size()}: make them equal"
+                f"--pp {config.parallel.pp} × --dp {config.parallel.dp} = {ranks} ranks, but "
+                f"the launcher started {launcher_world_size()}: make them equal"
             )
-        if is_launched() and config.max_restarts and int(os.environ.get("RANK", "0")) == 0:
+        if is_launched() and config.run.max_restarts and int(os.environ.get("RANK", "0")) == 0:
             print(
-                f"meshpipe: --max-restarts {config.max_restarts} is for meshpipe's own launcher; "
-                "under torchrun or deepspeed give the launcher's own (torchrun --max-restarts)",
+                f"meshpipe: --max-restarts {config.run.max_restarts} is for meshpipe's own "
+                "launcher; under torchrun or deepspeed give the launcher's own (torchrun "
+                "--max-restarts)",
                 file=sys.stderr,
             )
         result = train_worker(config, not args.no_progress)
@@ -116,16 +119,16 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     if not result.losses:
         more = (
             " with --resume-with-new-hparams (the learning rate schedule decays over --steps)"
-            if config.lr_schedule in DECAYING_SCHEDULES
+            if config.learning_rate.lr_schedule in DECAYING_SCHEDULES
             else ""
         )
         print(
             f"nothing to train: the checkpoint is at step {result.first_step} and --steps is "
-            f"{config.steps} (give a larger --steps{more} to train on)"
+            f"{config.run.steps} (give a larger --steps{more} to train on)"
         )
         return 0
     print(
-        f"final loss {result.final_loss:.4f} after {config.steps} steps "
+        f"final loss {result.final_loss:.4f} after {config.run.steps} steps "
         f"({result.tokens_per_s:,.0f} tokens/s, bubble {result.mean_bubble:.1%})"
     )
     return 0

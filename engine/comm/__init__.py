@@ -5,11 +5,10 @@ failures.
 
 from engine.comm.collective import CollectiveError, naming_failures
 from engine.comm.launch import RankFailed, is_launched, launch_local
-from engine.comm.mesh import DEVICES, Mesh, check_device, init_mesh, launcher_world_size
+from engine.comm.mesh import Mesh, check_device, init_mesh, launcher_world_size
 from engine.comm.p2p import ExchangeError, StageExchange
 
 __all__ = [
-    "DEVICES",
     "CollectiveError",
     "ExchangeError",
     "Mesh",

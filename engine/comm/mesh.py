@@ -16,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["DEVICES", "Mesh", "check_device", "init_mesh", "launcher_world_size", "placement"]
+from engine.config import DEVICES
 
-DEVICES = ("auto", "cuda", "cpu")
-"""Where `init_mesh` may place ranks (`meshpipe train --device`)."""
+__all__ = ["Mesh", "check_device", "init_mesh", "launcher_world_size", "placement"]
 
 
 def launcher_world_size() -> int:

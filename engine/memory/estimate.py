@@ -14,8 +14,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from engine.config import (
+    BatchConfig,
+    EngineOptions,
+    ModelChoice,
+    OptimizerSpec,
+    ParallelConfig,
+    PartitionConfig,
+    ScheduleConfig,
+    check_layout,
+    from_flat,
+    require,
+    to_flat,
+)
 from engine.memory.replay import (
     StageShape,
     StageTrace,
@@ -34,13 +48,10 @@ from engine.memory.states import (
     tail_peak,
 )
 from engine.memory.tracker import CUDA_BLOCK, round_up
-from engine.runtime.options import recompute_groups
-from engine.runtime.precision import PRECISIONS
 from engine.schedule.actions import ActionKind, split_units
-from engine.schedule.generators import SCHEDULES, make_schedule
 from engine.schedule.schedule import Schedule
 from engine.schedule.validate import validate
-from models import LayerSpec, get_config, layer_specs
+from models import LayerSpec
 from partitioners import COST_MODELS, Partition, partition_model
 
 __all__ = [
@@ -63,111 +74,81 @@ _COST_MODELS = tuple(name for name in COST_MODELS if name != "time")
 """The cost models an estimate can partition by: all but `time`, which runs the layers."""
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
-    """One training layout whose memory is estimated; validated once, on construction."""
+    """One training layout whose memory is estimated: the sections a training run shares
+    (`engine.config`), at the defaults of a realistic GPU run (bf16), and the device model."""
 
-    model: str = "gpt-tiny"
-    """A registered model name."""
-    pp: int = 1
-    """Pipeline ranks."""
-    dp: int = 1
-    """Data-parallel replicas (the DP all-reduce's buffers and ZeRO-1 depend on it)."""
-    schedule: str = "1f1b"
-    """A name from `engine.schedules.SCHEDULES`."""
-    stages_per_rank: int = 1
-    """Virtual stages per rank, for the schedules that take them."""
-    micro_batches: int = 4
-    """Micro-batches per step and replica."""
-    micro_batch_size: int = 1
-    """Sequences per micro-batch."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    precision: str = "bf16"
-    """`fp32`, or `bf16` / `fp16` autocast over fp32 weights and gradients, as the engine runs."""
-    partition: str = "balanced"
-    """Partition method, as `meshpipe plan` takes it."""
-    cost_model: str = "flops"
-    """Costs `balanced` balances: flops, parameters or activations."""
-    recompute: str = "none"
-    """Recompute policy, as `EngineOptions.recompute`: none, full or every:N."""
-    recompute_stages: tuple[int, ...] | None = None
-    """Stages the policy applies to; None (the engine's behaviour) means all."""
-    zero: int = 0
-    """1 shards AdamW's states over the dp replicas (ZeRO-1)."""
-    optimizer_impl: str = "fused"
-    """AdamW's implementation, as `TrainConfig.optimizer_impl`: fused or per_tensor."""
+    model: ModelChoice = field(default_factory=ModelChoice)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    batch: BatchConfig = field(default_factory=lambda: BatchConfig(global_batch=4))
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions(precision="bf16"))
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     device: str = "cuda"
-    """Device model: `cuda` or `cpu` (see `DEVICE_MODELS`)."""
+    """Device model: cuda (512-byte allocator blocks, CUDA's kernels) or cpu (exact bytes)."""
 
     def __post_init__(self) -> None:
-        config = get_config(self.model)
-        for name in ("pp", "dp", "stages_per_rank", "micro_batches", "micro_batch_size", "seq_len"):
-            value = getattr(self, name)
-            _require(value >= 1, f"{name.replace('_', '-')}={value} must be at least 1")
-        _require(
-            self.precision in PRECISIONS,
-            f"precision {self.precision!r} unknown: use {', '.join(PRECISIONS)}",
-        )
-        _require(
+        require(
             self.device in DEVICE_MODELS,
             f"device {self.device!r} unknown: use {' or '.join(DEVICE_MODELS)}",
         )
-        _require(self.zero in (0, 1), f"zero={self.zero}: use 0 (none) or 1 (ZeRO-1)")
-        _require(
-            self.optimizer_impl in OPTIMIZER_IMPLS,
-            f"optimizer implementation {self.optimizer_impl!r}: the model covers "
+        require(
+            self.optimizer.impl in OPTIMIZER_IMPLS,
+            f"optimizer implementation {self.optimizer.impl!r}: the model covers "
             f"{' and '.join(OPTIMIZER_IMPLS)} (deepspeed_cpu keeps AdamW's states on the host)",
         )
-        _require(
-            self.schedule in SCHEDULES,
-            f"unknown schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+        require(
+            self.optimizer.name == "adamw",
+            f"optimizer {self.optimizer.name!r}: the memory model covers AdamW's states; "
+            "estimate with --optimizer adamw (SGD keeps less)",
         )
-        _require(
-            self.cost_model in COST_MODELS,
-            f"unknown cost model {self.cost_model!r}: choose one of {', '.join(_COST_MODELS)}",
+        require(
+            not self.engine.compile,
+            "--compile: the memory model replays eager layers (a compiled layer fuses and "
+            "keeps other tensors): estimate without --compile",
         )
-        _require(
-            self.cost_model in _COST_MODELS,
-            f"cost model {self.cost_model!r} profiles layers by running them, which an estimate "
-            f"made without allocating cannot: choose one of {', '.join(_COST_MODELS)}",
+        require(
+            self.partition.cost_model in _COST_MODELS,
+            f"cost model {self.partition.cost_model!r} profiles layers by running them, which "
+            f"an estimate made without allocating cannot: choose one of {', '.join(_COST_MODELS)}",
         )
-        recompute_groups(1, self.recompute)
-        if self.recompute_stages is not None and self.recompute == "none":
-            stages = ",".join(map(str, self.recompute_stages))
-            raise ValueError(
-                f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
-                "--recompute full (or every:N), or drop --recompute-stages"
-            )
-        self._check_sizes(config.max_seq_len, len(layer_specs(config)))
+        check_layout(
+            model=self.model,
+            parallel=self.parallel,
+            schedule=self.schedule,
+            batch=self.batch,
+            engine=self.engine,
+        )
 
-    def _check_sizes(self, context: int, layers: int) -> None:
-        _require(
-            self.seq_len <= context,
-            f"seq-len={self.seq_len} is longer than {self.model}'s context of {context}: "
-            f"use --seq-len {context} or less",
-        )
-        _require(
-            self.num_stages <= layers,
-            f"{self.num_stages} stages for {self.model}'s {layers} layers: use at most "
-            f"{layers} stages (pp × stages-per-rank)",
-        )
-        bad = [s for s in self.recompute_stages or () if not 0 <= s < self.num_stages]
-        _require(not bad, f"recompute stages {bad} are outside 0..{self.num_stages - 1}")
+    @staticmethod
+    def of(*, micro_batch_size: int | None = None, **fields: Any) -> MemoryConfig:
+        """A config from flat names (`pp=4, seq_len=4096, precision="bf16"`); the batch as
+        `global_batch` or, as people size memory, `micro_batch_size` (times micro-batches and
+        replicas; 1 sequence when neither is given)."""
+        if "global_batch" not in fields:
+            size = 1 if micro_batch_size is None else micro_batch_size
+            require(size >= 1, f"micro_batch_size={size} must be at least 1")
+            defaults = to_flat(MemoryConfig())
+            dp, m = (int(fields.get(n, defaults[n])) for n in ("dp", "micro_batches"))
+            fields["global_batch"] = size * max(dp, 1) * max(m, 1)
+        else:
+            require(
+                micro_batch_size is None,
+                "give the batch as global_batch or as micro_batch_size, not both",
+            )
+        config: MemoryConfig = from_flat(MemoryConfig, fields)
+        return config
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
+        return self.parallel.pp * self.schedule.stages_per_rank
 
-    def recompute_of(self, stage: int) -> str:
-        """The recompute policy `stage` runs."""
-        chosen = self.recompute_stages is None or stage in self.recompute_stages
-        return self.recompute if chosen else "none"
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch."""
+        return self.batch.micro_batch_size(self.parallel.dp, self.schedule.micro_batches)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,13 +229,13 @@ class Layout:
 
     def shape(self, config: MemoryConfig, stage: int) -> StageShape:
         return StageShape(
-            micro_batches=config.micro_batches,
+            micro_batches=config.schedule.micro_batches,
             micro_batch_size=config.micro_batch_size,
-            seq_len=config.seq_len,
-            hidden=get_config(config.model).d_model,
-            divisor=config.micro_batches * config.dp,
-            precision=config.precision,
-            recompute=config.recompute_of(stage),
+            seq_len=config.batch.seq_len,
+            hidden=config.model.config().d_model,
+            divisor=config.schedule.micro_batches * config.parallel.dp,
+            precision=config.engine.precision,
+            recompute=config.engine.recompute_of(stage),
         )
 
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
@@ -263,32 +244,29 @@ class Layout:
 
 def resolve(config: MemoryConfig) -> Layout:
     """Partition the model and build the schedule the config names."""
-    specs = layer_specs(config.model)
+    specs = config.model.specs()
     partition = partition_model(
         specs,
-        method=config.partition,
+        method=config.partition.partition,
         num_stages=config.num_stages,
-        cost_model=config.cost_model,
+        cost_model=config.partition.cost_model,
         batch_size=config.micro_batch_size,
-        seq_len=config.seq_len,
+        seq_len=config.batch.seq_len,
     )
-    extra = {"stages_per_rank": config.stages_per_rank} if config.stages_per_rank > 1 else {}
-    schedule = make_schedule(
-        config.schedule, num_ranks=config.pp, micro_batches=config.micro_batches, **extra
-    )
+    schedule = config.schedule.resolve(config.parallel.pp)
     validate(schedule)
     for s in range(schedule.num_stages - 1):
-        _require(
+        require(
             schedule.rank_of(s) != schedule.rank_of(s + 1),
             f"schedule {schedule.name!r} puts stages {s} and {s + 1} on rank "
             f"{schedule.rank_of(s)}; the memory model replays every stage boundary as a "
             "transfer between ranks: use pp >= 2",
         )
     states = StateLayout(
-        dp=config.dp,
-        zero=config.zero,
+        dp=config.parallel.dp,
+        zero=config.engine.zero,
         block=CUDA_BLOCK if config.device == "cuda" else 1,
-        optimizer_impl=config.optimizer_impl,
+        optimizer_impl=config.optimizer.impl,
         device=config.device,
     )
     return Layout(specs=specs, partition=partition, schedule=schedule, states=states)
@@ -319,7 +297,7 @@ def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
     first_forward = next((a for a in actions if a.kind is ActionKind.F), None)
     if styles and first_forward is not None:
         style = (stage, first_forward.micro_batch) in split
-        _require(
+        require(
             style == styles[0],
             f"schedule {layout.schedule.name!r}: stage {stage}'s first forward is of a "
             f"micro-batch whose backward is {'split' if style else 'fused'}, but its first "
@@ -347,7 +325,7 @@ def _step_peak(
         if a.is_compute and a.stage in stages
     ]
     peak, live = compose(stages, actions, traces)
-    held = sum(config.micro_batches * traces[s].held_per_micro_batch for s in stages)
+    held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
     after = tail_peak(params, live_end=live, held=held, cached=cached, states=layout.states)
@@ -372,7 +350,7 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     rank_peaks = tuple(
         _step_peak(config, layout, layout.schedule.stages_of(r), traces)
         + sum(stages[s].weights + stages[s].optimizer for s in layout.schedule.stages_of(r))
-        for r in range(config.pp)
+        for r in range(config.parallel.pp)
     )
     return MemoryReport(
         config=config,
@@ -403,7 +381,7 @@ def stage_memory(
         weights=sum(round_up(4 * p.numel, layout.block) for p in params),
         gradients=sum(round_up(4 * p.numel, layout.block) for p in params),
         optimizer=optimizer_bytes(params, layout.states),
-        recompute=config.recompute_of(stage),
+        recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
         weight_copies=weight_copies,
         in_flight=in_flight(stage_actions(layout.schedule, stage)),

@@ -147,7 +147,7 @@ class _Step:
         self.actions = [a for a in row if a.is_compute and a.stage in stages]
         self.runs = _runs(config, layout, stages, self.actions, fake)
         self.optimizers = (
-            [] if fake else [_optimizer(run, config.optimizer_impl) for run in self.runs.values()]
+            [] if fake else [_optimizer(run, config.optimizer.impl) for run in self.runs.values()]
         )
         self.tracker = MemoryTracker(block=layout.block)
         self.block = layout.block
@@ -213,10 +213,10 @@ def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake:
 def check_measurable(config: MemoryConfig) -> None:
     """Refuse what one process here cannot run: dp > 1, a missing GPU, a model too large."""
     layout = resolve(config)
-    if config.dp > 1:
+    if config.parallel.dp > 1:
         raise ValueError(
-            f"--measure runs one replica in one process, so dp={config.dp}'s all-reduce cannot "
-            "run: measure with --dp 1 (the estimate models dp > 1)"
+            f"--measure runs one replica in one process, so dp={config.parallel.dp}'s "
+            "all-reduce cannot run: measure with --dp 1 (the estimate models dp > 1)"
         )
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -228,9 +228,10 @@ def check_measurable(config: MemoryConfig) -> None:
     )
     if 2 * states > MEASURE_LIMIT:
         raise ValueError(
-            f"--measure builds {config.model} for real here, about {2 * states / 2**30:.1f} GiB "
-            f"of weights and optimizer states (limit {MEASURE_LIMIT / 2**30:.0f} GiB): measure a "
-            "small model such as gpt-tiny or llama-tiny"
+            f"--measure builds {config.model.model} for real here, about "
+            f"{2 * states / 2**30:.1f} GiB of weights and optimizer states (limit "
+            f"{MEASURE_LIMIT / 2**30:.0f} GiB): measure a small model such as gpt-tiny or "
+            "llama-tiny"
         )
 
 
@@ -245,7 +246,7 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
         measured = {
             s: _run_step(config, layout, [s], fake) for s in range(layout.partition.num_stages)
         }
-        rows = [layout.schedule.stages_of(r) for r in range(config.pp)]
+        rows = [layout.schedule.stages_of(r) for r in range(config.parallel.pp)]
         steps = [
             measured[r[0]] if len(r) == 1 else _run_step(config, layout, r, fake) for r in rows
         ]

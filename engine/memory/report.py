@@ -12,7 +12,6 @@ from engine.memory.estimate import MemoryReport
 from engine.memory.sizes import format_size
 from engine.memory.states import deepspeed_zero2_model_states, megatron_activations
 from engine.memory.suggest import Suggestion
-from models import get_config, layer_specs
 
 __all__ = [
     "format_comparison",
@@ -40,15 +39,17 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 def _title(report: MemoryReport) -> str:
     c = report.config
-    virtual = f" × {c.stages_per_rank} stages per rank" if c.stages_per_rank > 1 else ""
-    zero = ", ZeRO-1" if c.zero else ""
-    recompute = (
-        c.recompute if c.recompute_stages is None else f"{c.recompute} on {c.recompute_stages}"
-    )
+    v, engine = c.schedule.stages_per_rank, c.engine
+    virtual = f" × {v} stages per rank" if v > 1 else ""
+    zero = ", ZeRO-1" if engine.zero else ""
+    recompute = engine.recompute
+    if engine.recompute_stages is not None:
+        recompute = f"{engine.recompute} on {engine.recompute_stages}"
     return (
-        f"{c.model}: pp {c.pp}{virtual} × dp {c.dp}, {c.schedule}, {c.micro_batches} micro-batches "
-        f"of {c.micro_batch_size} × {c.seq_len} tokens, {c.precision}, recompute {recompute}{zero}"
-        f" ({c.device} model, {report.source})"
+        f"{c.model.model}: pp {c.parallel.pp}{virtual} × dp {c.parallel.dp}, "
+        f"{c.schedule.schedule}, {c.schedule.micro_batches} micro-batches of "
+        f"{c.micro_batch_size} × {c.batch.seq_len} tokens, {engine.precision}, "
+        f"recompute {recompute}{zero} ({c.device} model, {report.source})"
     )
 
 
@@ -66,7 +67,7 @@ def format_report(report: MemoryReport, device_memory: int | None = None) -> str
             + [str(s.in_flight), format_size(s.step_peak), format_size(s.peak)]
         )
     lines = [_title(report), _table(rows)]
-    if report.config.stages_per_rank > 1:
+    if report.config.schedule.stages_per_rank > 1:
         lines += [f"rank {r} peak: {format_size(p)}" for r, p in enumerate(report.rank_peaks)]
     if device_memory is not None:
         lines.append(_fit(report, device_memory))
@@ -140,17 +141,17 @@ def format_measured(predicted: MemoryReport, measured: MemoryReport) -> str:
 def format_comparison(report: MemoryReport) -> str:
     """Our stage states and stashes beside DeepSpeed's ZeRO-2 estimate and Megatron's formula."""
     c = report.config
-    model, specs = get_config(c.model), layer_specs(c.model)
+    model, specs = c.model.config(), c.model.specs()
     rows = [
         ["stage", "states", "DeepSpeed ZeRO-2", "stash × in flight", "Megatron (flash)", "Megatron"]
     ]
     for s in report.stages:
         blocks = sum(specs[i].name == "block" for i in range(*s.layers))
-        shape = {"seq_len": c.seq_len, "micro_batch_size": c.micro_batch_size}
+        shape = {"seq_len": c.batch.seq_len, "micro_batch_size": c.micro_batch_size}
         shape |= {"hidden": model.d_model, "heads": model.n_head, "layers": blocks}
         sizes = (
             s.weights + s.gradients + s.optimizer,
-            deepspeed_zero2_model_states(s.parameters, c.dp),
+            deepspeed_zero2_model_states(s.parameters, c.parallel.dp),
             s.kept_per_micro_batch * s.in_flight,
             s.in_flight * megatron_activations(**shape, flash=True),
             s.in_flight * megatron_activations(**shape, flash=False),

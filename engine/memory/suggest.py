@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from engine.config import replace_flat
 from engine.memory.estimate import (
     MemoryConfig,
     MemoryReport,
@@ -57,7 +58,9 @@ def layer_memory(config: MemoryConfig) -> _PerLayer:
     """Per layer: bytes of its weights, gradients and AdamW states; bytes one of its forwards
     keeps until the backward (traced alone, less the input it received); and bytes of its
     low-precision weight copies (one per step, whatever is in flight)."""
-    alone = replace(config, pp=1, stages_per_rank=1, partition="uniform", recompute_stages=None)
+    alone = replace_flat(
+        config, pp=1, stages_per_rank=1, partition="uniform", recompute_stages=None
+    )
     return _layer_memory(alone)
 
 
@@ -152,7 +155,9 @@ def _balanced_for(config: MemoryConfig, pp: int) -> Partition:
     `layer_memory`'s states are four equal fp32 copies (weights, gradients, AdamW's two), so a
     quarter of them are the gradients; the weight copies live all step, like the states.
     """
-    schedule = make_schedule(config.schedule, num_ranks=pp, micro_batches=config.micro_batches)
+    schedule = make_schedule(
+        config.schedule.schedule, num_ranks=pp, micro_batches=config.schedule.micro_batches
+    )
     rows = [stage_actions(schedule, s) for s in range(pp)]
     states, kept, copies = layer_memory(config)
     grads = [state // 4 for state in states]
@@ -180,8 +185,8 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
     alike share one traced replay, so llama-70b's scan at pp 8 takes about 6 s.
     """
     best: MemoryReport | None = None
-    for pp in range(config.pp + 1, len(resolve(config).specs) + 1):
-        candidate = replace(config, pp=pp, partition=_layout_flags(_balanced_for(config, pp)))
+    for pp in range(config.parallel.pp + 1, len(resolve(config).specs) + 1):
+        candidate = replace_flat(config, pp=pp, partition=_layout_flags(_balanced_for(config, pp)))
         if states_floor(candidate) > device_memory:
             continue
         report = estimate_memory(candidate)
@@ -191,9 +196,9 @@ def _more_stages(config: MemoryConfig, device_memory: int) -> Suggestion | None:
             break
     if best is None:
         return None
-    pp = best.config.pp
+    pp = best.config.parallel.pp
     devices = "GPUs" if config.device == "cuda" else "ranks"
-    note = f"{pp} {devices} per pipeline instead of {config.pp}"
+    note = f"{pp} {devices} per pipeline instead of {config.parallel.pp}"
     change = f"--pp {pp} --partition {_layout_flags(best.partition)}"
     return Suggestion(change=change, report=best, note=note)
 
@@ -213,19 +218,23 @@ def states_floor(config: MemoryConfig) -> int:
         for s in range(layout.partition.num_stages)
     ]
     floors = [stage.peak + stage.gradients for stage in alone]
-    return max(sum(floors[s] for s in layout.schedule.stages_of(r)) for r in range(config.pp))
+    return max(
+        sum(floors[s] for s in layout.schedule.stages_of(r)) for r in range(config.parallel.pp)
+    )
 
 
 _Candidate = tuple[str, MemoryConfig, str]
 
 
 def _recompute(config: MemoryConfig, stages: Sequence[int]) -> list[_Candidate]:
-    if config.recompute == "full" and config.recompute_stages is None:
+    if config.engine.recompute == "full" and config.engine.recompute_stages is None:
         return []
-    found = [("--recompute full", replace(config, recompute="full", recompute_stages=None), "")]
+    found = [
+        ("--recompute full", replace_flat(config, recompute="full", recompute_stages=None), "")
+    ]
     if len(stages) < config.num_stages:
-        only = replace(config, recompute="full", recompute_stages=tuple(stages))
-        note = "the engine applies one recompute policy to every stage today"
+        only = replace_flat(config, recompute="full", recompute_stages=tuple(stages))
+        note = "meshpipe train takes the same --recompute-stages"
         found.append(
             (f"--recompute full --recompute-stages {','.join(map(str, stages))}", only, note)
         )
@@ -236,22 +245,22 @@ def _candidates(
     config: MemoryConfig, report: MemoryReport, over: Sequence[int]
 ) -> list[_Candidate]:
     found = _recompute(config, sorted(s.stage for s in report.stages if s.rank in over))
-    if config.dp > 1 and not config.zero:
-        found.append(("--zero 1", replace(config, zero=1), ""))
-    if config.stages_per_rank == 1 and config.pp > 1:
-        partition = _balanced_for(config, config.pp)
+    if config.parallel.dp > 1 and not config.engine.zero:
+        found.append(("--zero 1", replace_flat(config, zero=1), ""))
+    if config.schedule.stages_per_rank == 1 and config.parallel.pp > 1:
+        partition = _balanced_for(config, config.parallel.pp)
         if partition != report.partition:
             flags = _layout_flags(partition)
             found.append(
                 (
                     f"--partition {flags}",
-                    replace(config, partition=flags),
+                    replace_flat(config, partition=flags),
                     "boundaries balancing per-layer memory sums",
                 )
             )
     if config.micro_batch_size % 2 == 0:
-        mbs, m = config.micro_batch_size // 2, 2 * config.micro_batches
-        smaller = replace(config, micro_batch_size=mbs, micro_batches=m)
+        mbs, m = config.micro_batch_size // 2, 2 * config.schedule.micro_batches
+        smaller = replace_flat(config, micro_batches=m)  # the same global batch
         found.append(
             (f"--micro-batch-size {mbs} --micro-batches {m}", smaller, "same global batch")
         )
@@ -266,13 +275,13 @@ also keeps W inputs on the later stages, in exchange for a smaller bubble."""
 def _lighter_schedules(config: MemoryConfig, report: MemoryReport) -> list[Suggestion]:
     """The light schedules whose estimated peak is below the layout's (same stages, no extra
     compute: the first thing to try when GPipe, ZB-H2 or zb_drain does not fit)."""
-    if config.stages_per_rank != 1:
+    if config.schedule.stages_per_rank != 1:
         return []
     found = []
     for name in _LIGHT_SCHEDULES:
-        if name == config.schedule:
+        if name == config.schedule.schedule:
             continue
-        lighter = estimate_memory(replace(config, schedule=name))
+        lighter = estimate_memory(replace_flat(config, schedule=name))
         if lighter.peak < report.peak:
             before, after = report.stages[0].in_flight, lighter.stages[0].in_flight
             note = f"stage 0 holds {after} micro-batches in flight instead of {before}"
@@ -294,8 +303,8 @@ def suggest(config: MemoryConfig, report: MemoryReport, device_memory: int) -> l
         Suggestion(change=change, report=estimate_memory(candidate), note=note)
         for change, candidate, note in _candidates(config, report, over)
     ]
-    if config.stages_per_rank == 1:
-        full = replace(config, recompute="full", recompute_stages=None)
+    if config.schedule.stages_per_rank == 1:
+        full = replace_flat(config, recompute="full", recompute_stages=None)
         variants = [("", config), ("--recompute full ", full)]
         for prefix, variant in variants[: 1 if full == config else 2]:
             more = _more_stages(variant, device_memory)

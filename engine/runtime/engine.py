@@ -24,11 +24,11 @@ from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
+from engine.config import EngineOptions, OptimizerSpec
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
-from engine.runtime.optim import OptimizerSpec
-from engine.runtime.options import EngineOptions
+from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler, step_casts
 from engine.runtime.stage import PipelineStage
 from engine.runtime.step import StepContext, StepRun
@@ -106,7 +106,7 @@ class PipelineEngine:
                 device=self.mesh.device,
                 loss_fn=loss_fn,
                 precision=options.precision,
-                recompute=options.recompute,
+                recompute=options.recompute_of(s),
                 compile=options.compile,
             )
             for s in self.schedule.stages_of(self.mesh.pp_rank)
@@ -164,7 +164,7 @@ class PipelineEngine:
             return None
         if isinstance(optimizer, OptimizerSpec):
             zero_group = self.mesh.dp_group if self.options.zero and self.mesh.dp > 1 else None
-            return optimizer.build(self.module, zero_group=zero_group)
+            return build_from_spec(optimizer, self.module, zero_group=zero_group)
         if self.options.zero:
             raise ValueError(
                 "ZeRO-1 shards the optimizer, so it needs an OptimizerSpec, not a factory"

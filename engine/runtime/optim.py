@@ -1,34 +1,22 @@
-"""Optimizers and learning-rate schedules.
+"""Optimizers: plain, or with state sharded over the data-parallel replicas (ZeRO-1).
 
 Weight decay applies to matrices only (not to norms, biases or other 1-D parameters), as in
-GPT-2 and Llama training recipes.
+GPT-2 and Llama training recipes. Every implementation updates each tensor on its own, so a
+stage's optimizer and a single-process one produce the same bits.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = [
-    "IMPLEMENTATIONS",
-    "LR_SCHEDULES",
-    "OPTIMIZERS",
-    "OptimizerSpec",
-    "build_optimizer",
-    "lr_factor",
-]
+from engine.config import OptimizerSpec
 
-OPTIMIZERS = ("adamw", "sgd")
-IMPLEMENTATIONS = ("fused", "per_tensor", "deepspeed_cpu")
-"""How the update runs: torch's fused CPU/CUDA kernel (default), torch's per-tensor loop, or
-DeepSpeed's CPU Adam (AdamW only; fastest on CPU, see docs/BENCHMARKS.md)."""
-LR_SCHEDULES = ("constant", "cosine", "linear")
+__all__ = ["build_from_spec", "build_optimizer"]
 
 
 def _param_groups(
@@ -53,16 +41,9 @@ def _optimizer_class(
     Every implementation updates each tensor on its own, so a stage's optimizer and a
     single-process one produce the same bits for the same implementation.
     """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown optimizer implementation {impl!r}: choose one of {', '.join(IMPLEMENTATIONS)}"
-        )
+    OptimizerSpec(name=name, impl=impl)  # the one check of both names
     split = {"fused": {"fused": True}, "per_tensor": {"foreach": False}}
     if name == "sgd":
-        if impl == "deepspeed_cpu":
-            raise ValueError("deepspeed_cpu implements AdamW only: use fused or per_tensor")
         return torch.optim.SGD, {"momentum": momentum, **split[impl]}
     if impl == "deepspeed_cpu":
         try:
@@ -91,81 +72,27 @@ def build_optimizer(
     return cls(_param_groups(module.named_parameters(), weight_decay), lr=lr, **kwargs)
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSpec:
-    """An optimizer by name and hyper-parameters, buildable plain or sharded (ZeRO-1)."""
-
-    name: str = "adamw"
-    """`adamw` or `sgd`."""
-    lr: float = 1e-3
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay on matrices."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam's betas."""
-    momentum: float = 0.0
-    """SGD's momentum."""
-    eps: float = 1e-8
-    """Adam's epsilon, added to the root of the second moment."""
-    impl: str = "fused"
-    """One of `IMPLEMENTATIONS`."""
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.name!r}: choose one of {', '.join(OPTIMIZERS)}"
-            )
-        if self.impl not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"unknown optimizer implementation {self.impl!r}: choose one of "
-                f"{', '.join(IMPLEMENTATIONS)}"
-            )
-        if not (0.0 < self.eps < math.inf):
-            raise ValueError(f"eps={self.eps} must be a positive number such as 1e-8")
-
-    def build(
-        self, module: nn.Module, *, zero_group: dist.ProcessGroup | None = None
-    ) -> torch.optim.Optimizer:
-        """The optimizer; with `zero_group`, torch's ZeroRedundancyOptimizer sharding its
-        state over that group (each replica keeps 1/dp of the moments, then broadcasts the
-        parameters it updated)."""
-        if zero_group is None:
-            return build_optimizer(
-                module,
-                name=self.name,
-                lr=self.lr,
-                weight_decay=self.weight_decay,
-                betas=self.betas,
-                momentum=self.momentum,
-                impl=self.impl,
-                eps=self.eps,
-            )
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
-
-        cls, kwargs = _optimizer_class(self.name, self.impl, self.betas, self.momentum, self.eps)
-        groups = _param_groups(module.named_parameters(), self.weight_decay)
-        return ZeroRedundancyOptimizer(
-            groups, optimizer_class=cls, process_group=zero_group, lr=self.lr, **kwargs
+def build_from_spec(
+    spec: OptimizerSpec, module: nn.Module, *, zero_group: dist.ProcessGroup | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer; with `zero_group`, torch's ZeroRedundancyOptimizer sharding its
+    state over that group (each replica keeps 1/dp of the moments, then broadcasts the
+    parameters it updated)."""
+    if zero_group is None:
+        return build_optimizer(
+            module,
+            name=spec.name,
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            betas=spec.betas,
+            momentum=spec.momentum,
+            impl=spec.impl,
+            eps=spec.eps,
         )
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
 
-
-def lr_factor(
-    step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_ratio: float = 0.1
-) -> float:
-    """Multiplier of the base learning rate at `step` (0-based): linear warmup, then decay.
-
-    `cosine` and `linear` decay from 1 to `min_ratio` between the end of warmup and
-    `total_steps`; `constant` stays at 1 after warmup.
-    """
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(
-            f"unknown lr schedule {schedule!r}: choose one of {', '.join(LR_SCHEDULES)}"
-        )
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant" or total_steps <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_ratio) * progress
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    cls, kwargs = _optimizer_class(spec.name, spec.impl, spec.betas, spec.momentum, spec.eps)
+    groups = _param_groups(module.named_parameters(), spec.weight_decay)
+    return ZeroRedundancyOptimizer(
+        groups, optimizer_class=cls, process_group=zero_group, lr=spec.lr, **kwargs
+    )

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRECISIONS", "LossScaler", "autocast", "compute_dtype", "step_casts"]
+from engine.config import PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+__all__ = ["LossScaler", "autocast", "compute_dtype", "step_casts"]
 
 
 def compute_dtype(precision: str) -> torch.dtype:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from engine.config import recompute_groups
 from engine.runtime.micro_batches import LossFn
-from engine.runtime.options import recompute_groups
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
 from models import LayerSpec, LayerStack, build_layers, lm_loss

@@ -8,21 +8,18 @@ rejected by name instead of silently ignored.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.config.optimizer import check_scheduler_params, no_auto
+
 __all__ = [
-    "DEEPSPEED_SCHEDULERS",
-    "check_scheduler_params",
     "deepspeed_defaults",
-    "deepspeed_lr",
     "deepspeed_overrides",
     "read_deepspeed_config",
 ]
 
-DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _IGNORED = {"wall_clock_breakdown", "steps_per_print", "prescale_gradients"}
 _OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
 _OPTIMIZER_PARAMS = {
@@ -38,36 +35,15 @@ _OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
 DeepSpeedCPUAdam) defaults, and torch.optim.SGD's."""
 _TORCH_ADAMW_WEIGHT_DECAY = 0.01
 """torch.optim.AdamW's default weight decay, which `torch_adam: true` makes DeepSpeed build."""
-_WARMUP_PARAMS = (
-    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration",
-)  # fmt: skip
-_SCHEDULER_PARAMS = {
-    "WarmupLR": _WARMUP_PARAMS,
-    "WarmupDecayLR": ("total_num_steps", *_WARMUP_PARAMS),
-    "WarmupCosineLR": (
-        "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-        "warmup_type", "last_batch_iteration",
-    ),
-}  # fmt: skip
-"""The keyword arguments of each scheduler's constructor in DeepSpeed's lr_schedules.py."""
-_WARMUP_TYPES = ("log", "linear")
 
 
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 """DeepSpeed's GRADIENT_CLIPPING_DEFAULT: what it clips at when a config says nothing."""
 
 
-def _no_auto(value: Any, key: str) -> None:
-    if value == "auto":
-        raise ValueError(
-            f'{key}="auto": only the Hugging Face Trainer fills in "auto" values, DeepSpeed and '
-            "meshpipe need a number: write the value (or remove the key for the default)"
-        )
-
-
 def _number(value: Any, key: str, kind: type[float] | type[int] = float) -> Any:
     """`value` as a float (or int), or an error naming the key."""
-    _no_auto(value, key)
+    no_auto(value, key)
     try:
         number = kind(value)
     except (TypeError, ValueError):
@@ -84,7 +60,7 @@ def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
     alone means no gradient accumulation."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     for name in names:
-        _no_auto(cfg.get(name), name)
+        no_auto(cfg.get(name), name)
         if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
             raise ValueError(f"{name}={cfg[name]!r}: give a whole number of at least 1")
     total: int | None = cfg.get(names[0])
@@ -148,48 +124,11 @@ def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _betas(value: Any) -> tuple[float, float]:
-    _no_auto(value, "optimizer.params.betas")
+    no_auto(value, "optimizer.params.betas")
     if not isinstance(value, list | tuple) or len(value) != 2:
         raise ValueError(f"optimizer.params.betas={value!r}: give two numbers, e.g. [0.9, 0.999]")
     first, second = (_number(b, "optimizer.params.betas") for b in value)
     return first, second
-
-
-def check_scheduler_params(kind: str, params: Mapping[str, Any]) -> None:
-    """Reject before training what DeepSpeed's scheduler would reject when built (a misspelt
-    or missing argument, a warmup_num_steps below 1), and what meshpipe would otherwise run
-    differently (an unknown warmup_type, which DeepSpeed turns into log; a
-    last_batch_iteration, which meshpipe does not replay)."""
-    if kind not in DEEPSPEED_SCHEDULERS:
-        raise ValueError(
-            f"scheduler type {kind!r} is not supported: use {', '.join(DEEPSPEED_SCHEDULERS)}"
-        )
-    for key, value in params.items():
-        _no_auto(value, f"scheduler.params.{key}")
-    accepted = _SCHEDULER_PARAMS[kind]
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"{kind} params {unknown} are not arguments of DeepSpeed's {kind}: "
-            f"fix or remove them (accepted: {', '.join(accepted)})"
-        )
-    if "total_num_steps" in accepted and "total_num_steps" not in params:
-        raise ValueError(
-            f"{kind} needs params.total_num_steps (the step its decay ends at): add it, "
-            "as DeepSpeed requires"
-        )
-    warmup = params.get("warmup_num_steps", 1)
-    if not (isinstance(warmup, int) and warmup >= 1):
-        raise ValueError(f"{kind} warmup_num_steps={warmup!r}: give a whole number of at least 1")
-    if params.get("warmup_type", "log") not in _WARMUP_TYPES:
-        raise ValueError(
-            f"{kind} warmup_type={params['warmup_type']!r}: use {' or '.join(_WARMUP_TYPES)}"
-        )
-    if params.get("last_batch_iteration", -1) != -1:
-        raise ValueError(
-            f"{kind} last_batch_iteration={params['last_batch_iteration']!r} is not supported: "
-            "remove it (meshpipe resumes a schedule from its checkpoint, --resume)"
-        )
 
 
 def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
@@ -297,40 +236,3 @@ def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> d
             f"(supported: {', '.join(sorted(known))})"
         )
     return fields
-
-
-def deepspeed_lr(step: int, kind: str, params: Mapping[str, Any], base_lr: float) -> float:
-    """The learning rate DeepSpeed's scheduler gives training step `step` (0-based).
-
-    DeepSpeed steps its scheduler after each optimizer step, so step k runs at the scheduler's
-    iteration k - 1, and step 0 at its initial value. The params are checked on every call, so
-    a schedule given by flags (not a JSON) fails at step 0, when the scheduler is built.
-    """
-    check_scheduler_params(kind, params)
-    it = step - 1
-    warmup = max(2, int(params.get("warmup_num_steps", 1000)))
-    log_rate = params.get("warmup_type", "log") == "log"
-    ramp = (math.log(it + 1) / math.log(warmup) if log_rate else it / warmup) if it >= 0 else 0.0
-    if kind == "WarmupCosineLR":
-        if it < 0:
-            return 0.0
-        if it < warmup:
-            low = float(params.get("warmup_min_ratio", 0.0))
-            return base_lr * (low + ramp * (1.0 - low))
-        total = max(1, int(params["total_num_steps"]) - warmup)
-        progress = min(1.0, (it - warmup + 1) / total)
-        floor = float(params.get("cos_min_ratio", 0.0001))
-        return base_lr * max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2)
-    low = float(params.get("warmup_min_lr", 0.0))
-    # DeepSpeed's WarmupLR warms up to the optimizer's lr by default; WarmupDecayLR to 0.001.
-    high = float(params.get("warmup_max_lr", base_lr if kind == "WarmupLR" else 0.001))
-    if it < 0:
-        return low
-    if it < warmup:
-        gamma = ramp
-    elif kind == "WarmupDecayLR":
-        total = int(params["total_num_steps"])
-        gamma = max(0.0, (total - it) / max(1.0, total - warmup))
-    else:
-        gamma = 1.0
-    return low + (high - low) * gamma

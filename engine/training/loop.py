@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,11 @@ from engine.checkpoint import (
 from engine.checkpoint.hf_interop import open_weights
 from engine.comm.mesh import Mesh, init_mesh
 from engine.runtime.engine import PipelineEngine
-from engine.runtime.optim import lr_factor
+from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens
-from engine.training.deepspeed_config import deepspeed_lr
 from engine.training.metrics import MetricsLog
 from engine.training.preflight import check_before_loading, check_outputs, stage_partition
 from engine.training.resume_check import (
@@ -52,13 +50,12 @@ from engine.training.resume_check import (
     optimizer_hyperparameters,
 )
 from engine.training.trace import TraceRecorder
-from models import LayerSpec, get_config, layer_specs
+from models import LayerSpec
 
 __all__ = [
     "KILL_AT_STEP_ENV",
     "KILL_RANK_ENV",
     "TrainResult",
-    "lr_multiplier",
     "open_dataset",
     "train",
     "train_worker",
@@ -95,19 +92,20 @@ class TrainResult:
 
 def open_dataset(config: TrainConfig) -> TokenDataset:
     """The run's token data, checked against the model's vocabulary."""
-    dataset = load_tokens(config.data) if config.data else load_tokens(default_corpus().bin_path)
-    vocab = get_config(config.model).vocab_size
+    path = config.data.data or default_corpus().bin_path
+    dataset = load_tokens(path)
+    vocab = config.model.config().vocab_size
     if dataset.info.vocab_size > vocab:
         raise ValueError(
             f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
-            f"{config.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
+            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
         )
     return dataset
 
 
 def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    if config.run.threads:
+        torch.set_num_threads(config.run.threads)
     elif mesh.world_size > 1:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -118,28 +116,13 @@ def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> Pi
         specs,
         mesh,
         partition=stage_partition(config, specs),
-        micro_batches=config.micro_batches,
-        schedule=config.schedule,
-        stages_per_rank=config.stages_per_rank,
-        seed=config.seed,
-        optimizer=config.optimizer_spec(),
-        timeout_s=config.timeout,
-        options=config.engine_options(),
-    )
-
-
-def lr_multiplier(config: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of the base lr per step: ours, or a DeepSpeed scheduler's exact values."""
-    if config.lr_schedule.startswith("deepspeed:"):
-        kind = config.lr_schedule.split(":", 1)[1]
-        params = json.loads(config.lr_schedule_args)
-        return lambda step: deepspeed_lr(step, kind, params, config.lr) / config.lr
-    return lambda step: lr_factor(
-        step,
-        schedule=config.lr_schedule,
-        warmup_steps=config.warmup_steps,
-        total_steps=config.steps,
-        min_ratio=config.min_lr_ratio,
+        micro_batches=config.schedule.micro_batches,
+        schedule=config.schedule.schedule,
+        stages_per_rank=config.schedule.stages_per_rank,
+        seed=config.run.seed,
+        optimizer=config.optimizer,
+        timeout_s=config.run.timeout,
+        options=config.engine,
     )
 
 
@@ -168,36 +151,40 @@ class _Run:
     def saves_at(self, done: int) -> bool:
         """Whether a checkpoint is written after `done` steps."""
         config = self.config
-        every = config.save_every > 0 and done % config.save_every == 0
-        return config.checkpoint_dir is not None and (every or done == config.steps)
+        every = config.checkpoint.save_every > 0 and done % config.checkpoint.save_every == 0
+        return config.checkpoint.checkpoint_dir is not None and (every or done == config.run.steps)
 
     def save(self, done: int) -> None:
         """Checkpoint after `done` steps, when the config asks for it (collective)."""
         config = self.config
-        if config.checkpoint_dir is None or not self.saves_at(done):
+        if config.checkpoint.checkpoint_dir is None or not self.saves_at(done):
             return
         state = TrainerState(
             step=done,
             loader={**self.loader.state_dict(), "position": done},
             scheduler=self.scheduler.state_dict(),
-            config=config.to_dict(),
+            config=config.flat(),
             loss_scale=self.engine.scaler.state_dict() if self.engine.scaler else {},
             skipped_steps=self.engine.skipped_steps,
         )
         save_checkpoint(
-            self.engine, self.specs, config.checkpoint_dir, state=state, keep=config.keep
+            self.engine,
+            self.specs,
+            config.checkpoint.checkpoint_dir,
+            state=state,
+            keep=config.checkpoint.keep,
         )
 
     def restore(self) -> int:
         """Resume from `latest` or start from --init-from weights; returns the first step."""
         config, engine = self.config, self.engine
-        root = config.checkpoint_dir
-        if config.resume and root is not None and has_checkpoint(root):
+        root = config.checkpoint.checkpoint_dir
+        if config.checkpoint.resume and root is not None and has_checkpoint(root):
             assert engine.optimizer is not None
             check_before_loading(root, config)
             built = optimizer_hyperparameters(engine.optimizer)
             where, state = load_checkpoint(
-                engine, self.specs, root, fallback=config.resume_fallback
+                engine, self.specs, root, fallback=config.checkpoint.resume_fallback
             )
             changed = check_resumable(state.config, config, state.step, str(where))
             self.scheduler.load_state_dict(state.scheduler)
@@ -210,10 +197,10 @@ class _Run:
             engine.skipped_steps = state.skipped_steps
             _say(engine.mesh, f"resumed from step {state.step} ({where})")
             return state.step
-        if config.init_from is not None:
-            source = open_weights(config.init_from, get_config(config.model))
+        if config.checkpoint.init_from is not None:
+            source = open_weights(config.checkpoint.init_from, config.model.config())
             load_model_weights(engine, self.specs, source)
-            _say(engine.mesh, f"initialised from {config.init_from}")
+            _say(engine.mesh, f"initialised from {config.checkpoint.init_from}")
         return 0
 
 
@@ -257,34 +244,41 @@ def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
 def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
     loader = BatchLoader(
         open_dataset(config),
-        seq_len=config.seq_len,
-        global_batch=config.global_batch,
-        seed=config.seed,
+        seq_len=config.batch.seq_len,
+        global_batch=config.batch.global_batch,
+        seed=config.run.seed,
         dp_rank=mesh.dp_rank,
-        dp_size=config.dp,
+        dp_size=config.parallel.dp,
     )
-    specs = layer_specs(config.model)
+    specs = config.model.specs()
     engine = _build_engine(config, mesh, specs)
     assert engine.optimizer is not None
-    scheduler = LambdaLR(engine.optimizer, lr_multiplier(config))
+    lr = config.optimizer.lr
+    multiplier = lr_multiplier(config.learning_rate, total_steps=config.run.steps, lr=lr)
+    scheduler = LambdaLR(engine.optimizer, multiplier)
     return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
-    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    """Train `config.model.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
     check_outputs(config)
-    mesh = init_mesh(config.pp, config.dp, timeout_s=config.timeout, device=config.device)
+    mesh = init_mesh(
+        config.parallel.pp,
+        config.parallel.dp,
+        timeout_s=config.run.timeout,
+        device=config.run.device,
+    )
     _set_threads(config, mesh)
     run = _open_run(config, mesh)
     first = run.restore()
-    tokens_per_step = config.global_batch * config.seq_len
+    tokens_per_step = config.batch.global_batch * config.batch.seq_len
     stats: list[StepStats] = []
     wall: list[float] = []
-    path = config.metrics_file if mesh.rank == 0 else None
+    path = config.run.metrics_file if mesh.rank == 0 else None
     show = progress and mesh.rank == 0
     kept = _kept_records(path, first)
-    trace = TraceRecorder() if config.trace else None
-    with MetricsLog(total_steps=config.steps, path=path, progress=show, kept=kept) as log:
+    trace = TraceRecorder() if config.run.trace else None
+    with MetricsLog(total_steps=config.run.steps, path=path, progress=show, kept=kept) as log:
 
         def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
             record = {
@@ -298,13 +292,13 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 "skipped": result.skipped,
             }
             log.record(**record)
-            if config.log_every and (step + 1) % config.log_every == 0:
+            if config.run.log_every and (step + 1) % config.run.log_every == 0:
                 _say(mesh, _log_line(record, run.engine.skipped_steps))
 
         # A step is logged once the next one ran: its bubble and grad norm need every pipeline
         # rank's figures, which have arrived by then without holding any rank back.
         pending: tuple[int, StepStats, float, float] | None = None
-        for step in range(first, config.steps):
+        for step in range(first, config.run.steps):
             _test_fault(step, mesh)
             started = time.perf_counter()
             result, lr, seconds = run.step(step)
@@ -322,9 +316,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         if pending is not None:
             emit(*pending)
     run.engine.close()
-    if trace is not None and config.trace is not None:
-        trace.write(config.trace, rank=mesh.rank, world_size=mesh.world_size)
-        _say(mesh, f"wrote trace {config.trace}")
+    if trace is not None and config.run.trace is not None:
+        trace.write(config.run.trace, rank=mesh.rank, world_size=mesh.world_size)
+        _say(mesh, f"wrote trace {config.run.trace}")
     timed = wall[1:] or wall
     steady = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     return TrainResult(

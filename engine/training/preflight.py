@@ -23,7 +23,7 @@ from engine.checkpoint.files import (
 from engine.comm.mesh import check_device
 from engine.training.config import TrainConfig
 from engine.training.resume_check import check_resumable
-from models import LayerSpec, layer_specs
+from models import LayerSpec
 from partitioners import Partition, partition_model
 
 __all__ = [
@@ -37,12 +37,14 @@ __all__ = [
 
 def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
     """The run's stages, partitioned as the config asks."""
+    parallel, schedule = config.parallel, config.schedule
     return partition_model(
         specs,
-        method=config.partition,
-        num_stages=config.pp * config.stages_per_rank,
-        batch_size=config.global_batch // (config.dp * config.micro_batches),
-        seq_len=config.seq_len,
+        method=config.partition.partition,
+        num_stages=parallel.pp * schedule.stages_per_rank,
+        cost_model=config.partition.cost_model,
+        batch_size=config.batch.micro_batch_size(parallel.dp, schedule.micro_batches),
+        seq_len=config.batch.seq_len,
     )
 
 
@@ -65,18 +67,18 @@ def check_outputs(config: TrainConfig) -> None:
     """Every path the run writes (checkpoints, metrics, trace) can be written, and a new run
     does not write over another run's checkpoints (same-named steps would be replaced and
     --keep would delete the rest)."""
-    root = config.checkpoint_dir
+    root = config.checkpoint.checkpoint_dir
     if root is not None:
         _not_a_checkpoint(Path(root))
         writable_folder(Path(root), "--checkpoint-dir", root)
-        if not config.resume and has_checkpoint(root):
+        if not config.checkpoint.resume and has_checkpoint(root):
             newest = step_dirs(Path(root))
             held = f" (newest {newest[-1].name})" if newest else ""
             raise ValueError(
                 f"--checkpoint-dir {root} already holds a run's checkpoints{held}: add --resume "
                 "to continue it, or give another --checkpoint-dir to start a new run"
             )
-    for flag, path in (("--metrics-file", config.metrics_file), ("--trace", config.trace)):
+    for flag, path in (("--metrics-file", config.run.metrics_file), ("--trace", config.run.trace)):
         if path is None:
             continue
         if Path(path).is_dir():
@@ -105,14 +107,14 @@ def _not_a_checkpoint(root: Path) -> None:
 def preflight(config: TrainConfig) -> None:
     """Everything a launcher checks before starting ranks; says when a new run replaces an
     existing metrics file."""
-    check_device(config.device)
-    stage_partition(config, layer_specs(config.model))
+    check_device(config.run.device)
+    stage_partition(config, config.model.specs())
     check_outputs(config)
-    metrics = config.metrics_file
-    if metrics is not None and not config.resume and Path(metrics).is_file():
+    metrics = config.run.metrics_file
+    if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
-    root = config.checkpoint_dir
-    if config.resume and root is not None and has_checkpoint(root):
+    root = config.checkpoint.checkpoint_dir
+    if config.checkpoint.resume and root is not None and has_checkpoint(root):
         check_before_loading(root, config)
 
 
@@ -120,7 +122,7 @@ def check_before_loading(root: str, config: TrainConfig) -> None:
     """Refuse changed settings before loading: a checkpoint of another optimizer or model
     fails to load, which would hide the plain reason and its fix."""
     try:
-        directory = checkpoint_candidates(root, fallback=config.resume_fallback)[0]
+        directory = checkpoint_candidates(root, fallback=config.checkpoint.resume_fallback)[0]
         trainer = read_trainer(directory)
     except CheckpointError:
         return  # loading reports it, or falls back to an older checkpoint

@@ -62,7 +62,7 @@ def _changes(
 ) -> dict[str, tuple[Any, Any]]:
     """(checkpoint's, this run's) value of each of `names` that differs; settings the
     checkpoint does not record are not compared."""
-    now = config.to_dict()
+    now = config.flat()
     return {
         n: (saved[n], now[n])
         for n in names
@@ -102,16 +102,19 @@ def check_resumable(saved: Mapping[str, Any], config: TrainConfig, step: int, wh
             f"or start a new run from its weights: --init-from {shlex.quote(where)} and another "
             "--checkpoint-dir"
         )
-    decaying = any(s in DECAYING_SCHEDULES for s in (saved.get("lr_schedule"), config.lr_schedule))
+    decaying = any(
+        s in DECAYING_SCHEDULES
+        for s in (saved.get("lr_schedule"), config.learning_rate.lr_schedule)
+    )
     names = (*NEW_WITH_FLAG, "steps") if decaying else NEW_WITH_FLAG
     changes = _changes(saved, config, names)
-    if not changes or config.resume_with_new_hparams:
+    if not changes or config.checkpoint.resume_with_new_hparams:
         return _listed(changes)
     if set(changes) == {"steps"} and step >= changes["steps"][0]:
         raise ValueError(
             f"the checkpoint's run is finished (step {step} of --steps {changes['steps'][0]}) "
             f"and its learning rate decays to its end ({saved.get('lr_schedule')}): to train "
-            f"on to --steps {config.steps}, add --resume-with-new-hparams, which continues the "
+            f"on to --steps {config.run.steps}, add --resume-with-new-hparams, which continues the "
             "schedule over the new --steps from this step"
         )
     raise ValueError(

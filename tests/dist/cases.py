@@ -15,8 +15,9 @@ import torch
 from engine.runtime.clipping import global_grad_norm, global_parameter_order
 from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
-from engine.runtime.optim import OptimizerSpec
-from engine.runtime.options import EngineOptions
+from engine.config import OptimizerSpec
+from engine.config import EngineOptions
+from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
 from models import GPTConfig, LayerSpec, build_layers, layer_specs, lm_loss
@@ -202,7 +203,7 @@ def reference_run(case: Case) -> dict[str, Any]:
     """The same steps in one process: m·dp micro-batches of the same size."""
     torch.set_num_threads(1)
     model = build_layers(model_specs(case.model), seed=7)
-    optimizer = _optimizer(case).build(model)
+    optimizer = build_from_spec(_optimizer(case), model)
     scaler = LossScaler() if case.precision == "fp16" else None
     specs = model_specs(case.model)
     order = global_parameter_order(specs)

@@ -19,7 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
-from engine.runtime.optim import OptimizerSpec
+from engine.config import OptimizerSpec
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.cases import GPT_UNTIED

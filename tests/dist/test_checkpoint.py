@@ -18,8 +18,9 @@ from engine.training.config import TrainConfig
 from engine.training.data import prepare
 from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
-from engine.runtime.optim import OptimizerSpec, build_optimizer
-from engine.runtime.options import EngineOptions
+from engine.config import OptimizerSpec
+from engine.runtime.optim import build_optimizer
+from engine.config import EngineOptions
 from engine.training.loop import KILL_AT_STEP_ENV, train
 from engine.checkpoint.weights import local_optimizer
 from models import layer_specs
@@ -61,12 +62,12 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_pp2_resume_equals_the_uninterrupted_run_bit_for_bit(
     tmp_path: Path, tokens: str, model: str
 ) -> None:
-    full = TrainConfig(**RUN, model=model, pp=2, data=tokens, checkpoint_dir=str(tmp_path / "a"))
+    full = TrainConfig.of(**RUN, model=model, pp=2, data=tokens, checkpoint_dir=str(tmp_path / "a"))
     losses = run_ranks(_train, 2, full)[0]
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
     (tmp_path / "b" / "latest").write_text("step-00000003\n")
-    resumed = TrainConfig(
+    resumed = TrainConfig.of(
         **RUN, model=model, pp=2, data=tokens, resume=True, checkpoint_dir=str(tmp_path / "b")
     )
     assert run_ranks(_train, 2, resumed) == [losses[3:], losses[3:]]
@@ -80,11 +81,11 @@ def test_a_zero1_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
     tmp_path: Path, tokens: str
 ) -> None:
     run = {**RUN, "model": "gpt-tiny", "dp": 2, "zero": 1, "data": tokens}
-    losses = run_ranks(_train, 2, TrainConfig(**run, checkpoint_dir=str(tmp_path / "a")))[0]
+    losses = run_ranks(_train, 2, TrainConfig.of(**run, checkpoint_dir=str(tmp_path / "a")))[0]
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
     (tmp_path / "b" / "latest").write_text("step-00000003\n")
-    resumed = TrainConfig(**run, resume=True, checkpoint_dir=str(tmp_path / "b"))
+    resumed = TrainConfig.of(**run, resume=True, checkpoint_dir=str(tmp_path / "b"))
     assert run_ranks(_train, 2, resumed) == [losses[3:], losses[3:]]
     before = _tensors(tmp_path / "a" / "step-00000006")
     after = _tensors(tmp_path / "b" / "step-00000006")
@@ -220,7 +221,7 @@ def test_a_corrupt_shard_fails_every_rank_with_its_name(tmp_path: Path) -> None:
 
 def _uninterrupted(data: str, root: Path) -> tuple[float, ...]:
     """The reference in one process: llama's pp=2 steps equal pp=1 steps bit for bit."""
-    config = TrainConfig(
+    config = TrainConfig.of(
         model="llama-tiny",
         steps=8,
         global_batch=8,

@@ -13,8 +13,8 @@ import torch
 from engine.cli.main import build_parser
 from engine.cli.train import train_config
 from engine.training.config import TrainConfig
-from engine.training.deepspeed_config import deepspeed_lr, deepspeed_overrides
-from engine.training.loop import lr_multiplier
+from engine.runtime.lr_schedules import deepspeed_lr, lr_multiplier
+from engine.training.deepspeed_config import deepspeed_overrides
 from tests.dist.harness import run_ranks
 
 DS_CONFIG: dict[str, Any] = {
@@ -85,17 +85,18 @@ def _meshpipe_run(rank: int, world_size: int, ds_json: str) -> dict[str, Any]:
         specs,
         init_mesh(2, 1, timeout_s=60),
         partition=partition_model(specs, method="uniform", num_stages=2),
-        micro_batches=config.micro_batches,
-        seed=config.seed,
-        optimizer=config.optimizer_spec(),
-        options=config.engine_options(),
+        micro_batches=config.flat()["micro_batches"],
+        seed=config.flat()["seed"],
+        optimizer=config.optimizer,
+        options=config.engine,
     )
     assert engine.optimizer is not None
-    multiplier = lr_multiplier(config)
+    flat = config.flat()
+    multiplier = lr_multiplier(config.learning_rate, total_steps=flat["steps"], lr=flat["lr"])
     losses = []
     for step, (inputs, targets) in enumerate(_batches()):
         for group in engine.optimizer.param_groups:
-            group["lr"] = config.lr * multiplier(step)
+            group["lr"] = config.flat()["lr"] * multiplier(step)
         losses.append(engine.train_step(inputs, targets).loss)
     return {"losses": losses, "hyperparameters": _hyperparameters(engine.optimizer)}
 
@@ -261,7 +262,7 @@ def _with_optimizer(kind: str, **params: Any) -> dict[str, Any]:
 def test_an_adam_eps_becomes_the_adam_eps_flag(tmp_path: Path) -> None:
     path = _written(tmp_path, _with_optimizer("Adam", eps=1e-5))
     config = TrainConfig.from_deepspeed(path, dp=2)
-    assert (config.optimizer, config.adam_eps, config.optimizer_spec().eps) == ("adamw", 1e-5, 1e-5)
+    assert (config.flat()["optimizer"], config.flat()["adam_eps"], config.optimizer.eps) == ("adamw", 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -275,20 +276,20 @@ def test_adam_params_the_json_omits_take_deepspeeds_defaults(
     tmp_path: Path, params: dict[str, Any], expected: dict[str, Any]
 ) -> None:
     path = _written(tmp_path, _with_optimizer("AdamW", **params))
-    config = TrainConfig.from_deepspeed(path, dp=2).to_dict()
+    config = TrainConfig.from_deepspeed(path, dp=2).flat()
     assert {name: config[name] for name in expected} == expected
 
 
 def test_a_flag_given_for_an_omitted_param_wins_over_deepspeeds_default(tmp_path: Path) -> None:
     path = _written(tmp_path, _with_optimizer("AdamW", lr=0.01))
     config = TrainConfig.from_deepspeed(path, dp=2, weight_decay=0.05, betas="0.8,0.9")
-    assert (config.weight_decay, config.betas, config.adam_eps) == (0.05, "0.8,0.9", 1e-8)
+    assert (config.flat()["weight_decay"], config.flat()["betas"], config.flat()["adam_eps"]) == (0.05, "0.8,0.9", 1e-8)
 
 
 def test_a_json_without_an_optimizer_keeps_meshpipes_optimizer_defaults(tmp_path: Path) -> None:
     path = _written(tmp_path, BATCH_ONLY)
     config = TrainConfig.from_deepspeed(path, dp=2)
-    assert (config.weight_decay, config.betas) == (TrainConfig.weight_decay, TrainConfig.betas)
+    assert (config.flat()["weight_decay"], config.flat()["betas"]) == (TrainConfig.of().flat()["weight_decay"], TrainConfig.of().flat()["betas"])
 
 
 def test_adam_with_l2_regularisation_is_rejected_by_name() -> None:
@@ -328,12 +329,12 @@ def test_config_maps_to_train_fields(tmp_path: Path) -> None:
 def test_a_key_the_json_omits_leaves_the_flag(tmp_path: Path, flag: str, value: Any) -> None:
     path = _written(tmp_path, BATCH_ONLY)
     config = TrainConfig.from_deepspeed(path, dp=2, **{flag: value})
-    assert getattr(config, flag) == value
+    assert config.flat()[flag] == value
 
 
 def test_a_json_and_flags_without_clipping_clip_at_deepspeeds_default(tmp_path: Path) -> None:
     path = _written(tmp_path, BATCH_ONLY)
-    assert TrainConfig.from_deepspeed(path, dp=2).clip_grad_norm == 1.0
+    assert TrainConfig.from_deepspeed(path, dp=2).flat()["clip_grad_norm"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -361,12 +362,12 @@ def _from_command_line(tmp_path: Path, ds_config: dict[str, Any], *flags: str) -
 def test_a_flag_given_at_meshpipes_default_still_counts(tmp_path: Path) -> None:
     adam = _with_optimizer("AdamW", lr=0.01)
     config = _from_command_line(tmp_path, adam, "--weight-decay", "0.1", "--clip-grad-norm", "0")
-    assert (config.weight_decay, config.clip_grad_norm, config.betas) == (0.1, 0.0, "0.9,0.999")
+    assert (config.flat()["weight_decay"], config.flat()["clip_grad_norm"], config.flat()["betas"]) == (0.1, 0.0, "0.9,0.999")
 
 
 def test_flags_not_given_take_deepspeeds_defaults(tmp_path: Path) -> None:
     config = _from_command_line(tmp_path, _with_optimizer("AdamW", lr=0.01), "--no-progress")
-    assert (config.weight_decay, config.clip_grad_norm, config.lr_schedule) == (
+    assert (config.flat()["weight_decay"], config.flat()["clip_grad_norm"], config.flat()["lr_schedule"]) == (
         0.0,
         1.0,
         "constant",

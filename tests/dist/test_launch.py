@@ -33,7 +33,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _single_process_losses(data: str) -> tuple[float, ...]:
-    config = TrainConfig(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
+    config = TrainConfig.of(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
                          seq_len=32, threads=1, data=data)
     return train(config, progress=False).losses
 
@@ -78,7 +78,7 @@ def test_pp_dp_losses_equal_single_process_losses_exactly(tokens: str) -> None:
 
 
 def _train_pp2(rank: int, world_size: int, data: str) -> tuple[float, ...]:
-    config = TrainConfig(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
+    config = TrainConfig.of(model="llama-tiny", steps=3, global_batch=8, micro_batches=2,
                          seq_len=32, threads=1, data=data, pp=2)
     return train(config, progress=False).losses
 

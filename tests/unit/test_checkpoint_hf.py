@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for model in ("gpt-tiny", "llama-tiny"):
-        config = TrainConfig(
+        config = TrainConfig.of(
             model=model,
             steps=2,
             global_batch=4,
@@ -246,7 +246,7 @@ def test_init_from_an_hf_folder_of_another_shape_is_refused(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     export_hf(checkpoints["gpt-tiny"], tmp_path)
-    config = TrainConfig(
+    config = TrainConfig.of(
         model="gpt-small",
         steps=1,
         global_batch=4,
@@ -270,9 +270,9 @@ def test_init_from_an_export_equals_init_from_its_checkpoint(
         "seq_len": 32,
         "threads": 1,
     }
-    via_hf = train(TrainConfig(**base, init_from=str(tmp_path)), progress=False).losses
-    direct = train(TrainConfig(**base, init_from=str(checkpoints["gpt-tiny"])), progress=False)
-    fresh = train(TrainConfig(**base), progress=False).losses
+    via_hf = train(TrainConfig.of(**base, init_from=str(tmp_path)), progress=False).losses
+    direct = train(TrainConfig.of(**base, init_from=str(checkpoints["gpt-tiny"])), progress=False)
+    fresh = train(TrainConfig.of(**base), progress=False).losses
     assert via_hf == direct.losses != fresh
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.cli.main import build_parser, main
-from engine.runtime.optim import lr_factor
+from engine.runtime.lr_schedules import lr_factor
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import load_tokens, prepare
@@ -64,7 +64,7 @@ def _interrupted(run: dict[str, Any], root: Path, at: int) -> dict[str, Any]:
     """`run` uninterrupted, and resumed from its step-`at` checkpoint as a run interrupted
     after that step would be (that checkpoint and the metrics so far left behind)."""
     full = train(
-        TrainConfig(
+        TrainConfig.of(
             **run, checkpoint_dir=str(root / "full"), metrics_file=str(root / "full.jsonl")
         ),
         progress=False,
@@ -72,7 +72,7 @@ def _interrupted(run: dict[str, Any], root: Path, at: int) -> dict[str, Any]:
     _copy_step(root / "full", at, root / "resumed")
     shutil.copy(root / "full.jsonl", root / "resumed.jsonl")
     resumed = train(
-        TrainConfig(
+        TrainConfig.of(
             **run,
             checkpoint_dir=str(root / "resumed"),
             resume=True,
@@ -162,7 +162,7 @@ def test_an_fp16_resume_keeps_the_loss_scale_and_the_skipped_step_count(
 
 
 def test_resume_without_a_checkpoint_starts_from_step_zero(tmp_path: Path, tokens: str) -> None:
-    config = TrainConfig(
+    config = TrainConfig.of(
         **{**RUN, "steps": 2}, data=tokens, checkpoint_dir=str(tmp_path), resume=True
     )
     assert train(config, progress=False).first_step == 0
@@ -170,14 +170,16 @@ def test_resume_without_a_checkpoint_starts_from_step_zero(tmp_path: Path, token
 
 
 def test_resuming_a_finished_run_runs_no_step(runs: dict[str, Any], tokens: str) -> None:
-    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(runs["root"] / "full"), resume=True)
+    config = TrainConfig.of(
+        **RUN, data=tokens, checkpoint_dir=str(runs["root"] / "full"), resume=True
+    )
     result = train(config, progress=False)
     assert (result.first_step, result.losses) == (6, ())
 
 
 def test_init_from_starts_from_the_checkpoint_weights(runs: dict[str, Any], tokens: str) -> None:
     source = runs["root"] / "full" / "step-00000003"
-    config = TrainConfig(**{**RUN, "steps": 1}, data=tokens, init_from=str(source))
+    config = TrainConfig.of(**{**RUN, "steps": 1}, data=tokens, init_from=str(source))
     first_loss = train(config, progress=False).losses[0]
     model, _ = load_model(source)
     loader = BatchLoader(load_tokens(tokens), seq_len=32, global_batch=4, seed=0)
@@ -208,7 +210,7 @@ def test_checkpoint_options_are_checked_before_any_compute(
     fields: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        TrainConfig(**fields)
+        TrainConfig.of(**fields)
 
 
 def test_checkpoint_flags_reach_the_config() -> None:
@@ -261,7 +263,7 @@ def test_cli_resume_says_where_it_resumed_from(
 def _resume_changed(runs: dict[str, Any], tokens: str, root: Path, **changes: Any) -> TrainResult:
     """The `runs` job resumed from its step-3 checkpoint with `changes` to its settings."""
     _copy_step(runs["root"] / "full", 3, root)
-    config = TrainConfig(
+    config = TrainConfig.of(
         **{**RUN, "save_every": 3, **changes},
         data=tokens,
         checkpoint_dir=str(root),
@@ -292,15 +294,15 @@ def test_a_longer_run_is_refused_when_its_schedule_decays_to_the_last_step(
 
 def test_the_refusal_spells_the_checkpoints_values_as_flags_a_shell_takes() -> None:
     kind = {"lr_schedule": "deepspeed:WarmupLR"}
-    saved = TrainConfig(**kind, lr_schedule_args='{"warmup_num_steps": 5}').to_dict()
+    saved = TrainConfig.of(**kind, lr_schedule_args='{"warmup_num_steps": 5}').flat()
     flag = re.escape("""--lr-schedule-args '{"warmup_num_steps": 5}'""")
     with pytest.raises(ValueError, match=flag):
-        check_resumable(saved, TrainConfig(**kind, lr_schedule_args="{}"), 3, "ck/step-3")
+        check_resumable(saved, TrainConfig.of(**kind, lr_schedule_args="{}"), 3, "ck/step-3")
 
 
 def test_a_longer_run_with_a_constant_schedule_is_the_same_run() -> None:
-    saved = TrainConfig(lr_schedule="constant", steps=6).to_dict()
-    assert check_resumable(saved, TrainConfig(lr_schedule="constant", steps=8), 6, "ck") == ""
+    saved = TrainConfig.of(lr_schedule="constant", steps=6).flat()
+    assert check_resumable(saved, TrainConfig.of(lr_schedule="constant", steps=8), 6, "ck") == ""
 
 
 def test_a_resume_may_change_the_layout(runs: dict[str, Any], tokens: str, tmp_path: Path) -> None:
@@ -374,8 +376,8 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(
 
 
 def test_extending_a_finished_decaying_run_names_the_one_flag_that_does_it() -> None:
-    saved = TrainConfig(**RUN).to_dict()
-    longer = TrainConfig(**{**RUN, "steps": 8})
+    saved = TrainConfig.of(**RUN).flat()
+    longer = TrainConfig.of(**{**RUN, "steps": 8})
     with pytest.raises(
         ValueError, match=r"run is finished \(step 6 of --steps 6\).*add --resume-with-new-hparams"
     ):
@@ -399,7 +401,7 @@ def test_a_new_run_does_not_write_over_another_runs_checkpoints(
 ) -> None:
     _copy_step(runs["root"] / "full", 3, tmp_path)
     before = _tensors(tmp_path / "step-00000003")
-    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(tmp_path), save_every=3)
+    config = TrainConfig.of(**RUN, data=tokens, checkpoint_dir=str(tmp_path), save_every=3)
     with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(newest step-0+3\)"):
         train(config, progress=False)
     after = _tensors(tmp_path / "step-00000003")
@@ -411,7 +413,7 @@ def test_a_step_folder_given_as_checkpoint_dir_is_refused_naming_its_parent(
 ) -> None:
     _copy_step(runs["root"] / "full", 3, tmp_path)
     step = tmp_path / "step-00000003"
-    config = TrainConfig(**RUN, data=tokens, checkpoint_dir=str(step), resume=True)
+    config = TrainConfig.of(**RUN, data=tokens, checkpoint_dir=str(step), resume=True)
     with pytest.raises(
         ValueError, match=rf"is a checkpoint, not a folder .*--checkpoint-dir {tmp_path} --resume"
     ):
@@ -420,7 +422,7 @@ def test_a_step_folder_given_as_checkpoint_dir_is_refused_naming_its_parent(
 
 
 def test_the_same_token_file_named_another_way_is_the_same_data(tokens: str) -> None:
-    saved = TrainConfig(data=tokens).to_dict()
+    saved = TrainConfig.of(data=tokens).flat()
     prefix = tokens.removesuffix(".bin")
-    assert check_resumable(saved, TrainConfig(data=prefix), 3, "ck") == ""
-    assert check_resumable(saved, TrainConfig(data=prefix + ".json"), 3, "ck") == ""
+    assert check_resumable(saved, TrainConfig.of(data=prefix), 3, "ck") == ""
+    assert check_resumable(saved, TrainConfig.of(data=prefix + ".json"), 3, "ck") == ""

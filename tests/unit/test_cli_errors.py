@@ -126,7 +126,7 @@ def test_a_new_run_says_it_replaces_an_existing_metrics_file(
 ) -> None:
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 0, "loss": 1.0}\n')
-    preflight(TrainConfig(model="gpt-tiny", metrics_file=str(metrics)))
+    preflight(TrainConfig.of(model="gpt-tiny", metrics_file=str(metrics)))
     assert f"--metrics-file {metrics} exists: this run replaces it" in capsys.readouterr().err
 
 
@@ -166,7 +166,7 @@ def test_an_interrupted_run_advises_only_flags_it_lacks(
     checkpointing: dict[str, int], advice: str, tmp_path: Path
 ) -> None:
     root = {"checkpoint_dir": str(tmp_path / "ck")} if checkpointing else {}
-    assert re.search(advice, interrupt_advice(TrainConfig(**root, **checkpointing)))
+    assert re.search(advice, interrupt_advice(TrainConfig.of(**root, **checkpointing)))
 
 
 def test_max_restarts_under_an_outside_launcher_says_whose_flag_it_is(

@@ -10,9 +10,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from engine.comm.mesh import init_mesh
+from engine.config import EngineOptions
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_optimizer
-from engine.runtime.options import EngineOptions
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import parse_actions
 from engine.schedule.schedule import Schedule
@@ -133,9 +133,9 @@ def test_the_engine_refuses_a_split_backward_schedule_with_compile() -> None:
 
 def test_a_run_asking_for_compile_and_a_zero_bubble_schedule_fails_before_launch() -> None:
     with pytest.raises(ValueError, match=r"--compile with schedule zb_h1.*use 1f1b"):
-        TrainConfig(model="gpt-tiny", pp=2, schedule="zb_h1", compile=True)
+        TrainConfig.of(model="gpt-tiny", pp=2, schedule="zb_h1", compile=True)
 
 
 def test_a_run_on_an_unknown_device_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown device 'gpu': choose one of auto, cuda, cpu"):
-        TrainConfig(model="gpt-tiny", device="gpu")
+        TrainConfig.of(model="gpt-tiny", device="gpu")

@@ -8,9 +8,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.comm.mesh import init_mesh
+from engine.config import EngineOptions
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_optimizer
-from engine.runtime.options import EngineOptions
 from engine.runtime.reference import reference_step
 from engine.schedule.generators import one_f_one_b
 from engine.schedule.schedule import Schedule

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = (
     "schedule",
+    "config",
     "comm",
     "parallel",
     "runtime",
@@ -31,7 +32,7 @@ LAYERS = (
 TOP = ("models", "partitioners", "engine")
 """The top-level packages, lowest first."""
 
-NO_DISTRIBUTED = ("engine.schedule", "partitioners", "models")
+NO_DISTRIBUTED = ("engine.schedule", "engine.config", "partitioners", "models")
 """Plain data and pure functions: no torch.distributed import anywhere in them."""
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cli.memory import add_parsers, run
+from engine.config import replace_flat
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
 from engine.memory.measure import measure_memory
 from engine.memory.replay import build_stage, stage_actions
@@ -39,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tiny(**changes: object) -> MemoryConfig:
-    base = MemoryConfig(
-        model="llama-tiny", pp=2, micro_batches=4, micro_batch_size=2, seq_len=32, device="cpu"
-    )
-    return replace(base, **changes)
+    """llama-tiny at pp 2, micro-batches of 2 sequences (kept when dp or their count change)."""
+    base: dict[str, object] = {"model": "llama-tiny", "pp": 2, "micro_batches": 4}
+    base |= {"micro_batch_size": 2, "seq_len": 32, "device": "cpu"}
+    return MemoryConfig.of(**{**base, **changes})  # type: ignore[arg-type]
 
 
 # --- sizes as people write them -----------------------------------------------------------------
@@ -159,7 +160,9 @@ def test_one_micro_batch_per_step_is_estimated_like_a_real_run(schedule: str) ->
 
 def test_recomputed_stage_keeps_only_its_input_and_sent_output() -> None:
     config = _tiny(pp=3, recompute="full")
-    boundary = config.micro_batch_size * config.seq_len * 64 * 2  # bf16 activations, d_model 64
+    boundary = (
+        config.micro_batch_size * config.batch.seq_len * 64 * 2
+    )  # bf16 activations, d_model 64
     assert estimate_memory(config).stages[1].kept_per_micro_batch == 2 * boundary
 
 
@@ -173,7 +176,7 @@ def test_autocast_keeps_one_bf16_copy_of_every_matmul_weight_per_step() -> None:
         if isinstance(m, torch.nn.Linear)
         for p in m.parameters()
     )
-    bf16, fp32 = estimate_memory(config), estimate_memory(replace(config, precision="fp32"))
+    bf16, fp32 = estimate_memory(config), estimate_memory(replace_flat(config, precision="fp32"))
     assert bf16.stages[1].weight_copies == 2 * linear
     assert fp32.stages[1].weight_copies == 0
 
@@ -238,7 +241,7 @@ def test_estimating_llama_70b_allocates_no_model_memory() -> None:
         import resource, warnings
         warnings.simplefilter("ignore")
         from engine.memory.estimate import MemoryConfig, estimate_memory
-        config = MemoryConfig(model="llama-70b", pp=40, micro_batches=40, seq_len=4096)
+        config = MemoryConfig.of(model="llama-70b", pp=40, micro_batches=40, seq_len=4096)
         assert estimate_memory(config).peak > 20 * 2**30
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         """
@@ -275,7 +278,7 @@ def test_suggestions_are_estimated_and_one_fits() -> None:
 
 def test_more_stages_suggests_the_fewest_that_fits() -> None:
     # gpt-tiny's 3 GPipe stages sum to more per layer than their estimate: no skipping on that.
-    config = MemoryConfig(model="gpt-tiny", pp=2, schedule="gpipe")
+    config = MemoryConfig.of(model="gpt-tiny", pp=2, schedule="gpipe")
     budget = 5_000_000
     found = suggest(config, estimate_memory(config), budget)
     more = [s for s in found if s.change.startswith("--pp ")]
@@ -314,12 +317,12 @@ def test_stashes_held_once_gradients_exist_follow_the_1f1b_rows(
 @pytest.mark.parametrize(
     "config",
     [
-        MemoryConfig(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64),
-        MemoryConfig(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64, precision="fp32"),
-        MemoryConfig(
+        MemoryConfig.of(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64),
+        MemoryConfig.of(model="gpt-tiny", pp=3, micro_batches=2, seq_len=64, precision="fp32"),
+        MemoryConfig.of(
             model="gpt-tiny", pp=3, micro_batches=2, seq_len=64, schedule="zb_h1", precision="fp32"
         ),
-        MemoryConfig(model="llama-tiny", pp=3, micro_batches=2, seq_len=16, schedule="zb_h1"),
+        MemoryConfig.of(model="llama-tiny", pp=3, micro_batches=2, seq_len=16, schedule="zb_h1"),
     ],
     ids=["1f1b-bf16", "1f1b-fp32", "zb-h1-gpt", "zb-h1-llama"],
 )
@@ -411,12 +414,12 @@ def test_measure_flag_reports_prediction_equal_to_measurement(
     ("argv", "message"),
     [
         (["--model", "llama-8b"], "unknown model 'llama-8b': choose one of gpt-tiny"),
-        (["--pp", "8"], "8 stages for gpt-tiny's 7 layers: use at most 7"),
-        (["--micro-batches", "0"], "micro-batches=0 must be at least 1"),
+        (["--pp", "8"], "cannot split gpt-tiny's 7 layers into 8 stages"),
+        (["--micro-batches", "0"], "micro_batches=0 must be at least 1"),
         (["--global-batch", "10", "--micro-batches", "4"], "global batch 10 does not split"),
         (["--dp", "0", "--global-batch", "8"], "dp=0 must be at least 1"),
-        (["--micro-batches", "0", "--global-batch", "8"], "micro-batches=0 must be at least 1"),
-        (["--global-batch", "0"], "global-batch=0 must be at least 1"),
+        (["--micro-batches", "0", "--global-batch", "8"], "micro_batches=0 must be at least 1"),
+        (["--global-batch", "0"], "global_batch=0 must be at least 1"),
         (["--schedule", "pipedream"], "unknown schedule 'pipedream': choose one of gpipe"),
         (["--model", "llama-70b", "--device", "cpu", "--measure"], "builds llama-70b for real"),
         (["--dp", "2", "--measure"], "--measure runs one replica in one process"),

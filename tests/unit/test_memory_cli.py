@@ -117,4 +117,6 @@ def test_an_unknown_cost_model_is_named_unknown_with_the_usable_ones(
     """Worded as `meshpipe plan` words it, less `time`, which the memory model refuses."""
     code, _, err = _memory(capsys, "--cost-model", "bogus")
     assert code == 2
-    assert "unknown cost model 'bogus': choose one of parameters, flops, activations\n" in err
+    assert (
+        "unknown cost model 'bogus': choose one of parameters, flops, activations, or time" in err
+    )

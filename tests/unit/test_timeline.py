@@ -179,7 +179,7 @@ def test_a_schedule_file_with_communication_is_refused(tmp_path: Path) -> None:
 def test_a_schedule_file_that_deadlocks_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     (tmp_path / "s.csv").write_text("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n")
     with pytest.raises(ScheduleError, match=r"(?s)schedule file .*s\.csv: deadlock"):
-        TrainConfig(
+        TrainConfig.of(
             model="gpt-tiny",
             pp=2,
             micro_batches=2,
@@ -201,9 +201,9 @@ def test_a_schedule_file_gives_the_schedule_it_holds(tmp_path: Path) -> None:
 def test_a_one_rank_run_trains_from_a_schedule_file_as_from_its_name(tmp_path: Path) -> None:
     save_schedule(make_schedule("1f1b", num_ranks=1, micro_batches=2), tmp_path / "s.csv")
     run = {"model": "gpt-tiny", "steps": 2, "global_batch": 4, "micro_batches": 2, "seq_len": 32}
-    by_name = train(TrainConfig(**run, threads=1), progress=False).losses
+    by_name = train(TrainConfig.of(**run, threads=1), progress=False).losses
     from_file = train(
-        TrainConfig(**run, threads=1, schedule=str(tmp_path / "s.csv")), progress=False
+        TrainConfig.of(**run, threads=1, schedule=str(tmp_path / "s.csv")), progress=False
     )
     assert from_file.losses == by_name
 

@@ -11,6 +11,7 @@ import torch
 
 from engine import TrainConfig, accumulate_gradients, lr_factor, split_micro_batches, train
 from engine.cli.main import build_parser, main
+from engine.runtime.optim import build_from_spec
 from engine.schedule.generators import SCHEDULES
 from engine.training.data import prepare
 from models import build_layers, layer_specs, lm_loss
@@ -63,7 +64,7 @@ def test_lr_warms_up_then_decays(schedule: str, step: int, factor: float) -> Non
 
 
 def test_training_lowers_the_loss_on_the_default_corpus(tmp_path: Path) -> None:
-    config = TrainConfig(
+    config = TrainConfig.of(
         steps=40, global_batch=8, micro_batches=2, seq_len=64, lr=3e-3, warmup_steps=5
     )
     result = train(config, progress=False)
@@ -72,7 +73,7 @@ def test_training_lowers_the_loss_on_the_default_corpus(tmp_path: Path) -> None:
 
 
 def test_training_is_deterministic() -> None:
-    config = TrainConfig(steps=3, global_batch=4, micro_batches=2, seq_len=32)
+    config = TrainConfig.of(steps=3, global_batch=4, micro_batches=2, seq_len=32)
     assert train(config, progress=False).losses == train(config, progress=False).losses
 
 
@@ -155,14 +156,14 @@ def test_train_help_names_every_schedule(capsys: pytest.CaptureFixture[str]) -> 
 def test_adam_eps_reaches_every_optimizer_implementation(impl: str) -> None:
     if impl == "deepspeed_cpu":
         pytest.importorskip("deepspeed", reason="deepspeed is not installed")
-    spec = TrainConfig(adam_eps=1e-5, optimizer_impl=impl).optimizer_spec()
-    optimizer = spec.build(torch.nn.Linear(2, 2))
+    spec = TrainConfig.of(adam_eps=1e-5, optimizer_impl=impl).optimizer
+    optimizer = build_from_spec(spec, torch.nn.Linear(2, 2))
     assert {group["eps"] for group in optimizer.param_groups} == {1e-5}
 
 
 def test_a_non_positive_adam_eps_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="adam_eps=0.0 must be a positive number"):
-        TrainConfig(adam_eps=0.0)
+        TrainConfig.of(adam_eps=0.0)
 
 
 def test_data_prepare_says_when_it_replaces_a_token_file(

@@ -1,0 +1,50 @@
+"""The one configuration vocabulary: per-concern frozen sections (model, parallelism,
+schedule, partition, batch, engine options, optimizer, learning rate, data, checkpoints, run)
+that `TrainConfig`, `MemoryConfig` and the engine share, each field validated once, each with
+one flat name for flags, DeepSpeed mapping and checkpoints (`engine.config.fields`).
+"""
+
+from engine.config.batch import BatchConfig
+from engine.config.engine_options import PRECISIONS, EngineOptions, recompute_groups
+from engine.config.fields import FlatField, flat_fields, from_flat, replace_flat, require, to_flat
+from engine.config.layout import check_layout
+from engine.config.model import ModelChoice
+from engine.config.optimizer import (
+    DEEPSPEED_SCHEDULERS,
+    IMPLEMENTATIONS,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    LRSchedule,
+    OptimizerSpec,
+)
+from engine.config.parallel import ParallelConfig
+from engine.config.run import DEVICES, CheckpointConfig, DataConfig, RunConfig
+from engine.config.schedule import PartitionConfig, ScheduleConfig
+
+__all__ = [
+    "DEEPSPEED_SCHEDULERS",
+    "DEVICES",
+    "IMPLEMENTATIONS",
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "BatchConfig",
+    "CheckpointConfig",
+    "DataConfig",
+    "EngineOptions",
+    "FlatField",
+    "LRSchedule",
+    "ModelChoice",
+    "OptimizerSpec",
+    "ParallelConfig",
+    "PartitionConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "check_layout",
+    "flat_fields",
+    "from_flat",
+    "recompute_groups",
+    "replace_flat",
+    "require",
+    "to_flat",
+]

@@ -1,0 +1,101 @@
+"""How each step computes on every stage and rank: precision, recomputation, clipping, the
+non-finite guard, ZeRO, compiled layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config.fields import flat, require
+
+__all__ = ["PRECISIONS", "EngineOptions", "parse_stages", "recompute_groups"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""fp32, or bf16 / fp16 autocast over fp32 master weights and gradients."""
+
+
+def recompute_groups(num_layers: int, policy: str) -> list[tuple[range, bool]]:
+    """Split a stage's layers into runs, each marked whether to recompute it in backward.
+
+    `none`: one run, kept. `full`: one run, recomputed (only the stage input stays in flight).
+    `every:N`: runs of N layers, each recomputed (its input stays in flight).
+    """
+    if policy == "none":
+        return [(range(num_layers), False)]
+    if policy == "full":
+        return [(range(num_layers), True)]
+    if policy.startswith("every:"):
+        try:
+            size = int(policy.split(":", 1)[1])
+        except ValueError:
+            size = 0
+        if size >= 1:
+            return [(range(k, min(k + size, num_layers)), True) for k in range(0, num_layers, size)]
+    raise ValueError(f"unknown recompute policy {policy!r}: use none, full or every:N with N >= 1")
+
+
+def parse_stages(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    """Stage numbers from their flat form, `0,2`."""
+    if isinstance(text, tuple):
+        return text
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError(
+            f"cannot read stages {text!r}: give comma-separated stage numbers such as 0,1"
+        ) from None
+
+
+def _stages_text(stages: tuple[int, ...]) -> str:
+    return ",".join(map(str, stages))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How each step computes. Recomputation and ZeRO-1 leave the numbers as they are;
+    precision, clipping and the guard's skipped steps change them, as they would in one process."""
+
+    precision: str = "fp32"
+    """fp32, bf16 (autocast, fp32 master weights and grads) or fp16 (plus loss scaling)."""
+    clip_grad_norm: float = 0.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    recompute: str = "none"
+    """Activation recomputation per stage: none, full or every:N layers."""
+    recompute_stages: tuple[int, ...] | None = field(
+        default=None, metadata=flat(parse=parse_stages, text=_stages_text)
+    )
+    """Stages the recompute policy applies to (comma-separated, such as 0,1); all by default."""
+    zero: int = 0
+    """1 shards the optimizer state over the data-parallel replicas (ZeRO-1)."""
+    compile: bool = False
+    """torch.compile each layer (regional compilation: one graph per layer class, reused by
+    every block): fuses the norms, rotary and activations eager runs as separate kernels;
+    agrees with eager to rounding, not bit for bit. Not with a split backward (zb_* schedules):
+    a compiled layer hides the Linears whose weight gradients W defers."""
+    nonfinite_guard: bool = field(default=True, metadata=flat("no_nonfinite_guard", negate=True))
+    """Skip a step whose loss or gradients are not finite on every rank together (the flag
+    --no-nonfinite-guard turns it off). Costs one blocking all-reduce per step when neither
+    clipping nor fp16 needs one anyway: the next step's warm-up then cannot overlap this step's
+    drain ((P-1) forwards of bubble per step)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.precision in PRECISIONS,
+            f"unknown precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}",
+        )
+        require(
+            self.clip_grad_norm >= 0,
+            f"clip_grad_norm={self.clip_grad_norm} must be >= 0 (0 disables)",
+        )
+        recompute_groups(1, self.recompute)
+        if self.recompute_stages is not None and self.recompute == "none":
+            stages = _stages_text(self.recompute_stages)
+            raise ValueError(
+                f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
+                "--recompute full (or every:N), or drop --recompute-stages"
+            )
+        require(self.zero in (0, 1), f"zero={self.zero}: meshpipe supports ZeRO stage 0 or 1")
+
+    def recompute_of(self, stage: int) -> str:
+        """The recompute policy `stage` runs."""
+        chosen = self.recompute_stages is None or stage in self.recompute_stages
+        return self.recompute if chosen else "none"

@@ -1,0 +1,98 @@
+"""What a training run is beyond its model and layout: its length, seed, data, where its
+ranks run, what it writes, and its checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import require
+
+__all__ = ["DEVICES", "CheckpointConfig", "DataConfig", "RunConfig"]
+
+DEVICES = ("auto", "cuda", "cpu")
+"""Where ranks may be placed (`meshpipe train --device`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The run itself: steps, seed, where ranks compute, what they write, how long they wait."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed of weights and data order."""
+    threads: int = 0
+    """Intra-op threads per process; 0 leaves torch's default."""
+    device: str = "auto"
+    """auto: CUDA with NCCL when the host has a GPU per rank, else the CPU with gloo. cuda:
+    on GPUs even when ranks share them (gloo then, activations staged through host memory).
+    cpu: on the CPU with gloo."""
+    timeout: float = 300.0
+    """Seconds any collective or p2p call may wait before failing (dead or stalled peer)."""
+    metrics_file: str | None = None
+    """Path of a JSON-lines file receiving one record per step."""
+    trace: str | None = None
+    """Write the measured per-rank timeline of the run as a Chrome/Perfetto trace (JSON)."""
+    log_every: int = 0
+    """Also print a log line every N steps (loss, tokens/s, bubble); 0 prints none."""
+    max_restarts: int = 0
+    """Local launcher: restart all ranks up to N times when one dies (needs --resume)."""
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, f"steps={self.steps} must be at least 1")
+        require(self.threads >= 0, f"threads={self.threads} must be >= 0")
+        require(
+            self.device in DEVICES,
+            f"unknown device {self.device!r}: choose one of {', '.join(DEVICES)}",
+        )
+        require(self.timeout > 0, f"timeout={self.timeout} must be positive")
+        require(self.log_every >= 0, f"log_every={self.log_every} must be >= 0 (0: never)")
+        require(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What the run trains on."""
+
+    data: str | None = None
+    """Prepared token file; None uses the embedded default corpus."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where a run saves and what it resumes or starts from."""
+
+    checkpoint_dir: str | None = None
+    """Folder of checkpoints (`step-NNNNNNNN` and a `latest` pointer); None saves none."""
+    save_every: int = 0
+    """Save a checkpoint every N steps; the last step is always saved (0: only the last)."""
+    keep: int = 0
+    """Keep only the newest N checkpoints (0 keeps all)."""
+    resume: bool = False
+    """Continue from the checkpoint `latest` names in --checkpoint-dir, if there is one."""
+    resume_fallback: bool = False
+    """If `latest` fails to load, use the previous complete checkpoint (said on stderr)."""
+    resume_with_new_hparams: bool = False
+    """With --resume, continue with this run's learning rate, schedule, optimizer, clipping
+    and precision where they differ from the checkpoint's (such a resume is refused otherwise)."""
+    init_from: str | None = None
+    """Start from the weights of a checkpoint or a Hugging Face folder (fresh optimizer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("save_every", "keep"):
+            value = getattr(self, name)
+            require(value >= 0, f"{name}={value} must be >= 0")
+        for flag, used in (
+            ("--save-every", self.save_every > 0),
+            ("--keep", self.keep > 0),
+            ("--resume", self.resume),
+        ):
+            require(
+                self.checkpoint_dir is not None or not used,
+                f"{flag} needs a --checkpoint-dir to save into or resume from",
+            )
+        for flag, used in (
+            ("--resume-fallback", self.resume_fallback),
+            ("--resume-with-new-hparams", self.resume_with_new_hparams),
+        ):
+            require(self.resume or not used, f"{flag} only applies with --resume: add --resume")

@@ -1,0 +1,58 @@
+"""How a step is pipelined (the schedule, its micro-batches and stages per rank) and how the
+model is cut into stages (the partition method and the costs it balances)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config.fields import require
+from engine.schedule import Schedule, schedule_for
+from partitioners import COST_MODELS
+
+__all__ = ["PartitionConfig", "ScheduleConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """The pipeline schedule a step runs."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2 or zb_drain,
+    or a schedule file (meshpipe schedule --out FILE, or rows of actions written by hand)."""
+    micro_batches: int = 4
+    """Micro-batches each replica's batch is split into (gradient accumulation)."""
+    stages_per_rank: int = 1
+    """Stages per pipeline rank (v > 1 with interleaved_1f1b or looped_bfs)."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "stages_per_rank"):
+            value = getattr(self, name)
+            require(value >= 1, f"{name}={value} must be at least 1")
+
+    def resolve(self, pp: int) -> Schedule:
+        """The compute schedule on `pp` pipeline ranks (a file is checked and dry-run)."""
+        return schedule_for(
+            self.schedule,
+            num_ranks=pp,
+            micro_batches=self.micro_batches,
+            stages_per_rank=self.stages_per_rank,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionConfig:
+    """How the layer list is cut into stages (the method is checked when the layout is
+    partitioned, by `partitioners.make_partition`)."""
+
+    partition: str = "balanced"
+    """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
+    cost_model: str = "flops"
+    """Costs `balanced` balances: flops, parameters, activations or time (measured)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.cost_model in COST_MODELS,
+            f"unknown cost model {self.cost_model!r}: choose one of "
+            f"{', '.join(m for m in COST_MODELS if m != 'time')}, or time (measured by running "
+            "the layers; an estimate that allocates nothing cannot)",
+        )
