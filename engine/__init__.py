@@ -7,6 +7,17 @@ cli. The names below are the public API.
 
 from engine.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from engine.comm import Mesh, init_mesh
+from engine.config import (
+    BatchConfig,
+    CheckpointConfig,
+    DataConfig,
+    LRSchedule,
+    ModelChoice,
+    ParallelConfig,
+    PartitionConfig,
+    RunConfig,
+    ScheduleConfig,
+)
 from engine.memory import MemoryConfig, estimate_memory
 from engine.runtime import (
     EngineOptions,
@@ -55,14 +66,23 @@ __all__ = [
     "Action",
     "ActionCosts",
     "ActionKind",
+    "BatchConfig",
     "BatchLoader",
+    "CheckpointConfig",
     "CheckpointError",
+    "DataConfig",
     "EngineOptions",
+    "LRSchedule",
     "MemoryConfig",
     "Mesh",
+    "ModelChoice",
     "OptimizerSpec",
+    "ParallelConfig",
+    "PartitionConfig",
     "PipelineEngine",
+    "RunConfig",
     "Schedule",
+    "ScheduleConfig",
     "StepStats",
     "TokenDataset",
     "TrainConfig",
