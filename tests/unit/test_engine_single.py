@@ -212,3 +212,30 @@ def test_a_step_inside_the_callers_autocast_is_refused() -> None:
         pytest.raises(RuntimeError, match="outside autocast"),
     ):
         engine.train_step(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_recompute_stages_recompute_only_those_stages_and_change_no_bit() -> None:
+    """Two stages on one rank (looped BFS), full recompute on stage 1 only."""
+    specs = layer_specs("llama-tiny")
+    engine = PipelineEngine(
+        specs,
+        init_mesh(1, 1),
+        partition=Partition(boundaries=(0, 3, len(specs))),
+        micro_batches=2,
+        schedule="looped_bfs",
+        stages_per_rank=2,
+        seed=3,
+        optimizer=lambda m: build_optimizer(m, lr=1e-2),
+        options=EngineOptions(recompute="full", recompute_stages=(1,)),
+    )
+    recomputed = {s: [again for _, again in stage._runs] for s, stage in engine.stages.items()}
+    assert recomputed == {0: [False], 1: [True]}
+    model = build_layers(specs, seed=3)
+    optimizer = build_optimizer(model, lr=1e-2)
+    tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    stats = engine.train_step(tokens[:, :-1], tokens[:, 1:])
+    assert stats.loss == reference_step(
+        model, optimizer, tokens[:, :-1], tokens[:, 1:], micro_batches=2
+    )
+    for (name, a), b in zip(engine.module.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
