@@ -13,3 +13,18 @@ import os
 CUDA_TESTS = os.environ.get("MESHPIPE_TEST_CUDA") == "1"
 if not CUDA_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_sessionstart(session: object) -> None:
+    """Build DeepSpeed's CPU Adam extension once, before any test and outside every test's
+    timeout: its first JIT compile takes from under a minute to several on a busy 2-core
+    machine, and a test killed by its timeout mid-compile leaves torch's build lock behind,
+    so every later test that needs the extension would wait on that lock forever."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except ImportError:
+        return
+    try:
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as error:  # the tests that need it fail with the builder's own words
+        print(f"DeepSpeed CPU Adam did not build ({error}); its tests will say why")
