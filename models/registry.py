@@ -71,6 +71,39 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         ffn_hidden=28672,
         max_seq_len=4096,
     ),
+    # Llama 3's shapes (128K vocabulary, GQA with 8 kv heads, rope base 500000), the models
+    # people size today; 8192 positions as Llama 3 was pretrained (3.1's long-context rope
+    # scaling is not modelled: these shapes are for planning and memory).
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        d_model=4096,
+        ffn_hidden=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-70b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=80,
+        n_head=64,
+        n_kv_head=8,
+        d_model=8192,
+        ffn_hidden=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama3-405b": LlamaConfig(
+        vocab_size=128256,
+        n_layer=126,
+        n_head=128,
+        n_kv_head=8,
+        d_model=16384,
+        ffn_hidden=53248,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 

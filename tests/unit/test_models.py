@@ -192,7 +192,15 @@ def test_tiny_models_have_a_few_hundred_thousand_parameters() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "billions"), [("llama-7b", 6.74), ("llama-13b", 13.0), ("llama-70b", 69.0)]
+    ("model", "billions"),
+    [
+        ("llama-7b", 6.74),
+        ("llama-13b", 13.0),
+        ("llama-70b", 69.0),
+        ("llama3-8b", 8.03),
+        ("llama3-70b", 70.55),
+        ("llama3-405b", 405.85),
+    ],
 )
 def test_real_shapes_are_counted_on_meta_without_memory(model: str, billions: float) -> None:
     total = sum(spec.num_parameters() for spec in layer_specs(model))
@@ -227,5 +235,6 @@ def test_lm_loss_of_uniform_logits_is_log_vocab() -> None:
 
 
 def test_registry_has_the_promised_shapes() -> None:
-    for name in ("gpt2", "gpt2-xl", "llama-1b", "llama-7b", "llama-13b", "llama-70b"):
+    names = ("gpt2", "gpt2-xl", "llama-1b", "llama-7b", "llama-13b", "llama-70b", "llama3-405b")
+    for name in names:
         assert name in MODEL_CONFIGS
