@@ -4,6 +4,7 @@ The methods are pure Python; only `partitioners.costs` uses torch, to measure la
 """
 
 from partitioners.costs import COST_MODELS, layer_costs, partition_model
+from partitioners.fitting import StageFits, fastest_fitting, min_bottleneck
 from partitioners.methods import (
     PARTITION_METHODS,
     balanced,
@@ -19,12 +20,15 @@ __all__ = [
     "COST_MODELS",
     "PARTITION_METHODS",
     "Partition",
+    "StageFits",
     "balanced",
     "by_parameters",
     "by_type",
     "explicit",
+    "fastest_fitting",
     "layer_costs",
     "make_partition",
+    "min_bottleneck",
     "partition_model",
     "uniform",
 ]

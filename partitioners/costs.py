@@ -126,6 +126,11 @@ def partition_model(
     and class names; explicit layouts need nothing.
     """
     check_num_stages(len(specs), num_stages)
+    if method.strip().lower() == "memory":
+        raise ValueError(
+            "partition method 'memory' needs the memory model: resolve it with "
+            "engine.memory.fitting_partition (train, memory and plan do)"
+        )
     costs = None
     if method.strip().lower() == "balanced":
         costs = layer_costs(specs, cost_model, batch_size=batch_size, seq_len=seq_len)

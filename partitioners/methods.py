@@ -42,6 +42,7 @@ _METHOD_FORMS = (
     "'uniform'",
     "'parameters'",
     "'balanced'",
+    "'memory' (with --device-memory)",
     "'type:<regex>'",
     "'boundaries:0,b1,...,L'",
     "'balance:n0,n1,...'",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from engine.cli.flags import add_config_flags, flag_values
 from engine.config import require
+from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.report import (
@@ -22,7 +23,6 @@ from engine.memory.report import (
     format_report,
     format_suggestions,
 )
-from engine.memory.sizes import parse_size
 from engine.memory.suggest import suggest
 
 __all__ = ["COMMANDS", "DOES_NOT_FIT", "add_parsers", "config_from_args", "run"]
@@ -33,6 +33,7 @@ _NOT_MEMORY = frozenset(
     {
         *("global_batch", "lr", "weight_decay", "betas", "momentum", "adam_eps"),
         *("clip_grad_norm", "no_nonfinite_guard"),
+        "device_memory",  # its own flag below: the fit to check, and --partition memory's budget
     }
 )
 """Settings that change no byte of the estimate: not flags of `meshpipe memory`."""
@@ -75,7 +76,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--device-memory",
         type=_size_arg,
         default=None,
-        help=f"e.g. 80GB or 80GiB: say whether the layout fits (exit {DOES_NOT_FIT} if not)",
+        help=f"e.g. 80GB or 80GiB: say whether the layout fits (exit {DOES_NOT_FIT} if not); "
+        "the budget of --partition memory",
     )
     p.add_argument(
         "--measure", action="store_true", help="also run it for real here (small models)"
@@ -91,6 +93,10 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     --global-batch, or both when they agree."""
     values = flag_values(MemoryConfig, args)
     values.pop("global_batch")
+    values.pop("device_memory", None)
+    if str(values.get("partition", "")).strip().lower() == "memory":
+        budget = args.device_memory
+        values["device_memory"] = None if budget is None else str(budget)
     size, total = args.micro_batch_size, args.global_batch
     if total is None:
         return MemoryConfig.of(micro_batch_size=1 if size is None else size, **values)

@@ -20,6 +20,7 @@ from engine.config.optimizer import (
 from engine.config.parallel import ParallelConfig
 from engine.config.run import DEVICES, CheckpointConfig, DataConfig, RunConfig
 from engine.config.schedule import PartitionConfig, ScheduleConfig
+from engine.config.sizes import format_size, parse_size
 
 __all__ = [
     "DEEPSPEED_SCHEDULERS",
@@ -42,7 +43,9 @@ __all__ = [
     "ScheduleConfig",
     "check_layout",
     "flat_fields",
+    "format_size",
     "from_flat",
+    "parse_size",
     "recompute_groups",
     "replace_flat",
     "require",

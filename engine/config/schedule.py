@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config.fields import require
+from engine.config.sizes import parse_size
 from engine.schedule import Schedule, schedule_for
 from partitioners import COST_MODELS
 
@@ -45,14 +46,40 @@ class PartitionConfig:
     partitioned, by `partitioners.make_partition`)."""
 
     partition: str = "balanced"
-    """Partition method: uniform, parameters, balanced, type:<regex>, boundaries:…, balance:…"""
+    """Partition method: uniform, parameters, balanced, memory, type:<regex>, boundaries:…,
+    balance:… (`memory`: the fastest split whose every stage fits --device-memory)."""
     cost_model: str = "flops"
     """Costs `balanced` balances: flops, parameters, activations or time (measured)."""
+    device_memory: str | None = None
+    """Memory of each device for --partition memory, e.g. 80GB or 80GiB."""
 
     def __post_init__(self) -> None:
+        memory = self.by_memory
+        require(
+            not memory or self.device_memory is not None,
+            "--partition memory fits every stage into the device's memory: give --device-memory "
+            "(e.g. 80GB)",
+        )
+        require(
+            memory or self.device_memory is None,
+            f"--device-memory {self.device_memory} is the budget of --partition memory, which "
+            f"--partition {self.partition} does not use: add --partition memory or drop it",
+        )
+        if self.device_memory is not None:
+            parse_size(self.device_memory)
         require(
             self.cost_model in COST_MODELS,
             f"unknown cost model {self.cost_model!r}: choose one of "
             f"{', '.join(m for m in COST_MODELS if m != 'time')}, or time (measured by running "
             "the layers; an estimate that allocates nothing cannot)",
         )
+
+    @property
+    def by_memory(self) -> bool:
+        """Whether the split is `fastest_fitting`'s, which the memory model resolves."""
+        return self.partition.strip().lower() == "memory"
+
+    @property
+    def budget(self) -> int | None:
+        """`device_memory` in bytes."""
+        return None if self.device_memory is None else parse_size(self.device_memory)

@@ -2,9 +2,9 @@
 fake tensors.
 """
 
+from engine.config.sizes import format_size, parse_size
 from engine.memory.estimate import MemoryConfig, MemoryReport, StageMemory, estimate_memory
 from engine.memory.measure import measure_memory
-from engine.memory.sizes import format_size, parse_size
 from engine.memory.suggest import Suggestion, suggest
 
 __all__ = [

@@ -12,7 +12,6 @@ come the DP all-reduce's flat buffers and the optimizer's temporaries (`memory_s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,18 +25,21 @@ from engine.config import (
     PartitionConfig,
     ScheduleConfig,
     check_layout,
+    format_size,
     from_flat,
+    replace_flat,
     require,
     to_flat,
 )
+from engine.memory.fitting import fitting_partition, least_memory_partition, stage_needs
 from engine.memory.replay import (
     StageShape,
     StageTrace,
     backward_styles,
+    cached_trace,
     compose,
     in_flight,
     stage_actions,
-    trace_stage,
 )
 from engine.memory.states import (
     OPTIMIZER_IMPLS,
@@ -60,12 +62,15 @@ __all__ = [
     "MemoryConfig",
     "MemoryReport",
     "StageMemory",
-    "cached_trace",
     "estimate_memory",
     "resolve",
     "stage_memory",
+    "stage_shape",
     "stage_trace",
 ]
+
+_FITTING_ROUNDS = 4
+"""`--partition memory`: splits tried, each corrected by the replay of the one before."""
 
 DEVICE_MODELS = ("cuda", "cpu")
 """`cuda`: 512-byte allocator blocks and CUDA's fused kernels; `cpu`: exact bytes, CPU kernels."""
@@ -228,33 +233,86 @@ class Layout:
         return tuple(self.specs[i] for i in self.partition.layers_of(stage))
 
     def shape(self, config: MemoryConfig, stage: int) -> StageShape:
-        return StageShape(
-            micro_batches=config.schedule.micro_batches,
-            micro_batch_size=config.micro_batch_size,
-            seq_len=config.batch.seq_len,
-            hidden=config.model.config().d_model,
-            divisor=config.schedule.micro_batches * config.parallel.dp,
-            precision=config.engine.precision,
-            recompute=config.engine.recompute_of(stage),
-        )
+        return stage_shape(config, stage)
 
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
         return [p for s in stages for p in stage_params(self.stage_specs(s))]
 
 
+def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
+    """What one micro-batch of `stage` looks like to the replay."""
+    return StageShape(
+        micro_batches=config.schedule.micro_batches,
+        micro_batch_size=config.micro_batch_size,
+        seq_len=config.batch.seq_len,
+        hidden=config.model.config().d_model,
+        divisor=config.schedule.micro_batches * config.parallel.dp,
+        precision=config.engine.precision,
+        recompute=config.engine.recompute_of(stage),
+    )
+
+
+def _partition(config: MemoryConfig, specs: list[LayerSpec], schedule: Schedule) -> Partition:
+    """The config's partition; `memory` is the fastest split that fits its budget."""
+    if not config.partition.by_memory:
+        return partition_model(
+            specs,
+            method=config.partition.partition,
+            num_stages=config.num_stages,
+            cost_model=config.partition.cost_model,
+            batch_size=config.micro_batch_size,
+            seq_len=config.batch.seq_len,
+        )
+    require(
+        config.engine.recompute_stages is None,
+        "--partition memory with --recompute-stages: the split is chosen for one recompute "
+        "policy on every stage; give --recompute alone",
+    )
+    budget = config.partition.budget
+    assert budget is not None  # PartitionConfig requires it with `memory`
+    shape = stage_shape(config, 0)
+    needs = stage_needs(
+        specs,
+        schedule,
+        shape,
+        device=config.device,
+        dp=config.parallel.dp,
+        zero=config.engine.zero,
+    )
+    extra = [0] * schedule.num_stages
+    for _ in range(_FITTING_ROUNDS):
+        try:
+            partition = fitting_partition(
+                specs, needs, schedule.num_stages, budget=budget, shape=shape, extra=extra
+            )
+        except ValueError:  # by the sums; the replay of the leanest split may disagree
+            partition = least_memory_partition(
+                specs, needs, schedule.num_stages, shape=shape, extra=extra
+            )
+        chosen = replace_flat(config, partition=_boundaries(partition), device_memory=None)
+        exact = estimate_memory(chosen)
+        if exact.peak <= budget:
+            return partition
+        for stage, peak in enumerate(exact.rank_peaks):
+            layers = partition.layers_of(stage)
+            extra[stage] = peak - needs(stage, layers.start, layers.stop)
+    raise ValueError(
+        f"--partition memory: no split fits {format_size(budget)} per device (the leanest found "
+        f"peaks at {format_size(exact.peak)} in the replay): add pipeline stages, recompute or "
+        "shard, or give a larger --device-memory"
+    )
+
+
+def _boundaries(partition: Partition) -> str:
+    return "boundaries:" + ",".join(map(str, partition.boundaries))
+
+
 def resolve(config: MemoryConfig) -> Layout:
     """Partition the model and build the schedule the config names."""
     specs = config.model.specs()
-    partition = partition_model(
-        specs,
-        method=config.partition.partition,
-        num_stages=config.num_stages,
-        cost_model=config.partition.cost_model,
-        batch_size=config.micro_batch_size,
-        seq_len=config.batch.seq_len,
-    )
     schedule = config.schedule.resolve(config.parallel.pp)
     validate(schedule)
+    partition = _partition(config, specs, schedule)
     for s in range(schedule.num_stages - 1):
         require(
             schedule.rank_of(s) != schedule.rank_of(s + 1),
@@ -270,23 +328,6 @@ def resolve(config: MemoryConfig) -> Layout:
         device=config.device,
     )
     return Layout(specs=specs, partition=partition, schedule=schedule, states=states)
-
-
-@functools.lru_cache(maxsize=256)
-def cached_trace(
-    specs: tuple[LayerSpec, ...],
-    first: bool,
-    last: bool,
-    styles: tuple[bool, ...],
-    shape: StageShape,
-    device: str,
-) -> StageTrace:
-    """`trace_stage`, once per distinct stage: stages built alike allocate alike."""
-    cuda = device == "cuda"
-    block = CUDA_BLOCK if cuda else 1
-    return trace_stage(
-        specs, first=first, last=last, styles=styles, shape=shape, cuda=cuda, block=block
-    )
 
 
 def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:

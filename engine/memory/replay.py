@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.memory.tracker import MemoryTracker, Span, fake_device, round_up
+from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind, split_units
@@ -30,6 +30,7 @@ __all__ = [
     "StageTrace",
     "backward_styles",
     "build_stage",
+    "cached_trace",
     "compose",
     "fake_parameters",
     "in_flight",
@@ -331,3 +332,20 @@ def compose(
         peak = max(peak, live + span.peak)
         live += span.net
     return peak, live
+
+
+@functools.lru_cache(maxsize=256)
+def cached_trace(
+    specs: tuple[LayerSpec, ...],
+    first: bool,
+    last: bool,
+    styles: tuple[bool, ...],
+    shape: StageShape,
+    device: str,
+) -> StageTrace:
+    """`trace_stage`, once per distinct stage: stages built alike allocate alike."""
+    cuda = device == "cuda"
+    block = CUDA_BLOCK if cuda else 1
+    return trace_stage(
+        specs, first=first, last=last, styles=styles, shape=shape, cuda=cuda, block=block
+    )

@@ -8,8 +8,8 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+from engine.config.sizes import format_size
 from engine.memory.estimate import MemoryReport
-from engine.memory.sizes import format_size
 from engine.memory.states import deepspeed_zero2_model_states, megatron_activations
 from engine.memory.suggest import Suggestion
 

@@ -9,7 +9,6 @@ and only candidates the estimator puts below the layout's own peak are offered.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -18,15 +17,12 @@ from engine.config import replace_flat
 from engine.memory.estimate import (
     MemoryConfig,
     MemoryReport,
-    cached_trace,
     estimate_memory,
     resolve,
     stage_memory,
 )
+from engine.memory.fitting import held_with_gradients, layer_sums
 from engine.memory.replay import in_flight, stage_actions
-from engine.memory.states import stage_params
-from engine.memory.tracker import round_up
-from engine.schedule.actions import Action, ActionKind
 from engine.schedule.generators import make_schedule
 from partitioners import Partition
 
@@ -64,21 +60,11 @@ def layer_memory(config: MemoryConfig) -> _PerLayer:
     return _layer_memory(alone)
 
 
-@functools.lru_cache(maxsize=16)
 def _layer_memory(config: MemoryConfig) -> _PerLayer:
     layout = resolve(config)
-    shape, last = layout.shape(config, 0), len(layout.specs) - 1
-    size = 4 if shape.precision == "fp32" else 2
-    boundary = shape.micro_batch_size * shape.seq_len * shape.hidden * size
-    received = round_up(boundary, layout.block)
-    states, kept, copies = [], [], []
-    for i, spec in enumerate(layout.specs):
-        params = stage_params((spec,))
-        states.append(sum(4 * round_up(4 * p.numel, layout.block) for p in params))
-        trace = cached_trace((spec,), i == 0, i == last, (False,), shape, config.device)
-        kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
-        copies.append(trace.weight_copies)
-    return tuple(states), tuple(kept), tuple(copies)
+    sums = layer_sums(tuple(layout.specs), layout.shape(config, 0), config.device)
+    states = tuple(s + g for s, g in zip(sums.states, sums.grads, strict=True))
+    return states, sums.kept, sums.copies
 
 
 def memory_balanced(
@@ -130,23 +116,6 @@ def memory_balanced(
     for s in range(num_stages, 0, -1):
         bounds.append(best[s, bounds[-1]][1])
     return Partition(boundaries=tuple(reversed(bounds)))
-
-
-def held_with_gradients(actions: Sequence[Action]) -> int:
-    """Most micro-batches holding a stash once the stage's first backward has begun (its
-    gradients then exist): F opens a stash, B or W closes it, as `in_flight` counts."""
-    live = peak = 0
-    started = False
-    for action in actions:
-        if action.kind is ActionKind.F:
-            live += 1
-        elif action.kind in (ActionKind.B, ActionKind.I):
-            started = True
-        if action.kind in (ActionKind.B, ActionKind.W):
-            live -= 1
-        if started:
-            peak = max(peak, live)
-    return peak
 
 
 def _balanced_for(config: MemoryConfig, pp: int) -> Partition:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.memory.sizes import format_size
+from engine.config.sizes import format_size
 from engine.memory.states import stage_params
 from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts

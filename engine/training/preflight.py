@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from engine.checkpoint.files import (
     TRAINER_FILE,
     CheckpointError,
@@ -21,6 +23,7 @@ from engine.checkpoint.files import (
     step_dirs,
 )
 from engine.comm.mesh import check_device
+from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
 from engine.training.resume_check import check_resumable
 from models import LayerSpec
@@ -36,8 +39,11 @@ __all__ = [
 
 
 def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partition:
-    """The run's stages, partitioned as the config asks."""
+    """The run's stages, partitioned as the config asks (`memory`: by the memory model, for
+    the run's own device, precision, schedule and ZeRO level)."""
     parallel, schedule = config.parallel, config.schedule
+    if config.partition.by_memory:
+        return _memory_partition(config)
     return partition_model(
         specs,
         method=config.partition.partition,
@@ -46,6 +52,24 @@ def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partitio
         batch_size=config.batch.micro_batch_size(parallel.dp, schedule.micro_batches),
         seq_len=config.batch.seq_len,
     )
+
+
+def _memory_partition(config: TrainConfig) -> Partition:
+    gpu = config.run.device != "cpu" and torch.cuda.is_available()
+    try:
+        memory = MemoryConfig(
+            model=config.model,
+            parallel=config.parallel,
+            schedule=config.schedule,
+            partition=config.partition,
+            batch=config.batch,
+            engine=config.engine,
+            optimizer=config.optimizer,
+            device="cuda" if gpu else "cpu",
+        )
+        return resolve(memory).partition
+    except ValueError as error:
+        raise ValueError(f"--partition memory: {error}") from None
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from engine.cli.memory import add_parsers, run
 from engine.config import replace_flat
+from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
 from engine.memory.measure import measure_memory
 from engine.memory.replay import build_stage, stage_actions
-from engine.memory.sizes import parse_size
 from engine.memory.states import (
     ParamInfo,
     deepspeed_zero2_model_states,
@@ -460,3 +460,59 @@ def test_every_schedule_stage_is_replayed_in_its_rank_order() -> None:
         "0B2",
         "0B3",
     ]
+
+
+def _fitting(**changes: object) -> MemoryConfig:
+    base: dict[str, object] = {
+        "model": "llama-1b",
+        "pp": 4,
+        "micro_batches": 8,
+        "seq_len": 2048,
+        "micro_batch_size": 2,
+    }
+    return MemoryConfig.of(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_memory_partition_fits_a_budget_the_balanced_split_exceeds() -> None:
+    budget = 13 * 2**30
+    assert estimate_memory(_fitting()).peak > budget
+    report = estimate_memory(_fitting(partition="memory", device_memory="13GiB"))
+    assert report.peak <= budget
+    assert report.partition != estimate_memory(_fitting()).partition
+
+
+def test_memory_partition_is_corrected_by_the_replay_for_split_backwards() -> None:
+    report = estimate_memory(_fitting(schedule="zb_h1", partition="memory", device_memory="18GiB"))
+    assert report.peak <= 18 * 2**30 < estimate_memory(_fitting(schedule="zb_h1")).peak
+
+
+def test_memory_partition_keeps_the_fastest_split_when_it_fits() -> None:
+    report = estimate_memory(_fitting(partition="memory", device_memory="80GB"))
+    assert report.partition == estimate_memory(_fitting()).partition
+
+
+def test_memory_partition_that_nothing_fits_says_what_the_leanest_split_needs() -> None:
+    with pytest.raises(ValueError, match=r"no split fits 4.0 GiB per device.*peaks at 1\d.\d GiB"):
+        estimate_memory(_fitting(partition="memory", device_memory="4GiB"))
+
+
+def test_memory_partition_needs_a_device_memory() -> None:
+    with pytest.raises(ValueError, match="--partition memory .* give --device-memory"):
+        _fitting(partition="memory")
+
+
+def test_a_device_memory_without_the_memory_partition_is_refused() -> None:
+    with pytest.raises(ValueError, match="--device-memory 80GB is the budget of --partition"):
+        _fitting(device_memory="80GB")
+
+
+def test_memory_partition_budgets_one_stage_per_device() -> None:
+    with pytest.raises(ValueError, match="stages per rank: it budgets one stage per device"):
+        estimate_memory(
+            _fitting(
+                schedule="interleaved_1f1b",
+                stages_per_rank=2,
+                partition="memory",
+                device_memory="80GB",
+            )
+        )

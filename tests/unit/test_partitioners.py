@@ -468,3 +468,11 @@ def test_by_type_splits_as_deepspeeds_type_method_does(
     weights = [int(kind == "Block") for kind in kinds]
     theirs = tuple(int(b) for b in utils.partition_balanced(weights=weights, num_parts=stages))
     assert by_type(kinds, "type:block", stages).boundaries == theirs
+
+
+def test_the_memory_method_is_resolved_by_the_memory_model_not_here() -> None:
+    from models import layer_specs
+    from partitioners import partition_model
+
+    with pytest.raises(ValueError, match="'memory' needs the memory model"):
+        partition_model(layer_specs("gpt-tiny"), method="memory", num_stages=2)

@@ -175,3 +175,13 @@ def test_data_prepare_says_when_it_replaces_a_token_file(
     assert "replacing" not in capsys.readouterr().err
     assert main(["data", "prepare", str(source), "--out", str(tmp_path / "t")]) == 0
     assert f"replacing the token file {tmp_path / 't.bin'}" in capsys.readouterr().err
+
+
+def test_partition_memory_splits_a_run_by_the_memory_model_of_its_device() -> None:
+    from engine.training.preflight import stage_partition
+
+    fits = TrainConfig.of(model="gpt-small", pp=4, partition="memory", device_memory="1GB")
+    tight = TrainConfig.of(model="gpt-small", pp=4, partition="memory", device_memory="6MB")
+    assert stage_partition(fits, fits.model.specs()).num_stages == 4
+    with pytest.raises(ValueError, match="--partition memory: .*no split fits 5.7 MiB"):
+        stage_partition(tight, tight.model.specs())
