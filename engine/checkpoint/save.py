@@ -3,8 +3,11 @@
 A checkpoint is a directory `step-{N:08d}` (N optimizer steps done) under the run's checkpoint
 folder. Every rank writes its part into `.tmp-step-…`: each stage's first replica (dp rank 0)
 its `model-stageSSS.safetensors` and `optim-stageSSS.safetensors` under global names, every
-rank its `rng-rankRRRRR.json`. Under ZeRO-1 every replica writes the optimizer state of the
-parameters it owns, `optim-stageSSS-dpDDD.safetensors`, into the same index. When all ranks
+rank its `rng-rankRRRRR.json`. Under ZeRO-1/2 the replicas first gather their shards of the fp32
+masters and optimizer state, and the first replica writes them per parameter exactly as a
+ZeRO-0 run would (fp32 weights, not the low-precision working copies), so every layout loads
+every other. (Checkpoints of the former ZeRO-1, `optim-stageSSS-dpDDD.safetensors` per
+replica, are read by name like any other.) When all ranks
 have reported (a gather that is also the barrier) global rank 0 writes the indexes and
 `trainer.json`, renames the directory into place, and only then moves the `latest` pointer;
 rotation deletes the oldest checkpoints after that.
@@ -40,7 +43,13 @@ from engine.checkpoint.files import (
     write_shard,
 )
 from engine.checkpoint.rng_state import capture_rng
-from engine.checkpoint.weights import is_sharded, optimizer_state, stored_parameters
+from engine.checkpoint.weights import (
+    is_sharded,
+    optimizer_state,
+    sharded_model_tensors,
+    sharded_optimizer_state,
+    stored_parameters,
+)
 from engine.runtime.engine import PipelineEngine
 from models import LayerSpec
 
@@ -54,12 +63,26 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
     first_replica = engine.mesh.dp_rank == 0
+    sharded = getattr(engine, "sharded", None)
+    masters = sharded.full_masters() if sharded is not None else None  # collective over dp
+    states = sharded.full_state() if sharded is not None else None
     for s, stage in engine.stages.items():
         report["stages"][s] = (stage.layers.start, stage.layers.stop)
-        params = stored_parameters(stage.module, specs)
+        params = (
+            stored_parameters(stage.module, specs)
+            if masters is None
+            else sharded_model_tensors(stage.module, specs, masters)
+        )
         if first_replica and params:  # no params: only tied copies, stored by a lower stage
             report["model"].append(write_shard(tmp, f"model-stage{s:03d}.safetensors", params))
-        if engine.optimizer is not None:
+        if sharded is not None and states is not None:
+            if first_replica:
+                tensors, meta = sharded_optimizer_state(sharded, states, stage.module, specs)
+                if tensors:
+                    name = f"optim-stage{s:03d}.safetensors"
+                    report["optim"].append(write_shard(tmp, name, tensors))
+                report["optim_meta"].append(meta)
+        elif engine.optimizer is not None:
             _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
     return report
 

@@ -9,13 +9,14 @@ positional index, so it follows its parameter into any layout. No torch.distribu
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from engine.checkpoint.files import CheckpointError, canonical_name, expected_names
+from engine.parallel import ShardedOptimizer
 from models import LayerSpec
 
 __all__ = [
@@ -27,6 +28,9 @@ __all__ = [
     "optimizer_state",
     "read_module_weights",
     "read_optimizer_state",
+    "read_sharded_state",
+    "sharded_model_tensors",
+    "sharded_optimizer_state",
     "stored_parameters",
 ]
 
@@ -248,3 +252,81 @@ def read_optimizer_state(
         for saved, group in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
     return {"state": state, "param_groups": groups}
+
+
+def sharded_model_tensors(
+    module: nn.Module, specs: Sequence[LayerSpec], masters: Mapping[int, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """What `stored_parameters` gives, from ZeRO's whole fp32 masters (by parameter id): a
+    ZeRO run stores fp32 weights as a ZeRO-0 run does, not its low-precision working copies."""
+    named = dict(module.named_parameters())
+    return {name: masters[id(named[name])] for name in stored_parameters(module, specs)}
+
+
+def sharded_optimizer_state(
+    sharded: ShardedOptimizer,
+    states: Mapping[int, Mapping[str, Any]],
+    module: nn.Module,
+    specs: Sequence[LayerSpec],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`optimizer_state`'s tensors and metadata from ZeRO's whole per-parameter state
+    (`ShardedOptimizer.full_state`): the reference's class and its two groups, so a ZeRO-0 run
+    loads it as its own."""
+    tensors: dict[str, torch.Tensor] = {}
+    state_keys: dict[str, list[str]] = {}
+    scalars: dict[str, str] = {}
+    for name, param in module.named_parameters():
+        if canonical_name(specs, name) != name or id(param) not in states:
+            continue
+        state_keys[name] = []
+        for key, value in sorted(states[id(param)].items()):
+            tensor, kind = _state_tensor(f"{name}.{key}", value)
+            tensors[f"{name}.{key}"] = tensor
+            state_keys[name].append(key)
+            if kind is not None:
+                scalars[f"{name}.{key}"] = kind
+    meta = {
+        "optimizer": type(sharded.optimizer).__name__,
+        "param_groups": sharded.reference_groups(),
+        "state_keys": state_keys,
+        "scalars": scalars,
+    }
+    return tensors, meta
+
+
+def read_sharded_state(
+    sharded: ShardedOptimizer, modules: Iterable[nn.Module], specs: Sequence[LayerSpec], source: Any
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The stored state of every parameter ZeRO shards (by parameter id) and the stored
+    hyper-parameters of the reference's groups, from any layout's optimizer index."""
+    meta, where = source.metadata, str(source.index_path)
+    ours = type(sharded.optimizer).__name__
+    if meta.get("optimizer") != ours:
+        saved = meta.get("optimizer")
+        raise CheckpointError(f"{where} holds {saved} state but the run uses {ours}")
+    groups = meta.get("param_groups")
+    expected = len(sharded.reference_groups())
+    if not isinstance(groups, list) or len(groups) != expected:
+        raise CheckpointError(f"{where} has no {expected} parameter groups as the run's {ours}")
+    state_keys: dict[str, list[str]] = meta.get("state_keys", {})
+    scalars: dict[str, str] = meta.get("scalars", {})
+    mine = {id(p) for p in sharded.params}
+    state: dict[int, dict[str, Any]] = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in mine:
+                continue
+            stored = canonical_name(specs, name)
+            if stored not in state_keys:
+                raise CheckpointError(f"{where} holds no optimizer state for {stored!r}")
+            entry = {}
+            for key in state_keys[stored]:
+                tensor = source.get(f"{stored}.{key}")
+                if tensor.dim() and tensor.shape != param.shape:
+                    raise CheckpointError(
+                        f"{source.where(f'{stored}.{key}')}: tensor {stored}.{key} has shape "
+                        f"{tuple(tensor.shape)} but {name!r} has {tuple(param.shape)}"
+                    )
+                entry[key] = _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
+            state[id(param)] = entry
+    return state, [_from_json(g) for g in groups]

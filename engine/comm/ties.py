@@ -40,10 +40,13 @@ class TiedWeights:
         Keys go in one order on every rank, so no two holders wait for each other crosswise."""
         for key in sorted(self.groups):
             param = self._params[key]
-            if param.grad is None:  # a holder whose copy got no gradient still takes part
-                param.grad = torch.zeros_like(param)
+            grad = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation view
+            if grad is None:
+                if param.grad is None:  # a holder whose copy got no gradient takes part
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
-                dist.all_reduce(param.grad, group=self.groups[key])
+                dist.all_reduce(grad, group=self.groups[key])
         return bool(self.groups)
 
 

@@ -5,7 +5,7 @@ one flat name for flags, DeepSpeed mapping and checkpoints (`engine.config.field
 """
 
 from engine.config.batch import BatchConfig
-from engine.config.engine_options import PRECISIONS, EngineOptions, recompute_groups
+from engine.config.engine_options import PRECISIONS, ZERO_LEVELS, EngineOptions, recompute_groups
 from engine.config.fields import FlatField, flat_fields, from_flat, replace_flat, require, to_flat
 from engine.config.layout import check_layout
 from engine.config.model import ModelChoice
@@ -29,6 +29,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "PRECISIONS",
+    "ZERO_LEVELS",
     "BatchConfig",
     "CheckpointConfig",
     "DataConfig",

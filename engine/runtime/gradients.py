@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.parallel import ShardedOptimizer
 from engine.runtime.clipping import (
     clip_gradients,
     global_grad_norm,
@@ -35,9 +36,13 @@ class StepGradients:
         *,
         group: dist.ProcessGroup | None,
         clip_grad_norm: float,
+        sharded: ShardedOptimizer | None = None,
     ) -> None:
+        """`sharded`: under ZeRO the gradients live in its fp32 buffers (or shards), and the
+        norms, unscaling and clipping act there."""
         self._module, self._group, self._clip = module, group, clip_grad_norm
         self._order = global_parameter_order(specs)
+        self._sharded = sharded
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their global names (`layers.{i}.…`)."""
@@ -45,6 +50,9 @@ class StepGradients:
 
     def local_norms(self) -> torch.Tensor:
         """Per-parameter norms at their global positions (zeros for the other ranks')."""
+        if self._sharded is not None:
+            positions = {id(p): self._order[n] for n, p in self.named() if n in self._order}
+            return self._sharded.local_norms(positions, len(self._order))
         return gradient_norms(self.named(), self._order)
 
     def finish(self, loss: float, scaler: LossScaler | None) -> tuple[float, bool]:
@@ -52,14 +60,29 @@ class StepGradients:
         of the group (a blocking all-reduce when the pipeline has several ranks)."""
         params = list(self._module.parameters())
         if scaler is not None:
-            for param in params:
-                if param.grad is not None:
-                    param.grad.mul_(1.0 / scaler.scale)
-        total = global_grad_norm(
-            self.named(), self._order, group=self._group, distributed=self._group is not None
-        )
+            self._scale(params, 1.0 / scaler.scale)
+        if self._sharded is not None:
+            total = self.local_norms()
+            if self._group is not None:
+                dist.all_reduce(total, group=self._group)
+            total = torch.linalg.vector_norm(total, 2.0)
+        else:
+            total = global_grad_norm(
+                self.named(), self._order, group=self._group, distributed=self._group is not None
+            )
         norm = float(total)
         skipped = not (math.isfinite(norm) and math.isfinite(loss))
         if not skipped and self._clip > 0:
-            clip_gradients(params, total, self._clip)
+            if self._sharded is not None:
+                self._sharded.scale_gradients(torch.clamp(self._clip / (total + 1e-6), max=1.0))
+            else:
+                clip_gradients(params, total, self._clip)
         return norm, skipped
+
+    def _scale(self, params: Sequence[nn.Parameter], factor: float) -> None:
+        if self._sharded is not None:
+            self._sharded.scale_gradients(factor)
+            return
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(factor)

@@ -360,11 +360,15 @@ class PipelineStage:
 
 def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
     """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would (a
-    low-precision copy's gradient widened by the add, as `WeightCopies` does)."""
+    low-precision copy's gradient widened by the add, as `WeightCopies` does), or into its
+    fp32 `main_grad` under ZeRO (`engine.parallel`)."""
     for param, value in zip(params, values, strict=True):
         if value is None:
             continue
-        if param.grad is None:
+        main = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation buffer
+        if main is not None:
+            main.add_(value)
+        elif param.grad is None:
             param.grad = value.to(param.dtype)
         else:
             param.grad += value

@@ -81,7 +81,7 @@ class Case:
             + (f"-clip{self.clip}" if self.clip else "")
             + (f"-{self.precision}" if self.precision != "fp32" else "")
             + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
-            + ("-zero1" if self.zero else "")
+            + (f"-zero{self.zero}" if self.zero else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
         )
@@ -167,6 +167,11 @@ def run_case(case: Case) -> dict[str, Any]:
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if engine.sharded is not None:  # the fp32 masters, not the low-precision working weights
+        masters = engine.sharded.full_masters()
+        named = engine.module.named_parameters()
+        params = {n: masters[id(p)].clone() for n, p in named}
+    zero_bytes = held_bytes(engine) if engine.sharded is not None else {}
     engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
@@ -179,6 +184,33 @@ def run_case(case: Case) -> dict[str, Any]:
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),
+        "zero_bytes": zero_bytes,
+    }
+
+
+def held_bytes(engine: PipelineEngine) -> dict[str, float]:
+    """Bytes per low-precision parameter this rank holds after a step under ZeRO, by kind,
+    counted from the tensors themselves: weights, fp32 gradients, fp32 masters, moments."""
+    assert engine.sharded is not None
+    flats = [f for f in engine.sharded.flats if f.dtype != torch.float32]
+    numel = sum(f.numel for f in flats)
+    if not numel:
+        return {}
+    grads = [t for f in flats for t in (f.grads, f.shard_grad) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}
+    optimizer = engine.optimizer
+    assert optimizer is not None
+    moments = sum(
+        t.numel() * t.element_size()
+        for f in flats
+        for t in optimizer.state[f.master].values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return {
+        "weights": sum(f.weights.numel() * f.weights.element_size() for f in flats) / numel,
+        "gradients": sum(storages.values()) / numel,
+        "masters": sum(f.master.numel() * f.master.element_size() for f in flats) / numel,
+        "moments": moments / numel,
     }
 
 

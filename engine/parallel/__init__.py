@@ -1,0 +1,13 @@
+"""What shards a stage over its data-parallel replicas: ZeRO-1/2 flat buffers with sharded
+fp32 masters and optimizer state (Megatron's distributed optimizer)."""
+
+from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
+from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
+
+__all__ = [
+    "FlatGroup",
+    "OptimizerBuilder",
+    "ShardedOptimizer",
+    "add_into_main_grad",
+    "castable_linear_params",
+]
