@@ -75,3 +75,64 @@ def test_bf16_ranks_hold_the_bytes_per_parameter_of_their_zero_level(
     costs under one element per buffer."""
     for rank in runs[str(case)]:
         assert rank["zero_bytes"] == pytest.approx(expected, rel=1e-3)
+
+
+def _engine(dp: int, zero: int, *, seed: int) -> PipelineEngine:
+    specs = layer_specs("llama-tiny")
+    return PipelineEngine(
+        specs,
+        init_mesh(1, dp, timeout_s=60),
+        partition=partition_model(specs, method="uniform", num_stages=1, seq_len=16),
+        micro_batches=2,
+        seed=seed,
+        optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.1),
+        timeout_s=60,
+        options=EngineOptions(zero=zero, precision="bf16"),
+    )
+
+
+def _whole_state(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+    """fp32 weights and optimizer state by global name, whole (gathered under ZeRO)."""
+    if engine.sharded is not None:
+        masters, states = engine.sharded.full_masters(), engine.sharded.full_state()
+    else:
+        assert engine.optimizer is not None
+        masters = {id(p): p.detach() for p in engine.module.parameters()}
+        states = {id(p): s for p, s in engine.optimizer.state.items()}
+    out = {}
+    for name, param in engine.module.named_parameters():
+        out[name] = masters[id(param)].clone()
+        out.update({f"{name}.{k}": v.clone() for k, v in states[id(param)].items()})
+    return out
+
+
+def _step_and_save(rank: int, world_size: int, root: str, zero: int) -> dict[str, torch.Tensor]:
+    engine = _engine(world_size, zero, seed=1)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    rows = tokens.chunk(world_size)[rank]
+    engine.train_step(rows[:, :-1], rows[:, 1:])
+    save_checkpoint(engine, layer_specs("llama-tiny"), root, state=TrainerState(step=1))
+    return _whole_state(engine)
+
+
+def _load(rank: int, world_size: int, root: str, zero: int) -> dict[str, torch.Tensor]:
+    engine = _engine(world_size, zero, seed=2)
+    load_checkpoint(engine, layer_specs("llama-tiny"), root)
+    return _whole_state(engine)
+
+
+def test_a_zero2_checkpoint_loads_into_zero0_as_the_state_it_gathered(tmp_path: Path) -> None:
+    saved = run_ranks(_step_and_save, 2, str(tmp_path), 2)
+    assert saved[0].keys() == saved[1].keys()
+    loaded = _load(0, 1, str(tmp_path), 0)
+    assert loaded.keys() == saved[0].keys()
+    assert all(torch.equal(loaded[k], saved[0][k]) for k in loaded)
+
+
+def test_a_zero0_checkpoint_loads_into_zero2_shards_that_gather_back_to_it(
+    tmp_path: Path,
+) -> None:
+    saved = _step_and_save(0, 1, str(tmp_path), 0)
+    for loaded in run_ranks(_load, 2, str(tmp_path), 2):
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
