@@ -37,6 +37,7 @@ from engine.checkpoint.rng_state import restore_rng
 from engine.checkpoint.weights import (
     TensorSource,
     check_names,
+    like,
     read_module_weights,
     read_optimizer_state,
     read_sharded_state,
@@ -69,11 +70,22 @@ class _Staged:
             return
         with torch.no_grad():
             for param, tensor in self.weights:
-                param.copy_(tensor)
+                param.copy_(like(param, tensor))
         if self.optimizer is not None and engine.optimizer is not None:
-            engine.optimizer.load_state_dict(self.optimizer)
+            engine.optimizer.load_state_dict(_placed(engine.optimizer, self.optimizer))
         if self.rng is not None:
             restore_rng(self.rng)
+
+
+def _placed(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict whose per-parameter tensors are placed as their parameters (ZeRO-3's
+    shards; unchanged otherwise)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {
+        index: {key: like(params[index], value) for key, value in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    return {**state, "state": placed}
 
 
 def _check_model(trainer: dict[str, Any], specs: Sequence[LayerSpec], directory: Path) -> None:
@@ -186,4 +198,4 @@ def load_model_weights(
         return
     with torch.no_grad():
         for param, tensor in pairs:
-            param.copy_(tensor)
+            param.copy_(like(param, tensor))

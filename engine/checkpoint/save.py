@@ -44,6 +44,7 @@ from engine.checkpoint.files import (
 )
 from engine.checkpoint.rng_state import capture_rng
 from engine.checkpoint.weights import (
+    gathered,
     is_sharded,
     optimizer_state,
     sharded_model_tensors,
@@ -63,9 +64,8 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
     first_replica = engine.mesh.dp_rank == 0
-    sharded = getattr(engine, "sharded", None)
-    masters = sharded.full_masters() if sharded is not None else None  # collective over dp
-    states = sharded.full_state() if sharded is not None else None
+    masters, states, optimizer, groups = _whole_state(engine)  # collective over dp
+
     for s, stage in engine.stages.items():
         report["stages"][s] = (stage.layers.start, stage.layers.stop)
         params = (
@@ -75,9 +75,11 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
         )
         if first_replica and params:  # no params: only tied copies, stored by a lower stage
             report["model"].append(write_shard(tmp, f"model-stage{s:03d}.safetensors", params))
-        if sharded is not None and states is not None:
+        if states is not None:
             if first_replica:
-                tensors, meta = sharded_optimizer_state(sharded, states, stage.module, specs)
+                tensors, meta = sharded_optimizer_state(
+                    states, stage.module, specs, optimizer=optimizer, groups=groups
+                )
                 if tensors:
                     name = f"optim-stage{s:03d}.safetensors"
                     report["optim"].append(write_shard(tmp, name, tensors))
@@ -85,6 +87,25 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
         elif engine.optimizer is not None:
             _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
     return report
+
+
+def _whole_state(
+    engine: PipelineEngine,
+) -> tuple[dict[int, Any] | None, dict[int, Any] | None, str, list[dict[str, Any]]]:
+    """Under ZeRO, every parameter's fp32 weight and optimizer state whole (gathered over the
+    replicas: collective), the optimizer's class name and its groups' hyper-parameters; Nones
+    without ZeRO (each replica holds them whole)."""
+    sharded = getattr(engine, "sharded", None)
+    if sharded is not None:
+        name = type(sharded.optimizer).__name__
+        return sharded.full_masters(), sharded.full_state(), name, sharded.reference_groups()
+    if getattr(engine, "fsdp", None) is None:
+        return None, None, "", []
+    masters, states = gathered(engine.module.parameters(), engine.optimizer)
+    optimizer = engine.optimizer
+    groups = [] if optimizer is None else optimizer.param_groups
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return masters, states if optimizer is not None else None, type(optimizer).__name__, hyper
 
 
 def _write_optimizer(

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.checkpoint.files import CheckpointError, canonical_name, expected_names
 from engine.parallel import ShardedOptimizer
@@ -22,7 +23,9 @@ from models import LayerSpec
 __all__ = [
     "TensorSource",
     "check_names",
+    "gathered",
     "is_sharded",
+    "like",
     "load_module_weights",
     "local_optimizer",
     "optimizer_state",
@@ -264,14 +267,16 @@ def sharded_model_tensors(
 
 
 def sharded_optimizer_state(
-    sharded: ShardedOptimizer,
     states: Mapping[int, Mapping[str, Any]],
     module: nn.Module,
     specs: Sequence[LayerSpec],
+    *,
+    optimizer: str,
+    groups: list[dict[str, Any]],
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """`optimizer_state`'s tensors and metadata from ZeRO's whole per-parameter state
-    (`ShardedOptimizer.full_state`): the reference's class and its two groups, so a ZeRO-0 run
-    loads it as its own."""
+    (`ShardedOptimizer.full_state`, or FSDP's gathered): the reference's class name and its
+    groups' hyper-parameters, so a ZeRO-0 run loads it as its own."""
     tensors: dict[str, torch.Tensor] = {}
     state_keys: dict[str, list[str]] = {}
     scalars: dict[str, str] = {}
@@ -286,8 +291,8 @@ def sharded_optimizer_state(
             if kind is not None:
                 scalars[f"{name}.{key}"] = kind
     meta = {
-        "optimizer": type(sharded.optimizer).__name__,
-        "param_groups": sharded.reference_groups(),
+        "optimizer": optimizer,
+        "param_groups": groups,
         "state_keys": state_keys,
         "scalars": scalars,
     }
@@ -330,3 +335,31 @@ def read_sharded_state(
                 entry[key] = _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
             state[id(param)] = entry
     return state, [_from_json(g) for g in groups]
+
+
+def gathered(
+    params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]]]:
+    """ZeRO-3: every parameter and its optimizer state whole, by parameter id (a collective
+    all-gather of each DTensor shard over the replicas; every rank must call it alike)."""
+    masters: dict[int, torch.Tensor] = {}
+    states: dict[int, dict[str, Any]] = {}
+    for param in params:
+        masters[id(param)] = _whole(param.detach())
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        states[id(param)] = {key: _whole(value) for key, value in sorted(state.items())}
+    return masters, states
+
+
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` placed as `param` is: its shard when `param` is a DTensor (ZeRO-3; no
+    communication, every rank holds the whole tensor), else `tensor` itself."""
+    if not isinstance(param, DTensor) or tensor.shape != param.shape:
+        return tensor
+    return distribute_tensor(
+        tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )

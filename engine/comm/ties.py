@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.comm.collective import naming_failures
 from models import LayerSpec
@@ -45,6 +46,8 @@ class TiedWeights:
                 if param.grad is None:  # a holder whose copy got no gradient takes part
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
+            if isinstance(grad, DTensor):  # ZeRO-3: holders in one replica share a shard
+                grad = grad.to_local()
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
                 dist.all_reduce(grad, group=self.groups[key])
         return bool(self.groups)

@@ -24,8 +24,8 @@ from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
-from engine.config import EngineOptions, OptimizerSpec
-from engine.parallel import ShardedOptimizer
+from engine.config import EngineOptions, OptimizerSpec, check_zero_optimizer
+from engine.parallel import FullyShardedLayers, ShardedOptimizer, shard_layers
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
@@ -90,6 +90,7 @@ class PipelineEngine:
             group=mesh.pp_group if mesh.pp > 1 else None,
             clip_grad_norm=self.options.clip_grad_norm,
             sharded=self.sharded,
+            dp_group=self.mesh.dp_group if self.fsdp is not None else None,
         )
         self.scaler = LossScaler() if self.options.precision == "fp16" else None
         self.skipped_steps = 0
@@ -119,7 +120,25 @@ class PipelineEngine:
             for stage in stages.values():
                 stage.enable_split_backward()
         share_local_ties(specs, list(stages.values()))
+        self.fsdp: FullyShardedLayers | None = None
+        """ZeRO-3: this rank's layers, each fully sharded over the stage's replicas."""
+        if options.zero == 3:
+            self.fsdp = self._fully_shard(stages)
         return stages
+
+    def _fully_shard(self, stages: dict[int, PipelineStage]) -> FullyShardedLayers:
+        mesh = self.mesh.device_mesh
+        if mesh is None:
+            raise ValueError(
+                "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
+                "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
+                "zero=0, 1 or 2 in one process"
+            )
+        for stage in stages.values():
+            stage.drop_weight_copies()
+        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
+        dtype = compute_dtype(self.options.precision)
+        return FullyShardedLayers(shard_layers(layers, mesh["dp"], dtype))
 
     def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
         return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
@@ -179,7 +198,8 @@ class PipelineEngine:
             )
             return self.sharded.optimizer
         if isinstance(optimizer, OptimizerSpec):
-            return build_from_spec(optimizer, self.module)
+            check_zero_optimizer(zero, optimizer.impl)
+            return build_from_spec(optimizer, self.module)  # on FSDP's shards under ZeRO-3
         if zero:
             raise ValueError(
                 f"zero={zero} shards the optimizer's state over flat buffers it builds itself, "
@@ -215,6 +235,8 @@ class PipelineEngine:
         else:
             for param in self.module.parameters():
                 param.grad = None
+        if self.fsdp is not None:
+            self.fsdp.begin_step()
         origin = time.perf_counter()
         timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
         step_s = time.perf_counter() - origin
@@ -360,6 +382,8 @@ class PipelineEngine:
 
     def _step_context(self, schedule: Schedule) -> StepContext:
         dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
+        if self.fsdp is not None:
+            dp_reduce = self.fsdp.reduce_gradients
         if self.sharded is not None:
             dp_reduce = self.sharded.start_reduction
             if self._ties_before_reduction:

@@ -92,6 +92,11 @@ class PipelineStage:
         self.peak_in_flight = 0
         self.peak_pending_w = 0
 
+    def drop_weight_copies(self) -> None:
+        """No per-step low-precision copies: FSDP (ZeRO-3) gathers every weight in the
+        compute dtype itself."""
+        self._copies = None
+
     def enable_split_backward(self) -> None:
         """Prepare the split backward: I now, the weight GEMMs later in W.
 

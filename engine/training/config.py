@@ -24,6 +24,7 @@ from engine.config import (
     RunConfig,
     ScheduleConfig,
     check_layout,
+    check_zero_optimizer,
     from_flat,
     require,
     to_flat,
@@ -63,6 +64,7 @@ class TrainConfig:
             batch=self.batch,
             engine=self.engine,
         )
+        check_zero_optimizer(self.engine.zero, self.optimizer.impl)
         require(
             self.checkpoint.resume or self.run.max_restarts == 0,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "

@@ -101,7 +101,8 @@ def _optimizer(case: Case) -> OptimizerSpec:
     """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
     normalises gradients that are mathematically zero (attention's key bias) and turns their
     last-bit noise into lr-sized steps."""
-    return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9)
+    impl = "per_tensor" if case.zero == 3 else "fused"  # FSDP2's DTensor shards: no fused
+    return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9, impl=impl)
 
 
 def _poison(engine: PipelineEngine, case: Case, step: int) -> None:
