@@ -63,3 +63,9 @@ class FullyShardedLayers:
                 for group in each._fsdp_param_groups:
                     group.post_backward()
             state._root_post_backward_final_callback()
+
+    def reshard(self) -> None:
+        """Free the gathered layers (after an evaluation: its forwards gathered them and no
+        backward reshards), so the modules hold their shards again."""
+        for layer in self.layers:
+            layer.reshard()

@@ -134,9 +134,10 @@ class PipelineEngine:
                 "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
                 "zero=0, 1 or 2 in one process"
             )
+        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
+        _check_unshared(layers, self.mesh.pp_rank)
         for stage in stages.values():
             stage.drop_weight_copies()
-        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
         dtype = compute_dtype(self.options.precision)
         return FullyShardedLayers(shard_layers(layers, mesh["dp"], dtype))
 
@@ -336,9 +337,13 @@ class PipelineEngine:
 
     def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """Forward-only loss of a batch, on every rank."""
-        return self._run(
-            self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
-        )[1]
+        try:
+            return self._run(
+                self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
+            )[1]
+        finally:
+            if self.fsdp is not None:
+                self.fsdp.reshard()
 
     def _run(
         self,
@@ -442,6 +447,21 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
+
+
+def _check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
+    """ZeRO-3 shards each layer on its own: a weight two layers of one rank share (a tie held
+    in one rank) would be sharded twice."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            if owner.setdefault(id(param), index) != index:
+                raise ValueError(
+                    f"zero=3 shards every layer on its own, but two layers on pipeline rank "
+                    f"{pp_rank} share a tied weight (such as GPT's embedding and head in one "
+                    "rank's stages): place them on different pipeline ranks (more --pp, "
+                    "another --partition or no V-shaped placement), untie them, or use --zero 2"
+                )
 
 
 def _check_layout(

@@ -173,6 +173,8 @@ def run_case(case: Case) -> dict[str, Any]:
         named = engine.module.named_parameters()
         params = {n: masters[id(p)].clone() for n, p in named}
     zero_bytes = held_bytes(engine) if engine.sharded is not None else {}
+    if engine.fsdp is not None:
+        zero_bytes = fsdp_held_bytes(engine)
     engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
@@ -186,6 +188,32 @@ def run_case(case: Case) -> dict[str, Any]:
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),
         "zero_bytes": zero_bytes,
+    }
+
+
+def fsdp_held_bytes(engine: PipelineEngine) -> dict[str, float]:
+    """Bytes per parameter a ZeRO-3 rank holds between steps: the local shards of weights,
+    gradients and optimizer state (DTensors), over the whole stage's parameter count."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        part = t.to_local() if isinstance(t, DTensor) else t
+        return part.numel() * part.element_size()
+
+    params = list(engine.module.parameters())
+    numel = sum(p.numel() for p in params)
+    optimizer = engine.optimizer
+    assert optimizer is not None
+    return {
+        "weights": sum(local(p) for p in params) / numel,
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None) / numel,
+        "moments": sum(
+            local(t)
+            for p in params
+            for t in optimizer.state[p].values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        / numel,
     }
 
 

@@ -74,10 +74,12 @@ def test_pp2_resume_equals_the_uninterrupted_run_bit_for_bit(
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_zero2_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
-    tmp_path: Path, tokens: str
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_sharded_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
+    tmp_path: Path, tokens: str, zero: int
 ) -> None:
-    run = {**RUN, "model": "gpt-tiny", "dp": 2, "zero": 2, "data": tokens}
+    run = {**RUN, "model": "llama-tiny", "dp": 2, "zero": zero, "data": tokens}
+    run["optimizer_impl"] = "per_tensor" if zero == 3 else "fused"
     losses = run_ranks(_train, 2, TrainConfig.of(**run, checkpoint_dir=str(tmp_path / "a")))[0]
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")

@@ -8,9 +8,10 @@ import torch
 
 from engine.comm.mesh import init_mesh
 from engine.config import EngineOptions, OptimizerSpec
-from engine.runtime.engine import PipelineEngine
+from engine.runtime.engine import PipelineEngine, _check_unshared
 from engine.runtime.optim import build_from_spec
 from engine.runtime.reference import reference_step
+from engine.training.config import TrainConfig
 from models import build_layers, layer_specs
 from partitioners import Partition
 
@@ -70,3 +71,46 @@ def test_zero_on_one_rank_equals_the_reference_bit_for_bit(
     masters = _masters(engine)
     for (name, ours), theirs in zip(masters.items(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
+
+
+def test_zero3_refuses_a_weight_two_layers_of_one_rank_share() -> None:
+    """gpt-tiny's embedding and head share a weight: FSDP would shard it twice."""
+    layers = build_layers(layer_specs("gpt-tiny"), seed=0).layers.values()
+    with pytest.raises(ValueError, match="place them on different pipeline ranks"):
+        _check_unshared(list(layers), 0)
+
+
+def test_zero3_in_one_process_is_refused_naming_the_launch() -> None:
+    specs = layer_specs("llama-tiny")
+    with pytest.raises(ValueError, match="needs torch.distributed: launch the run"):
+        PipelineEngine(
+            specs,
+            init_mesh(1, 1),
+            partition=Partition(boundaries=(0, len(specs))),
+            micro_batches=2,
+            optimizer=OptimizerSpec(lr=1e-2, impl="per_tensor"),
+            options=EngineOptions(zero=3),
+        )
+
+
+def test_zero3_with_a_fused_optimizer_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match="--optimizer-impl per_tensor"):
+        TrainConfig.of(zero=3, dp=2)
+
+
+def test_zero_with_an_optimizer_factory_is_refused_naming_the_spec() -> None:
+    specs = layer_specs("llama-tiny")
+    with pytest.raises(ValueError, match="needs an OptimizerSpec"):
+        PipelineEngine(
+            specs,
+            init_mesh(1, 1),
+            partition=Partition(boundaries=(0, len(specs))),
+            micro_batches=2,
+            optimizer=lambda module: build_from_spec(SPEC, module),
+            options=EngineOptions(zero=2),
+        )
+
+
+def test_an_unknown_zero_level_names_the_levels() -> None:
+    with pytest.raises(ValueError, match="choose a ZeRO level among 0, 1, 2, 3"):
+        EngineOptions(zero=4)
