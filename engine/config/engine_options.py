@@ -55,8 +55,14 @@ def parse_stages(text: str | tuple[int, ...]) -> tuple[int, ...]:
         ) from None
 
 
-def check_zero_optimizer(zero: int, impl: str) -> None:
-    """The optimizer implementations a ZeRO level can step (a ValueError naming the fix)."""
+def check_zero_optimizer(zero: int, impl: str, world_size: int | None = None) -> None:
+    """What a ZeRO level can run with (a ValueError naming the fix): ZeRO-3's DTensor shards
+    need a per-tensor optimizer and torch.distributed (more than one rank)."""
+    require(
+        zero != 3 or world_size is None or world_size > 1,
+        "--zero 3 shards every layer with FSDP2 over torch.distributed, and a run of one rank "
+        "has none: use --zero 0, 1 or 2 in one process, or more ranks (--dp 2)",
+    )
     require(
         zero != 3 or impl == "per_tensor",
         f"--zero 3 keeps every parameter as an FSDP2 shard (a DTensor), which the "

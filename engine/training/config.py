@@ -64,7 +64,8 @@ class TrainConfig:
             batch=self.batch,
             engine=self.engine,
         )
-        check_zero_optimizer(self.engine.zero, self.optimizer.impl)
+        world = self.parallel.pp * self.parallel.dp
+        check_zero_optimizer(self.engine.zero, self.optimizer.impl, world)
         require(
             self.checkpoint.resume or self.run.max_restarts == 0,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "

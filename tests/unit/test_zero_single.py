@@ -114,3 +114,8 @@ def test_zero_with_an_optimizer_factory_is_refused_naming_the_spec() -> None:
 def test_an_unknown_zero_level_names_the_levels() -> None:
     with pytest.raises(ValueError, match="choose a ZeRO level among 0, 1, 2, 3"):
         EngineOptions(zero=4)
+
+
+def test_zero3_in_a_one_rank_run_is_refused_before_it_starts() -> None:
+    with pytest.raises(ValueError, match="a run of one rank has none"):
+        TrainConfig.of(zero=3, optimizer_impl="per_tensor")
