@@ -128,14 +128,10 @@ class ShardedOptimizer:
         for work, flat, result in self._inflight:
             if work is not None:
                 work.wait()
-            if self.level == 1 or self.dp == 1:
-                flat.shard_grad = flat.scatter_full(result)
-            else:
-                flat.shard_grad = result
+            scattered = self.level == 2 and self.dp > 1
+            flat.shard_grad = result if scattered else flat.scatter_full(result)
             if self.level == 2:
-                if self.dp == 1:
-                    flat.shard_grad = flat.shard_grad.clone()
-                flat.end_accumulation()
+                flat.end_accumulation()  # only the shard stays (at dp 1 it is the whole)
             flat.master.grad = flat.shard_grad
         if self._inflight and self.window is not None:
             self.window = (self.window[0], time.perf_counter())
