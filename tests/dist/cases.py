@@ -168,6 +168,8 @@ def run_case(case: Case) -> dict[str, Any]:
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if engine.fsdp is not None:  # ZeRO-3: each rank holds shards (DTensors): gather them
+        params = {n: p.full_tensor() for n, p in params.items()}  # type: ignore[attr-defined]
     if engine.sharded is not None:  # the fp32 masters, not the low-precision working weights
         masters = engine.sharded.full_masters()
         named = engine.module.named_parameters()
