@@ -3,7 +3,7 @@ fp32 masters and optimizer state (Megatron's distributed optimizer), and ZeRO-3 
 FSDP2."""
 
 from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
-from engine.parallel.fsdp import FullyShardedLayers, shard_layers
+from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
 from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
 
 __all__ = [
@@ -13,5 +13,6 @@ __all__ = [
     "ShardedOptimizer",
     "add_into_main_grad",
     "castable_linear_params",
+    "check_unshared",
     "shard_layers",
 ]

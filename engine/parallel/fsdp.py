@@ -12,29 +12,51 @@ arithmetic differs from autocast's and agrees with the reference to tolerance on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["FullyShardedLayers", "shard_layers"]
+__all__ = ["FullyShardedLayers", "check_unshared", "shard_layers"]
 
 
 def shard_layers(
-    layers: Iterable[nn.Module], mesh: DeviceMesh, dtype: torch.dtype
-) -> list[FSDPModule]:
+    layers: Sequence[nn.Module], mesh: DeviceMesh | None, dtype: torch.dtype, *, pp_rank: int
+) -> FullyShardedLayers:
     """`fully_shard` each layer over `mesh` (1-D, the dp replicas): parameters gathered in
     `dtype`, gradients reduced in fp32; each layer is its own FSDP root, since a stage runs
     its layers one by one and never the stack's own forward."""
+    if mesh is None:
+        raise ValueError(
+            "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
+            "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
+            "zero=0, 1 or 2 in one process"
+        )
+    check_unshared(layers, pp_rank)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     sharded: list[FSDPModule] = []
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         assert isinstance(layer, FSDPModule)
         sharded.append(layer)
-    return sharded
+    return FullyShardedLayers(sharded)
+
+
+def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
+    """ZeRO-3 shards each layer on its own: a weight two layers of one rank share (a tie held
+    in one rank) would be sharded twice."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            if owner.setdefault(id(param), index) != index:
+                raise ValueError(
+                    f"zero=3 shards every layer on its own, but two layers on pipeline rank "
+                    f"{pp_rank} share a tied weight (such as GPT's embedding and head in one "
+                    "rank's stages): place them on different pipeline ranks (more --pp, "
+                    "another --partition or no V-shaped placement), untie them, or use --zero 2"
+                )
 
 
 class FullyShardedLayers:

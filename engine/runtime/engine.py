@@ -127,19 +127,12 @@ class PipelineEngine:
         return stages
 
     def _fully_shard(self, stages: dict[int, PipelineStage]) -> FullyShardedLayers:
-        mesh = self.mesh.device_mesh
-        if mesh is None:
-            raise ValueError(
-                "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
-                "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
-                "zero=0, 1 or 2 in one process"
-            )
-        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
-        _check_unshared(layers, self.mesh.pp_rank)
         for stage in stages.values():
             stage.drop_weight_copies()
+        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
+        dp_mesh = self.mesh.device_mesh["dp"] if self.mesh.device_mesh is not None else None
         dtype = compute_dtype(self.options.precision)
-        return FullyShardedLayers(shard_layers(layers, mesh["dp"], dtype))
+        return shard_layers(layers, dp_mesh, dtype, pp_rank=self.mesh.pp_rank)
 
     def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
         return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
@@ -447,21 +440,6 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
-
-
-def _check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
-    """ZeRO-3 shards each layer on its own: a weight two layers of one rank share (a tie held
-    in one rank) would be sharded twice."""
-    owner: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for param in layer.parameters():
-            if owner.setdefault(id(param), index) != index:
-                raise ValueError(
-                    f"zero=3 shards every layer on its own, but two layers on pipeline rank "
-                    f"{pp_rank} share a tied weight (such as GPT's embedding and head in one "
-                    "rank's stages): place them on different pipeline ranks (more --pp, "
-                    "another --partition or no V-shaped placement), untie them, or use --zero 2"
-                )
 
 
 def _check_layout(

@@ -8,7 +8,8 @@ import torch
 
 from engine.comm.mesh import init_mesh
 from engine.config import EngineOptions, OptimizerSpec
-from engine.runtime.engine import PipelineEngine, _check_unshared
+from engine.parallel import check_unshared
+from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_from_spec
 from engine.runtime.reference import reference_step
 from engine.training.config import TrainConfig
@@ -77,7 +78,7 @@ def test_zero3_refuses_a_weight_two_layers_of_one_rank_share() -> None:
     """gpt-tiny's embedding and head share a weight: FSDP would shard it twice."""
     layers = build_layers(layer_specs("gpt-tiny"), seed=0).layers.values()
     with pytest.raises(ValueError, match="place them on different pipeline ranks"):
-        _check_unshared(list(layers), 0)
+        check_unshared(list(layers), 0)
 
 
 def test_zero3_in_one_process_is_refused_naming_the_launch() -> None:
