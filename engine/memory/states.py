@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from engine.memory.tp_shards import shard_for_tp
 from engine.memory.tracker import round_up
 from models import LayerSpec
 
@@ -79,14 +80,14 @@ def param_info(module: nn.Module) -> list[ParamInfo]:
     return [ParamInfo(p.numel(), p.dim() >= 2) for p in module.parameters() if p.requires_grad]
 
 
-def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
+def stage_params(specs: Sequence[LayerSpec], tp: int = 1) -> list[ParamInfo]:
     """`param_info(build_stage(specs))` without building the stage: each distinct layer spec
     is built on `meta` once (planning asks for the same blocks thousands of times), and a
     weight tied to an earlier layer of the stage counts once, where it first appears."""
     found: list[ParamInfo] = []
     tied: set[str] = set()
     for spec in specs:
-        for name, info in _layer_params(spec):
+        for name, info in _layer_params(spec, tp):
             if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
                 continue
             found.append(info)
@@ -96,8 +97,9 @@ def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_params(spec: LayerSpec) -> tuple[tuple[str, ParamInfo], ...]:
+def _layer_params(spec: LayerSpec, tp: int = 1) -> tuple[tuple[str, ParamInfo], ...]:
     module = spec.build("meta")
+    shard_for_tp([module], tp)
     return tuple(
         (name, ParamInfo(p.numel(), p.dim() >= 2))
         for name, p in module.named_parameters()
