@@ -171,14 +171,16 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Head counts come from the projections' outputs, not from the config: under tensor
+        parallelism each rank's q/k/v hold only its share of the heads."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
             cos, sin = rotary_embedding(seq, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        gqa = self.n_kv_head != self.n_head
+        gqa = k.shape[1] != q.shape[1]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -14,9 +14,11 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
+from engine.parallel import local_tensor, parallelize_layers, sharded_loss_scope
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
@@ -61,9 +63,11 @@ class PipelineStage:
         recompute: str = "none",
         compile: bool = False,
         built: LayerStack | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         """`built`: the stage's layers already made (the memory replay's fake ones); by
-        default they are built and initialised here, on `device`."""
+        default they are built and initialised here, on `device`. `tp_mesh`: split every layer
+        over these tensor-parallel ranks (each keeps its slice of the full initial weights)."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
         self.module = (
@@ -72,6 +76,9 @@ class PipelineStage:
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
+        self.tensor_parallel = tp_mesh is not None
+        if tp_mesh is not None:
+            parallelize_layers(modules, tp_mesh)
         self.compiled = compile
         if compile:
             for module in modules:
@@ -201,12 +208,13 @@ class PipelineStage:
             if self.is_last:
                 if targets is None:
                     raise StageError(f"stage {self.stage} is last but got no targets")
-                loss = self.loss_fn(out, targets)
+                with sharded_loss_scope(self.tensor_parallel):
+                    loss = self.loss_fn(out, targets)
                 root = (
                     loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
                 )
                 outputs: tuple[torch.Tensor, ...] = (root,) if training else ()
-                result: tuple[torch.Tensor, ...] = (loss.detach(),)
+                result: tuple[torch.Tensor, ...] = (local_tensor(loss.detach()),)
             else:
                 dtype = compute_dtype(self.precision)
                 out = out.to(dtype) if out.is_floating_point() else out
@@ -258,7 +266,8 @@ class PipelineStage:
         """Backward of one micro-batch: accumulate parameter grads, return input grads."""
         state = self._pop(micro_batch)
         roots, grads = self._roots(state, output_grads)
-        torch.autograd.backward(roots, grad_tensors=grads)
+        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+            torch.autograd.backward(roots, grad_tensors=grads)
         return tuple(x.grad for x in state.inputs if x.requires_grad and x.grad is not None)
 
     def backward_input(

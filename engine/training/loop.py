@@ -265,6 +265,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     mesh = init_mesh(
         config.parallel.pp,
         config.parallel.dp,
+        config.parallel.tp,
         timeout_s=config.run.timeout,
         device=config.run.device,
     )
