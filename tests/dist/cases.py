@@ -184,6 +184,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "dp_rank": mesh.dp_rank,
         "tp_rank": mesh.tp_rank,
         "pp_rank": mesh.pp_rank,
+        "sent_shapes": engine.exchange.sent_shapes,
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),

@@ -24,7 +24,7 @@ from engine.runtime.clipping import global_parameter_order
 from engine.runtime.engine import PipelineEngine
 from models import layer_specs
 from partitioners import partition_model
-from tests.dist.cases import Case, model_specs, reference_run, run_cases
+from tests.dist.cases import SEQ_LEN, Case, model_specs, reference_run, run_cases
 from tests.dist.harness import run_ranks
 
 # torch's fused SGD kernel has no DTensor rule (fused AdamW has): per-tensor SGD here.
@@ -88,6 +88,18 @@ def test_the_global_gradient_norm_counts_every_shard_once(
     reference = reference_run(case)["grad_norms"]
     for rank in runs[str(case)]:
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("case", PP2_TP2 + GRID, ids=str)
+def test_each_tp_rank_sends_its_sequence_shard_between_stages(
+    case: Case, runs: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Activations down and gradients up: (micro-batch, seq_len / tp, d_model), never the
+    whole tensor tp times."""
+    shard = [(case.micro_batch_size, SEQ_LEN // case.tp, 64)]
+    for rank in runs[str(case)]:
+        edge = (0, 1) if rank["pp_rank"] == 0 else (1, 0)
+        assert rank["sent_shapes"] == {edge: shard}
 
 
 def _engine(tp: int, seed: int) -> PipelineEngine:
