@@ -185,6 +185,13 @@ class SequenceShards:
     size: int
 
     def outgoing(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        for tensor in tensors:
+            if tensor.dim() < 2 or tensor.shape[1] % self.size:
+                raise ValueError(
+                    f"a stage boundary tensor of shape {tuple(tensor.shape)} does not split "
+                    f"into {self.size} equal sequence shards: use a sequence length that is a "
+                    f"multiple of tp={self.size}"
+                )
         return tuple(t.chunk(self.size, dim=1)[self.rank] for t in tensors)
 
     def incoming(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,8 @@ under global names, so a tp 2 checkpoint loads at tp 1 and back.
 
 Tolerance: the row-wise layers sum partial products over the tp ranks and the loss is taken
 over vocabulary shards, so the arithmetic differs from one process in its order of additions
-only. After 2 SGD steps losses agree to rel 1e-5 and every parameter to rtol 1e-5 / atol 1e-6.
+only. After 2 SGD steps losses agree to rel 1e-6 and every parameter to rtol 1e-5 / atol 1e-7
+(measured: losses within 9e-8 relative, parameters within 7.5e-9 absolute).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from tests.dist.harness import run_ranks
 # torch's fused SGD kernel has no DTensor rule (fused AdamW has): per-tensor SGD here.
 SGD = {"optimizer": "sgd", "optimizer_impl": "per_tensor", "tp": 2}
 TP2 = [Case(model, 1, 1, "1f1b", 2, "uniform", **SGD) for model in ("gpt-tiny", "llama")]  # type: ignore[arg-type]
+# Recomputation re-runs the layers' collectives in backward; clipping needs the global norm.
+TP2 += [Case("llama", 1, 1, "1f1b", 2, "uniform", clip=0.5, recompute="full", **SGD)]  # type: ignore[arg-type]
 PP2_TP2 = [Case(model, 2, 1, "1f1b", 2, "uniform", **SGD) for model in ("gpt-tiny", "llama")]  # type: ignore[arg-type]
 GRID = [Case("gpt-tiny", 2, 2, "1f1b", 2, "uniform", **SGD)]  # type: ignore[arg-type]
 WORLDS = ((2, TP2), (4, PP2_TP2), (8, GRID))
-LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6
+LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_paral
     assert torch.equal(head, embedding)
 
 
-@pytest.mark.parametrize("case", [TP2[0], GRID[0]], ids=str)
+@pytest.mark.parametrize("case", [TP2[0], GRID[0]], ids=str)  # unclipped: the reference reads its norm after clipping
 def test_the_global_gradient_norm_counts_every_shard_once(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:
