@@ -28,13 +28,20 @@ from partitioners import partition_model
 from tests.dist.cases import SEQ_LEN, Case, model_specs, reference_run, run_cases
 from tests.dist.harness import run_ranks
 
-# torch's fused SGD kernel has no DTensor rule (fused AdamW has): per-tensor SGD here.
-SGD = {"optimizer": "sgd", "optimizer_impl": "per_tensor", "tp": 2}
-TP2 = [Case(model, 1, 1, "1f1b", 2, "uniform", **SGD) for model in ("gpt-tiny", "llama")]  # type: ignore[arg-type]
+
+def _tp2(model: str, pp: int, dp: int, **options: Any) -> Case:
+    """A tp 2 case: 1F1B, 2 micro-batches, SGD per tensor (torch's fused SGD kernel has no
+    DTensor rule; fused AdamW has)."""
+    return Case(
+        model, pp, dp, "1f1b", 2, "uniform", "sgd", tp=2, optimizer_impl="per_tensor", **options
+    )
+
+
+TP2 = [_tp2(model, 1, 1) for model in ("gpt-tiny", "llama")]
 # Recomputation re-runs the layers' collectives in backward; clipping needs the global norm.
-TP2 += [Case("llama", 1, 1, "1f1b", 2, "uniform", clip=0.5, recompute="full", **SGD)]  # type: ignore[arg-type]
-PP2_TP2 = [Case(model, 2, 1, "1f1b", 2, "uniform", **SGD) for model in ("gpt-tiny", "llama")]  # type: ignore[arg-type]
-GRID = [Case("gpt-tiny", 2, 2, "1f1b", 2, "uniform", **SGD)]  # type: ignore[arg-type]
+TP2 += [_tp2("llama", 1, 1, clip=0.5, recompute="full")]
+PP2_TP2 = [_tp2(model, 2, 1) for model in ("gpt-tiny", "llama")]
+GRID = [_tp2("gpt-tiny", 2, 2)]
 WORLDS = ((2, TP2), (4, PP2_TP2), (8, GRID))
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 
@@ -84,7 +91,8 @@ def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_paral
     assert torch.equal(head, embedding)
 
 
-@pytest.mark.parametrize("case", [TP2[0], GRID[0]], ids=str)  # unclipped: the reference reads its norm after clipping
+# Unclipped cases: the reference reads its norm after clipping, the engine before.
+@pytest.mark.parametrize("case", [TP2[0], GRID[0]], ids=str)
 def test_the_global_gradient_norm_counts_every_shard_once(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:
