@@ -409,14 +409,13 @@ def _check_tensor_parallel(mesh: Mesh, options: EngineOptions, split: bool) -> N
     refused = {
         "compile": options.compile,
         "ZeRO": bool(options.zero),
-        f"precision {options.precision}": options.precision != "fp32",
         "a split (I/W) backward": split,
     }
     for what, bad in refused.items():
         if bad:
             raise ValueError(
-                f"tp={mesh.tp} with {what}: tensor-parallel stages run fp32, uncompiled, "
-                "without ZeRO and with fused backwards for now; drop it or use tp=1"
+                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled, without "
+                "ZeRO and with fused backwards for now; drop it or use tp=1"
             )
 
 
