@@ -4,6 +4,7 @@ dimension (the ZeRO levels over `dp` live here too)."""
 from engine.parallel.tensor_parallel import (
     SequenceShards,
     align_gradients,
+    build_sharded_layers,
     full_tensor,
     local_tensor,
     parallelize_layers,
@@ -15,6 +16,7 @@ from engine.parallel.tensor_parallel import (
 __all__ = [
     "SequenceShards",
     "align_gradients",
+    "build_sharded_layers",
     "full_tensor",
     "local_tensor",
     "parallelize_layers",

@@ -42,10 +42,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models import LayerSpec, LayerStack, build_layers
+from models.layers import init_layer
+
 __all__ = [
     "ROLES",
     "SequenceShards",
     "align_gradients",
+    "build_sharded_layers",
     "full_tensor",
     "local_tensor",
     "parallelize_layers",
@@ -104,6 +108,30 @@ def _replicated(_module: nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh
 
 def _plain(_module: nn.Module, output: object, _mesh: DeviceMesh) -> object:
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+def build_sharded_layers(
+    specs: Sequence[LayerSpec],
+    indices: range,
+    *,
+    seed: int,
+    device: torch.device | str,
+    tp_mesh: DeviceMesh,
+) -> LayerStack:
+    """The layers `indices`, split over `tp_mesh` before they get memory: built on `meta`,
+    parallelized there, given storage for their shards only, then initialised per parameter
+    from the same draws as one process (each rank keeps its slice). A rank never holds its
+    stage's full weights, only one parameter's full draw at a time on the CPU."""
+    stack = build_layers(specs, indices, seed=seed, device="meta")
+    parallelize_layers(list(stack.layers.values()), tp_mesh)
+    stack.to_empty(device=device)
+    for i, layer in zip(stack.indices, stack.layers.values(), strict=True):
+        init_layer(layer, specs[i], seed=seed, index=i, write=_write_slice)
+    return stack
+
+
+def _write_slice(param: nn.Parameter, values: torch.Tensor) -> None:
+    local_tensor(param).copy_(shard_like(param, values))
 
 
 def sharded_loss_scope(enabled: bool) -> contextlib.AbstractContextManager[None]:

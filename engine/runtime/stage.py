@@ -18,7 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
-from engine.parallel import local_tensor, parallelize_layers, sharded_loss_scope
+from engine.parallel import (
+    build_sharded_layers,
+    local_tensor,
+    parallelize_layers,
+    sharded_loss_scope,
+)
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
@@ -70,15 +75,20 @@ class PipelineStage:
         over these tensor-parallel ranks (each keeps its slice of the full initial weights)."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
-        self.module = (
-            build_layers(specs, layers, seed=seed, device=device) if built is None else built
-        )
+        if built is not None:
+            self.module = built
+            if tp_mesh is not None:
+                parallelize_layers(list(built.layers.values()), tp_mesh)
+        elif tp_mesh is not None:
+            self.module = build_sharded_layers(
+                specs, layers, seed=seed, device=device, tp_mesh=tp_mesh
+            )
+        else:
+            self.module = build_layers(specs, layers, seed=seed, device=device)
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
         self.tensor_parallel = tp_mesh is not None
-        if tp_mesh is not None:
-            parallelize_layers(modules, tp_mesh)
         self.compiled = compile
         if compile:
             for module in modules:

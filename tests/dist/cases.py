@@ -17,7 +17,7 @@ from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
 from engine.config import OptimizerSpec
 from engine.config import EngineOptions
-from engine.parallel import full_tensor
+from engine.parallel import full_tensor, local_tensor
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
@@ -173,6 +173,9 @@ def run_case(case: Case) -> dict[str, Any]:
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
     params = {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
+    local_shapes = {
+        n.split(".", 1)[1]: tuple(local_tensor(p).shape) for n, p in engine.module.named_parameters()
+    }
     engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
@@ -185,6 +188,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "tp_rank": mesh.tp_rank,
         "pp_rank": mesh.pp_rank,
         "sent_shapes": engine.exchange.sent_shapes,
+        "local_shapes": local_shapes,
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),

@@ -135,6 +135,25 @@ def test_the_global_gradient_norm_counts_every_shard_once(
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
 
 
+LLAMA_SLICES = {  # llama-tiny: d_model 64, 4 heads, 2 kv heads of 16, MLP 176, vocabulary 256
+    "layers.0.embed_tokens.weight": (128, 64),
+    "layers.1.self_attn.q_proj.weight": (32, 64),
+    "layers.1.self_attn.k_proj.weight": (16, 64),
+    "layers.1.self_attn.o_proj.weight": (64, 32),
+    "layers.1.mlp.up_proj.weight": (88, 64),
+    "layers.1.mlp.down_proj.weight": (64, 88),
+    "layers.1.input_layernorm.weight": (64,),
+    "layers.6.lm_head.weight": (128, 64),
+}
+
+
+def test_each_tp_rank_holds_its_slice_of_every_split_weight_and_all_of_the_rest(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    for rank in runs[str(TP2[1])]:
+        assert {n: rank["local_shapes"][n] for n in LLAMA_SLICES} == LLAMA_SLICES
+
+
 @pytest.mark.parametrize("case", PP2_TP2 + GRID, ids=str)
 def test_each_tp_rank_sends_its_sequence_shard_between_stages(
     case: Case, runs: dict[str, list[dict[str, Any]]]
