@@ -67,14 +67,10 @@ def _check_tensor_parallel_options(
     refused = {
         "--compile": engine.compile,
         f"--zero {engine.zero}": bool(engine.zero),
-        f"schedule {resolved.name} (split I/W backward)": any(
-            split_units(row) for row in resolved.rows
-        ),
     }
     for what, bad in refused.items():
         require(
             not bad,
-            f"--tp {tp} with {what}: tensor-parallel stages run uncompiled, without ZeRO and "
-            "with fused backwards (1f1b, gpipe, interleaved_1f1b, looped_bfs) for now; drop "
-            f"{what.split(' (')[0]} or use --tp 1",
+            f"--tp {tp} with {what}: tensor-parallel stages run uncompiled and without ZeRO "
+            f"for now; drop {what} or use --tp 1",
         )

@@ -4,6 +4,7 @@ dimension (the ZeRO levels over `dp` live here too)."""
 from engine.parallel.tensor_parallel import (
     SequenceShards,
     align_gradients,
+    as_gradient_of,
     build_sharded_layers,
     full_tensor,
     local_tensor,
@@ -16,6 +17,7 @@ from engine.parallel.tensor_parallel import (
 __all__ = [
     "SequenceShards",
     "align_gradients",
+    "as_gradient_of",
     "build_sharded_layers",
     "full_tensor",
     "local_tensor",

@@ -49,6 +49,7 @@ __all__ = [
     "ROLES",
     "SequenceShards",
     "align_gradients",
+    "as_gradient_of",
     "build_sharded_layers",
     "full_tensor",
     "local_tensor",
@@ -143,6 +144,14 @@ def sharded_loss_scope(enabled: bool) -> contextlib.AbstractContextManager[None]
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of `tensor` this rank holds: its local shard, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def as_gradient_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A gradient computed on local tensors (the split backward's W GEMM) as `param`'s
+    gradient: a DTensor laid out as the parameter, or the value itself."""
+    if not isinstance(param, DTensor) or isinstance(value, DTensor):
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

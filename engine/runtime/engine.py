@@ -71,7 +71,7 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        _check_tensor_parallel(mesh, self.options, bool(self.split_units))
+        _check_tensor_parallel(mesh, self.options)
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
@@ -402,20 +402,19 @@ class PipelineEngine:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
 
 
-def _check_tensor_parallel(mesh: Mesh, options: EngineOptions, split: bool) -> None:
+def _check_tensor_parallel(mesh: Mesh, options: EngineOptions) -> None:
     """What a tensor-parallel stage cannot run yet (TrainConfig refuses it earlier, by flag)."""
     if mesh.tp == 1:
         return
     refused = {
         "compile": options.compile,
         "ZeRO": bool(options.zero),
-        "a split (I/W) backward": split,
     }
     for what, bad in refused.items():
         if bad:
             raise ValueError(
-                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled, without "
-                "ZeRO and with fused backwards for now; drop it or use tp=1"
+                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled and without "
+                "ZeRO for now; drop it or use tp=1"
             )
 
 

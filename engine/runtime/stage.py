@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
 from engine.parallel import (
+    as_gradient_of,
     build_sharded_layers,
     local_tensor,
     parallelize_layers,
@@ -300,13 +301,14 @@ class PipelineStage:
         nodes = [out for _, _, out in state.weight_nodes]
         eager = [p for p in self._eager_params if p.requires_grad]
         manual = self.precision == "fp32"
-        found = torch.autograd.grad(
-            roots,
-            wanted + nodes + eager,
-            grad_outputs=grads,
-            retain_graph=not manual,
-            allow_unused=True,
-        )
+        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+            found = torch.autograd.grad(
+                roots,
+                wanted + nodes + eager,
+                grad_outputs=grads,
+                retain_graph=not manual,
+                allow_unused=True,
+            )
         cut = len(wanted) + len(nodes)
         input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
         _accumulate(eager, found[cut:])
@@ -383,6 +385,7 @@ def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | 
     for param, value in zip(params, values, strict=True):
         if value is None:
             continue
+        value = as_gradient_of(param, value)
         if param.grad is None:
             param.grad = value.to(param.dtype)
         else:
@@ -397,8 +400,10 @@ def _linear_weight_grads(
     The same kernels on the same operands as autograd's AddmmBackward, so the same bits,
     without an autograd call per module (the W pass's main overhead).
     """
-    g2d = grad.reshape(-1, module.out_features)
-    values = [g2d.t().mm(x.detach().reshape(-1, module.in_features))]
+    weight = local_tensor(module.weight)  # a tp shard's GEMM is on local tensors
+    out_features, in_features = weight.shape
+    g2d = local_tensor(grad).reshape(-1, out_features)
+    values = [g2d.t().mm(local_tensor(x.detach()).reshape(-1, in_features))]
     if module.bias is not None and module.bias.requires_grad:
         values.append(g2d.sum(0))
     return values

@@ -58,12 +58,17 @@ PP2_TP2 += [
     _tp2("gpt-tiny", 2, 1, "interleaved_1f1b", 4, stages_per_rank=2),
     _tp2("llama", 2, 1, "gpipe", guard=False),
 ]
+# The split backward: I through autograd, W as each shard's own GEMM on local tensors.
+SPLIT = [_tp2("gpt-tiny", 2, 1, "zb_h1", 4)]
+PP2_TP2 += SPLIT
 GRID = [_tp2("gpt-tiny", 2, 2)]
 # Autocast rounds each GEMM's output to 16 bits; tp changes the order of the row-wise sums, so
 # the rounding differs more than in fp32: measured within 1.2e-5 (losses, relative) and 2.7e-5
 # (parameters, absolute).
 LOW_PRECISION = [_tp2("gpt-tiny", 1, 1, precision="fp16")]
 PP2_LOW_PRECISION = [_tp2(model, 2, 1, precision="bf16") for model in ("gpt-tiny", "llama")]
+SPLIT += [_tp2("llama", 2, 1, "zb_drain", 4, guard=False, precision="bf16")]
+PP2_LOW_PRECISION += SPLIT[1:]
 WORLDS = ((2, TP2 + LOW_PRECISION), (4, PP2_TP2 + PP2_LOW_PRECISION), (8, GRID))
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
@@ -133,6 +138,13 @@ def test_the_global_gradient_norm_counts_every_shard_once(
     reference = reference_run(case)["grad_norms"]
     for rank in runs[str(case)]:
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("case", SPLIT, ids=str)
+def test_the_split_backward_defers_weight_gradients_under_tensor_parallelism(
+    case: Case, runs: dict[str, list[dict[str, Any]]]
+) -> None:
+    assert any(peak[1] > 0 for rank in runs[str(case)] for peak in rank["pending_w"] if 1 in peak)
 
 
 LLAMA_SLICES = {  # llama-tiny: d_model 64, 4 heads, 2 kv heads of 16, MLP 176, vocabulary 256
