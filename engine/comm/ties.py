@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.comm.collective import naming_failures
 from models import LayerSpec
@@ -42,8 +43,9 @@ class TiedWeights:
             param = self._params[key]
             if param.grad is None:  # a holder whose copy got no gradient still takes part
                 param.grad = torch.zeros_like(param)
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
-                dist.all_reduce(param.grad, group=self.groups[key])
+                dist.all_reduce(grad, group=self.groups[key])  # a tp shard: summed in place
         return bool(self.groups)
 
 

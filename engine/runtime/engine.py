@@ -25,6 +25,7 @@ from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
 from engine.config import EngineOptions, OptimizerSpec
+from engine.parallel import SequenceShards, align_gradients
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
@@ -70,12 +71,19 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
+        _check_tensor_parallel(mesh, self.options)
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
         self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
         """The process groups this rank's pipeline traffic travels over (one per edge)."""
         self.exchange = self._build_exchange(partition)
+        self._shards = (
+            SequenceShards(mesh.tp_group, mesh.tp_rank, mesh.tp)
+            if mesh.tp > 1 and mesh.tp_group is not None
+            else None
+        )
+        """Each tp rank exchanges 1/tp of every boundary tensor (None without tp)."""
         self.reports = self._build_reports(partition)
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self.ties = self._build_ties(specs, partition)
@@ -108,6 +116,7 @@ class PipelineEngine:
                 precision=options.precision,
                 recompute=options.recompute_of(s),
                 compile=options.compile,
+                tp_mesh=self.mesh.tp_mesh,
             )
             for s in self.schedule.stages_of(self.mesh.pp_rank)
         }
@@ -117,8 +126,8 @@ class PipelineEngine:
         share_local_ties(specs, list(stages.values()))
         return stages
 
-    def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
-        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
+    def _global_rank_of_stage(self, stage: int) -> int:
+        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage))
 
     def _build_exchange(self, partition: Partition) -> StageExchange:
         return StageExchange(
@@ -152,7 +161,15 @@ class PipelineEngine:
             groups = new_tie_groups(
                 specs,
                 [partition.layers_of(s) for s in stages],
-                [[self._global_rank_of_stage(s, d) for s in stages] for d in range(self.mesh.dp)],
+                [
+                    [
+                        self.mesh.global_rank(
+                            pp_rank=self.schedule.rank_of(s), dp_rank=d, tp_rank=t
+                        )
+                        for s in stages
+                    ]
+                    for d, t in self.mesh.columns()
+                ],
                 timeout=timedelta(seconds=self.timeout_s),
             )
         return TiedWeights(tied, groups, timeout_s=self.timeout_s)
@@ -329,6 +346,13 @@ class PipelineEngine:
 
     def _step_context(self, schedule: Schedule) -> StepContext:
         dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
+        if self.mesh.tp > 1:
+            params, reduce = list(self.module.parameters()), dp_reduce
+
+            def dp_reduce() -> None:
+                align_gradients(params)
+                reduce()
+
         return StepContext(
             stages=self.stages,
             row=schedule.rows[self.mesh.pp_rank],
@@ -340,6 +364,7 @@ class PipelineEngine:
             exchange=self.exchange,
             reports=self.reports,
             gradients_final=dp_reduce,
+            shards=self._shards,
         )
 
     def _global_loss(self) -> float:
@@ -375,6 +400,22 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
+
+
+def _check_tensor_parallel(mesh: Mesh, options: EngineOptions) -> None:
+    """What a tensor-parallel stage cannot run yet (TrainConfig refuses it earlier, by flag)."""
+    if mesh.tp == 1:
+        return
+    refused = {
+        "compile": options.compile,
+        "ZeRO": bool(options.zero),
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(
+                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled and without "
+                "ZeRO for now; drop it or use tp=1"
+            )
 
 
 def _check_layout(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.parallel import local_tensor
 from engine.runtime.clipping import (
     clip_gradients,
     global_grad_norm,
@@ -54,7 +55,7 @@ class StepGradients:
         if scaler is not None:
             for param in params:
                 if param.grad is not None:
-                    param.grad.mul_(1.0 / scaler.scale)
+                    local_tensor(param.grad).mul_(1.0 / scaler.scale)
         total = global_grad_norm(
             self.named(), self._order, group=self._group, distributed=self._group is not None
         )

@@ -17,6 +17,7 @@ from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
 from engine.config import OptimizerSpec
 from engine.config import EngineOptions
+from engine.parallel import full_tensor, local_tensor
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
@@ -68,6 +69,8 @@ class Case:
     nan_at_step: int = -1
     micro_batch_size: int = 2
     guard: bool = True
+    tp: int = 1
+    optimizer_impl: str = "fused"
 
     @property
     def global_batch(self) -> int:
@@ -84,6 +87,7 @@ class Case:
             + ("-zero1" if self.zero else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
+            + (f"-tp{self.tp}" if self.tp > 1 else "")
         )
 
 
@@ -101,7 +105,9 @@ def _optimizer(case: Case) -> OptimizerSpec:
     """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
     normalises gradients that are mathematically zero (attention's key bias) and turns their
     last-bit noise into lr-sized steps."""
-    return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9)
+    return OptimizerSpec(
+        name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9, impl=case.optimizer_impl
+    )
 
 
 def _poison(engine: PipelineEngine, case: Case, step: int) -> None:
@@ -122,7 +128,7 @@ def _unpoison(engine: PipelineEngine) -> None:
 
 def run_case(case: Case) -> dict[str, Any]:
     """Train `case` on this rank; returns losses, in-flight peaks and this rank's parameters."""
-    mesh = init_mesh(case.pp, case.dp, timeout_s=60)
+    mesh = init_mesh(case.pp, case.dp, case.tp, timeout_s=60)
     specs = model_specs(case.model)
     stages = case.pp * case.stages_per_rank
     partition = partition_model(specs, method=case.partition, num_stages=stages, seq_len=SEQ_LEN)
@@ -166,7 +172,10 @@ def run_case(case: Case) -> dict[str, Any]:
     inputs, targets = batches(case)[0]
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    params = {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
+    local_shapes = {
+        n.split(".", 1)[1]: tuple(local_tensor(p).shape) for n, p in engine.module.named_parameters()
+    }
     engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
@@ -176,6 +185,10 @@ def run_case(case: Case) -> dict[str, Any]:
         "bubbles": bubbles,
         "params": {n.split(".", 1)[1]: p for n, p in params.items()},
         "dp_rank": mesh.dp_rank,
+        "tp_rank": mesh.tp_rank,
+        "pp_rank": mesh.pp_rank,
+        "sent_shapes": engine.exchange.sent_shapes,
+        "local_shapes": local_shapes,
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),
