@@ -236,7 +236,9 @@ class Layout:
         return stage_shape(config, stage)
 
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
-        return [p for s in stages for p in stage_params(self.stage_specs(s))]
+        """One rank's parameters of `stages` (its tensor-parallel shard of each)."""
+        tp = self.states.tp
+        return [p for s in stages for p in stage_params(self.stage_specs(s), tp)]
 
 
 def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
@@ -249,6 +251,7 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
         divisor=config.schedule.micro_batches * config.parallel.dp,
         precision=config.engine.precision,
         recompute=config.engine.recompute_of(stage),
+        tp=config.parallel.tp,
     )
 
 
@@ -323,6 +326,7 @@ def resolve(config: MemoryConfig) -> Layout:
     states = StateLayout(
         dp=config.parallel.dp,
         zero=config.engine.zero,
+        tp=config.parallel.tp,
         block=CUDA_BLOCK if config.device == "cuda" else 1,
         optimizer_impl=config.optimizer.impl,
         device=config.device,

@@ -211,12 +211,17 @@ def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake:
 
 
 def check_measurable(config: MemoryConfig) -> None:
-    """Refuse what one process here cannot run: dp > 1, a missing GPU, a model too large."""
+    """Refuse what one process here cannot run: dp or tp > 1, a missing GPU, a model too large."""
     layout = resolve(config)
     if config.parallel.dp > 1:
         raise ValueError(
             f"--measure runs one replica in one process, so dp={config.parallel.dp}'s "
             "all-reduce cannot run: measure with --dp 1 (the estimate models dp > 1)"
+        )
+    if config.parallel.tp > 1:
+        raise ValueError(
+            f"--measure runs one process, so --tp {config.parallel.tp}'s DTensor collectives "
+            "cannot run: measure with --tp 1 (the estimate replays one tp rank's share)"
         )
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(

@@ -47,6 +47,8 @@ class StateLayout:
 
     dp: int = 1
     zero: int = 0
+    tp: int = 1
+    """Tensor-parallel ranks: each holds its shard of every split weight."""
     block: int = 1
     """Allocation granularity (512 for CUDA)."""
     optimizer_impl: str = "fused"

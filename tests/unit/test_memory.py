@@ -18,7 +18,7 @@ from engine.cli.memory import add_parsers, run
 from engine.config import replace_flat
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
-from engine.memory.measure import measure_memory
+from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.replay import build_stage, stage_actions
 from engine.memory.states import (
     ParamInfo,
@@ -516,3 +516,22 @@ def test_memory_partition_budgets_one_stage_per_device() -> None:
                 device_memory="80GB",
             )
         )
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_every_split_weight() -> None:
+    specs = layer_specs("llama-tiny")
+    whole = sum(p.numel for p in stage_params(specs))
+    norms = sum(p.numel for p in stage_params(specs) if not p.decay)
+    assert sum(p.numel for p in stage_params(specs, 2)) == (whole - norms) // 2 + norms
+
+
+def test_tensor_parallelism_divides_a_stage_states_and_weight_copies() -> None:
+    base = {"model": "llama-tiny", "pp": 2, "precision": "bf16", "device": "cpu"}
+    one, two = (estimate_memory(MemoryConfig.of(**base, tp=tp)).stages[0] for tp in (1, 2))
+    assert two.parameters < one.parameters and two.weight_copies * 2 == one.weight_copies
+
+
+def test_measuring_a_tensor_parallel_layout_is_refused_by_name() -> None:
+    config = MemoryConfig.of(model="llama-tiny", pp=2, tp=2, device="cpu")
+    with pytest.raises(ValueError, match="--measure runs one process, so --tp 2"):
+        check_measurable(config)
