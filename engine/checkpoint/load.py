@@ -38,8 +38,10 @@ from engine.checkpoint.weights import (
     TensorSource,
     check_names,
     copy_into,
+    like,
     read_module_weights,
     read_optimizer_state,
+    read_sharded_state,
 )
 from engine.runtime.engine import PipelineEngine
 from models import LayerSpec
@@ -55,15 +57,36 @@ class _Staged:
     optimizer: dict[str, Any] | None
     rng: dict[str, Any] | None
     trainer: TrainerState
+    sharded_state: tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | None = None
+    """Under ZeRO: every parameter's whole optimizer state and the groups' hyper-parameters."""
 
     def apply(self, engine: PipelineEngine) -> None:
+        sharded = getattr(engine, "sharded", None)
+        if sharded is not None:
+            state, hyper = self.sharded_state or (None, None)
+            masters = {id(p): t.to(torch.float32) for p, t in self.weights}
+            sharded.load(masters, state, hyper)
+            if self.rng is not None:
+                restore_rng(self.rng)
+            return
         with torch.no_grad():
             for param, tensor in self.weights:
                 copy_into(param, tensor)
         if self.optimizer is not None and engine.optimizer is not None:
-            engine.optimizer.load_state_dict(self.optimizer)
+            engine.optimizer.load_state_dict(_placed(engine.optimizer, self.optimizer))
         if self.rng is not None:
             restore_rng(self.rng)
+
+
+def _placed(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A state dict whose per-parameter tensors are placed as their parameters (ZeRO-3's
+    shards; unchanged otherwise)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {
+        index: {key: like(params[index], value) for key, value in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    return {**state, "state": placed}
 
 
 def _check_model(trainer: dict[str, Any], specs: Sequence[LayerSpec], directory: Path) -> None:
@@ -95,13 +118,20 @@ def _stage(
     _check_model(trainer, specs, directory)
     reader = TensorReader(directory, MODEL_INDEX)
     check_names(reader, specs)
+    sharded = getattr(engine, "sharded", None)
+    exact = sharded is None  # ZeRO keeps low-precision weights beside the stored fp32 masters
     weights = [
         pair
         for stage in engine.stages.values()
-        for pair in read_module_weights(stage.module, specs, reader, exact_dtype=True)
+        for pair in read_module_weights(stage.module, specs, reader, exact_dtype=exact)
     ]
     optimizer = None
-    if not weights_only and engine.optimizer is not None:
+    sharded_state = None
+    if not weights_only and sharded is not None:
+        modules = [stage.module for stage in engine.stages.values()]
+        optim = TensorReader(directory, OPTIM_INDEX)
+        sharded_state = read_sharded_state(sharded, modules, specs, optim)
+    elif not weights_only and engine.optimizer is not None:
         modules = [stage.module for stage in engine.stages.values()]
         optim = TensorReader(directory, OPTIM_INDEX)
         optimizer = read_optimizer_state(engine.optimizer, modules, specs, optim)
@@ -114,7 +144,9 @@ def _stage(
         skipped_steps=int(trainer.get("skipped_steps", 0)),
     )
     rng = None if weights_only else _read_rng(directory, trainer, engine)
-    return _Staged(weights=weights, optimizer=optimizer, rng=rng, trainer=state)
+    return _Staged(
+        weights=weights, optimizer=optimizer, rng=rng, trainer=state, sharded_state=sharded_state
+    )
 
 
 def load_checkpoint(
@@ -162,6 +194,10 @@ def load_model_weights(
         ]
 
     pairs, _ = everywhere(f"loading weights from {source.where('')}", read)
+    sharded = getattr(engine, "sharded", None)
+    if sharded is not None:
+        sharded.load({id(p): t.to(torch.float32) for p, t in pairs}, None)
+        return
     with torch.no_grad():
         for param, tensor in pairs:
             copy_into(param, tensor)

@@ -3,8 +3,11 @@
 A checkpoint is a directory `step-{N:08d}` (N optimizer steps done) under the run's checkpoint
 folder. Every rank writes its part into `.tmp-step-…`: each stage's first replica (dp rank 0)
 its `model-stageSSS.safetensors` and `optim-stageSSS.safetensors` under global names, every
-rank its `rng-rankRRRRR.json`. Under ZeRO-1 every replica writes the optimizer state of the
-parameters it owns, `optim-stageSSS-dpDDD.safetensors`, into the same index. When all ranks
+rank its `rng-rankRRRRR.json`. Under ZeRO-1/2 the replicas first gather their shards of the fp32
+masters and optimizer state, and the first replica writes them per parameter exactly as a
+ZeRO-0 run would (fp32 weights, not the low-precision working copies), so every layout loads
+every other. (Checkpoints of the former ZeRO-1, `optim-stageSSS-dpDDD.safetensors` per
+replica, are read by name like any other.) When all ranks
 have reported (a gather that is also the barrier) global rank 0 writes the indexes and
 `trainer.json`, renames the directory into place, and only then moves the `latest` pointer;
 rotation deletes the oldest checkpoints after that.
@@ -40,7 +43,14 @@ from engine.checkpoint.files import (
     write_shard,
 )
 from engine.checkpoint.rng_state import capture_rng
-from engine.checkpoint.weights import is_sharded, optimizer_state, stored_parameters
+from engine.checkpoint.weights import (
+    gathered,
+    is_sharded,
+    optimizer_state,
+    sharded_model_tensors,
+    sharded_optimizer_state,
+    stored_parameters,
+)
 from engine.runtime.engine import PipelineEngine
 from models import LayerSpec
 
@@ -54,14 +64,48 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
     first_replica = engine.mesh.dp_rank == 0 and engine.mesh.tp_rank == 0
+    masters, states, optimizer, groups = _whole_state(engine)  # collective over dp
+
     for s, stage in engine.stages.items():
         report["stages"][s] = (stage.layers.start, stage.layers.stop)
-        params = stored_parameters(stage.module, specs)
+        params = (
+            stored_parameters(stage.module, specs)
+            if masters is None
+            else sharded_model_tensors(stage.module, specs, masters)
+        )
         if first_replica and params:  # no params: only tied copies, stored by a lower stage
             report["model"].append(write_shard(tmp, f"model-stage{s:03d}.safetensors", params))
-        if engine.optimizer is not None:
+        if states is not None:
+            if first_replica:
+                tensors, meta = sharded_optimizer_state(
+                    states, stage.module, specs, optimizer=optimizer, groups=groups
+                )
+                if tensors:
+                    name = f"optim-stage{s:03d}.safetensors"
+                    report["optim"].append(write_shard(tmp, name, tensors))
+                report["optim_meta"].append(meta)
+        elif engine.optimizer is not None:
             _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
     return report
+
+
+def _whole_state(
+    engine: PipelineEngine,
+) -> tuple[dict[int, Any] | None, dict[int, Any] | None, str, list[dict[str, Any]]]:
+    """Under ZeRO, every parameter's fp32 weight and optimizer state whole (gathered over the
+    replicas: collective), the optimizer's class name and its groups' hyper-parameters; Nones
+    without ZeRO (each replica holds them whole)."""
+    sharded = getattr(engine, "sharded", None)
+    if sharded is not None:
+        name = type(sharded.optimizer).__name__
+        return sharded.full_masters(), sharded.full_state(), name, sharded.reference_groups()
+    if getattr(engine, "fsdp", None) is None:
+        return None, None, "", []
+    masters, states = gathered(engine.module.parameters(), engine.optimizer)
+    optimizer = engine.optimizer
+    groups = [] if optimizer is None else optimizer.param_groups
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return masters, states if optimizer is not None else None, type(optimizer).__name__, hyper
 
 
 def _write_optimizer(

@@ -9,27 +9,32 @@ positional index, so it follows its parameter into any layout. No torch.distribu
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.checkpoint.files import CheckpointError, canonical_name, expected_names
-from engine.parallel import full_tensor, local_tensor, shard_like
+from engine.parallel import ShardedOptimizer, full_tensor, local_tensor, shard_like
 from models import LayerSpec
 
 __all__ = [
     "TensorSource",
     "check_names",
     "copy_into",
+    "gathered",
     "is_sharded",
+    "like",
     "load_module_weights",
     "local_optimizer",
     "optimizer_state",
     "read_module_weights",
     "read_optimizer_state",
+    "read_sharded_state",
+    "sharded_model_tensors",
+    "sharded_optimizer_state",
     "stored_parameters",
 ]
 
@@ -268,3 +273,111 @@ def read_optimizer_state(
         for saved, group in zip(meta["param_groups"], optimizer.param_groups, strict=True)
     ]
     return {"state": state, "param_groups": groups}
+
+
+def sharded_model_tensors(
+    module: nn.Module, specs: Sequence[LayerSpec], masters: Mapping[int, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """What `stored_parameters` gives, from ZeRO's whole fp32 masters (by parameter id): a
+    ZeRO run stores fp32 weights as a ZeRO-0 run does, not its low-precision working copies."""
+    named = dict(module.named_parameters())
+    return {name: masters[id(named[name])] for name in stored_parameters(module, specs)}
+
+
+def sharded_optimizer_state(
+    states: Mapping[int, Mapping[str, Any]],
+    module: nn.Module,
+    specs: Sequence[LayerSpec],
+    *,
+    optimizer: str,
+    groups: list[dict[str, Any]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """`optimizer_state`'s tensors and metadata from ZeRO's whole per-parameter state
+    (`ShardedOptimizer.full_state`, or FSDP's gathered): the reference's class name and its
+    groups' hyper-parameters, so a ZeRO-0 run loads it as its own."""
+    tensors: dict[str, torch.Tensor] = {}
+    state_keys: dict[str, list[str]] = {}
+    scalars: dict[str, str] = {}
+    for name, param in module.named_parameters():
+        if canonical_name(specs, name) != name or id(param) not in states:
+            continue
+        state_keys[name] = []
+        for key, value in sorted(states[id(param)].items()):
+            tensor, kind = _state_tensor(f"{name}.{key}", value)
+            tensors[f"{name}.{key}"] = tensor
+            state_keys[name].append(key)
+            if kind is not None:
+                scalars[f"{name}.{key}"] = kind
+    meta = {
+        "optimizer": optimizer,
+        "param_groups": groups,
+        "state_keys": state_keys,
+        "scalars": scalars,
+    }
+    return tensors, meta
+
+
+def read_sharded_state(
+    sharded: ShardedOptimizer, modules: Iterable[nn.Module], specs: Sequence[LayerSpec], source: Any
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The stored state of every parameter ZeRO shards (by parameter id) and the stored
+    hyper-parameters of the reference's groups, from any layout's optimizer index."""
+    meta, where = source.metadata, str(source.index_path)
+    ours = type(sharded.optimizer).__name__
+    if meta.get("optimizer") != ours:
+        saved = meta.get("optimizer")
+        raise CheckpointError(f"{where} holds {saved} state but the run uses {ours}")
+    groups = meta.get("param_groups")
+    expected = len(sharded.reference_groups())
+    if not isinstance(groups, list) or len(groups) != expected:
+        raise CheckpointError(f"{where} has no {expected} parameter groups as the run's {ours}")
+    state_keys: dict[str, list[str]] = meta.get("state_keys", {})
+    scalars: dict[str, str] = meta.get("scalars", {})
+    mine = {id(p) for p in sharded.params}
+    state: dict[int, dict[str, Any]] = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in mine:
+                continue
+            stored = canonical_name(specs, name)
+            if stored not in state_keys:
+                raise CheckpointError(f"{where} holds no optimizer state for {stored!r}")
+            entry = {}
+            for key in state_keys[stored]:
+                tensor = source.get(f"{stored}.{key}")
+                if tensor.dim() and tensor.shape != param.shape:
+                    raise CheckpointError(
+                        f"{source.where(f'{stored}.{key}')}: tensor {stored}.{key} has shape "
+                        f"{tuple(tensor.shape)} but {name!r} has {tuple(param.shape)}"
+                    )
+                entry[key] = _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
+            state[id(param)] = entry
+    return state, [_from_json(g) for g in groups]
+
+
+def gathered(
+    params: Iterable[nn.Parameter], optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]]]:
+    """ZeRO-3: every parameter and its optimizer state whole, by parameter id (a collective
+    all-gather of each DTensor shard over the replicas; every rank must call it alike)."""
+    masters: dict[int, torch.Tensor] = {}
+    states: dict[int, dict[str, Any]] = {}
+    for param in params:
+        masters[id(param)] = _whole(param.detach())
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        states[id(param)] = {key: _whole(value) for key, value in sorted(state.items())}
+    return masters, states
+
+
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` placed as `param` is: its shard when `param` is a DTensor (ZeRO-3; no
+    communication, every rank holds the whole tensor), else `tensor` itself."""
+    if not isinstance(param, DTensor) or isinstance(tensor, DTensor) or tensor.shape != param.shape:
+        return tensor
+    return distribute_tensor(
+        tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+    )

@@ -41,11 +41,15 @@ class TiedWeights:
         Keys go in one order on every rank, so no two holders wait for each other crosswise."""
         for key in sorted(self.groups):
             param = self._params[key]
-            if param.grad is None:  # a holder whose copy got no gradient still takes part
-                param.grad = torch.zeros_like(param)
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            grad = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation view
+            if grad is None:
+                if param.grad is None:  # a holder whose copy got no gradient takes part
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            if isinstance(grad, DTensor):  # a tp or ZeRO-3 shard: summed in place
+                grad = grad.to_local()
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
-                dist.all_reduce(grad, group=self.groups[key])  # a tp shard: summed in place
+                dist.all_reduce(grad, group=self.groups[key])
         return bool(self.groups)
 
 

@@ -5,7 +5,13 @@ one flat name for flags, DeepSpeed mapping and checkpoints (`engine.config.field
 """
 
 from engine.config.batch import BatchConfig
-from engine.config.engine_options import PRECISIONS, EngineOptions, recompute_groups
+from engine.config.engine_options import (
+    PRECISIONS,
+    ZERO_LEVELS,
+    EngineOptions,
+    check_zero_optimizer,
+    recompute_groups,
+)
 from engine.config.fields import FlatField, flat_fields, from_flat, replace_flat, require, to_flat
 from engine.config.layout import check_layout
 from engine.config.model import ModelChoice
@@ -29,6 +35,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "PRECISIONS",
+    "ZERO_LEVELS",
     "BatchConfig",
     "CheckpointConfig",
     "DataConfig",
@@ -42,6 +49,7 @@ __all__ = [
     "RunConfig",
     "ScheduleConfig",
     "check_layout",
+    "check_zero_optimizer",
     "flat_fields",
     "format_size",
     "from_flat",

@@ -7,9 +7,19 @@ from dataclasses import dataclass, field
 
 from engine.config.fields import flat, require
 
-__all__ = ["PRECISIONS", "EngineOptions", "parse_stages", "recompute_groups"]
+__all__ = [
+    "PRECISIONS",
+    "ZERO_LEVELS",
+    "EngineOptions",
+    "check_zero_optimizer",
+    "parse_stages",
+    "recompute_groups",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_LEVELS = (0, 1, 2, 3)
+"""0: nothing sharded; 1: fp32 masters and optimizer state; 2: and the fp32 gradients;
+3: and the weights (FSDP2)."""
 """fp32, or bf16 / fp16 autocast over fp32 master weights and gradients."""
 
 
@@ -45,13 +55,24 @@ def parse_stages(text: str | tuple[int, ...]) -> tuple[int, ...]:
         ) from None
 
 
+def check_zero_optimizer(zero: int, impl: str) -> None:
+    """The optimizer implementations a ZeRO level can step (a ValueError naming the fix)."""
+    require(
+        zero != 3 or impl == "per_tensor",
+        f"--zero 3 keeps every parameter as an FSDP2 shard (a DTensor), which the "
+        f"{impl!r} optimizer implementation cannot step: add --optimizer-impl per_tensor, or "
+        "use --zero 1 or 2",
+    )
+
+
 def _stages_text(stages: tuple[int, ...]) -> str:
     return ",".join(map(str, stages))
 
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """How each step computes. Recomputation and ZeRO-1 leave the numbers as they are;
+    """How each step computes. Recomputation and ZeRO leave the numbers as they are (up to the
+    order of the data-parallel sum);
     precision, clipping and the guard's skipped steps change them, as they would in one process."""
 
     precision: str = "fp32"
@@ -65,7 +86,14 @@ class EngineOptions:
     )
     """Stages the recompute policy applies to (comma-separated, such as 0,1); all by default."""
     zero: int = 0
-    """1 shards the optimizer state over the data-parallel replicas (ZeRO-1)."""
+    """What each stage shards over its data-parallel replicas. 0: nothing (fp32 weights,
+    gradients all-reduced). 1: the fp32 master weights and optimizer state (each replica steps
+    its 1/dp shard); under bf16/fp16 the Linear weights are kept only in the compute dtype,
+    their gradients accumulate in fp32 buffers that are all-reduced, and the updated weights
+    are all-gathered after the step. 2: as 1, and the gradients are reduce-scattered: each
+    replica keeps only its shard's fp32 gradient between steps. 3: everything (torch FSDP2,
+    one unit per layer): each replica keeps 1/dp of the fp32 weights, gradients and optimizer
+    state, and a layer is gathered in the compute dtype once per step."""
     compile: bool = False
     """torch.compile each layer (regional compilation: one graph per layer class, reused by
     every block): fuses the norms, rotary and activations eager runs as separate kernels;
@@ -93,7 +121,11 @@ class EngineOptions:
                 f"--recompute-stages {stages} has nothing to apply: --recompute is none; add "
                 "--recompute full (or every:N), or drop --recompute-stages"
             )
-        require(self.zero in (0, 1), f"zero={self.zero}: meshpipe supports ZeRO stage 0 or 1")
+        require(
+            self.zero in ZERO_LEVELS,
+            f"zero={self.zero}: choose a ZeRO level among "
+            f"{', '.join(map(str, ZERO_LEVELS))} (see --zero's help for what each shards)",
+        )
 
     def recompute_of(self, stage: int) -> str:
         """The recompute policy `stage` runs."""

@@ -41,6 +41,7 @@ from engine.memory.replay import (
     in_flight,
     stage_actions,
 )
+from engine.memory.sharding import sharded_states, sharded_step_peak
 from engine.memory.states import (
     OPTIMIZER_IMPLS,
     ParamInfo,
@@ -168,11 +169,14 @@ class StageMemory:
     parameters: int
     """Parameter count (a weight shared inside the stage counts once)."""
     weights: int
-    """fp32 parameters: under bf16/fp16 they are the master weights autocast casts from."""
+    """Kept across steps: fp32 parameters (under bf16/fp16 the masters autocast casts from);
+    under ZeRO-1/2 the working weights (Linears in the compute dtype), under ZeRO-3 the fp32
+    shards (`engine.memory.sharding`)."""
     gradients: int
-    """fp32 gradients; the step's first backward allocates them, so `step_peak` holds them."""
+    """fp32 gradients while the step accumulates; the step's backwards allocate them, so
+    `step_peak` holds them."""
     optimizer: int
-    """AdamW's two fp32 states (ZeRO-1: the largest replica's shard)."""
+    """AdamW's two fp32 states; under ZeRO this replica's shard of them and of the masters."""
     recompute: str
     """The stage's recompute policy."""
     kept_per_micro_batch: int
@@ -373,6 +377,17 @@ def _step_peak(
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
+    if layout.states.zero:
+        return sharded_step_peak(
+            sharded_states(params, layout.states, precision=config.engine.precision),
+            layout.states,
+            params,
+            peak=peak,
+            live_end=live,
+            held=held,
+            cached=cached,
+            precision=config.engine.precision,
+        )
     after = tail_peak(params, live_end=live, held=held, cached=cached, states=layout.states)
     return max(peak, after)
 
@@ -406,6 +421,23 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     )
 
 
+def _states(config: MemoryConfig, layout: Layout, params: Sequence[ParamInfo]) -> dict[str, int]:
+    """Weights, gradients and optimizer bytes of one replica's `params`."""
+    if layout.states.zero:
+        sharded = sharded_states(params, layout.states, precision=config.engine.precision)
+        return {
+            "weights": sharded.weights,
+            "gradients": sharded.gradients,
+            "optimizer": sharded.optimizer,
+        }
+    fp32 = sum(round_up(4 * p.numel, layout.block) for p in params)
+    return {
+        "weights": fp32,
+        "gradients": fp32,
+        "optimizer": optimizer_bytes(params, layout.states),
+    }
+
+
 def stage_memory(
     config: MemoryConfig,
     layout: Layout,
@@ -423,9 +455,7 @@ def stage_memory(
         rank=layout.schedule.rank_of(stage),
         layers=(layers.start, layers.stop),
         parameters=sum(p.numel for p in params),
-        weights=sum(round_up(4 * p.numel, layout.block) for p in params),
-        gradients=sum(round_up(4 * p.numel, layout.block) for p in params),
-        optimizer=optimizer_bytes(params, layout.states),
+        **_states(config, layout, params),
         recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
         weight_copies=weight_copies,

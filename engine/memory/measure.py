@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config import require
 from engine.memory.estimate import (
     Layout,
     MemoryConfig,
@@ -218,6 +219,12 @@ def check_measurable(config: MemoryConfig) -> None:
             f"--measure runs one replica in one process, so dp={config.parallel.dp}'s "
             "all-reduce cannot run: measure with --dp 1 (the estimate models dp > 1)"
         )
+    if config.engine.zero:
+        raise ValueError(
+            f"--measure with --zero {config.engine.zero}: the measured run steps an unsharded "
+            "optimizer; ZeRO's states are modelled from shapes (engine.memory.sharding): "
+            "measure with --zero 0"
+        )
     if config.parallel.tp > 1:
         raise ValueError(
             f"--measure runs one process, so --tp {config.parallel.tp}'s DTensor collectives "
@@ -246,6 +253,10 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
     layout = resolve(config)
     if not fake:
         check_measurable(config)
+    require(
+        not config.engine.zero,
+        "a measured or fake-replayed run steps an unsharded optimizer: replay with --zero 0",
+    )
     context = fake_device(cuda=config.device == "cuda") if fake else contextlib.nullcontext()
     with context:
         measured = {

@@ -1,6 +1,9 @@
 """What shards a stage across ranks: tensor-parallel plans (DTensor) over the mesh's `tp`
-dimension (the ZeRO levels over `dp` live here too)."""
+dimension; over its `dp` replicas, ZeRO-1/2 flat buffers with sharded fp32 masters and
+optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2."""
 
+from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
+from engine.parallel.fsdp import FullyShardedLayers, shard_layers
 from engine.parallel.tensor_parallel import (
     SequenceShards,
     align_gradients,
@@ -13,15 +16,23 @@ from engine.parallel.tensor_parallel import (
     sharded_loss_scope,
     split_gradient_norms,
 )
+from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
 
 __all__ = [
+    "FlatGroup",
+    "FullyShardedLayers",
+    "OptimizerBuilder",
     "SequenceShards",
+    "ShardedOptimizer",
+    "add_into_main_grad",
     "align_gradients",
     "as_gradient_of",
     "build_sharded_layers",
+    "castable_linear_params",
     "full_tensor",
     "local_tensor",
     "parallelize_layers",
+    "shard_layers",
     "shard_like",
     "sharded_loss_scope",
     "split_gradient_norms",

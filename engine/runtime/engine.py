@@ -24,13 +24,19 @@ from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
-from engine.config import EngineOptions, OptimizerSpec
-from engine.parallel import SequenceShards, align_gradients
+from engine.config import EngineOptions, OptimizerSpec, check_zero_optimizer
+from engine.parallel import (
+    FullyShardedLayers,
+    SequenceShards,
+    ShardedOptimizer,
+    align_gradients,
+    shard_layers,
+)
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
-from engine.runtime.optim import build_from_spec
-from engine.runtime.precision import LossScaler, step_casts
+from engine.runtime.optim import build_from_spec, build_sharded
+from engine.runtime.precision import LossScaler, compute_dtype, step_casts
 from engine.runtime.stage import PipelineStage
 from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
@@ -87,6 +93,8 @@ class PipelineEngine:
         self.reports = self._build_reports(partition)
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self.ties = self._build_ties(specs, partition)
+        self.sharded: ShardedOptimizer | None = None
+        """ZeRO-1/2: the flat buffers, sharded masters and their optimizer (`engine.parallel`)."""
         self.optimizer = self._build_optimizer(optimizer)
         self._previous_figures: Callable[[], tuple[float, float]] | None = None
         self.gradients = StepGradients(
@@ -94,6 +102,8 @@ class PipelineEngine:
             specs,
             group=mesh.pp_group if mesh.pp > 1 else None,
             clip_grad_norm=self.options.clip_grad_norm,
+            sharded=self.sharded,
+            dp_group=self.mesh.dp_group if self.fsdp is not None else None,
         )
         self.scaler = LossScaler() if self.options.precision == "fp16" else None
         self.skipped_steps = 0
@@ -124,10 +134,29 @@ class PipelineEngine:
             for stage in stages.values():
                 stage.enable_split_backward()
         share_local_ties(specs, list(stages.values()))
+        self.fsdp: FullyShardedLayers | None = None
+        """ZeRO-3: this rank's layers, each fully sharded over the stage's replicas."""
+        if options.zero == 3:
+            self.fsdp = self._fully_shard(stages)
         return stages
 
-    def _global_rank_of_stage(self, stage: int) -> int:
-        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage))
+    def _fully_shard(self, stages: dict[int, PipelineStage]) -> FullyShardedLayers:
+        mesh = self.mesh.device_mesh
+        if mesh is None:
+            raise ValueError(
+                "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
+                "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
+                "zero=0, 1 or 2 in one process"
+            )
+        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
+        _check_unshared(layers, self.mesh.pp_rank)
+        for stage in stages.values():
+            stage.drop_weight_copies()
+        dtype = compute_dtype(self.options.precision)
+        return FullyShardedLayers(shard_layers(layers, mesh["dp"], dtype))
+
+    def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
+        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
 
     def _build_exchange(self, partition: Partition) -> StageExchange:
         return StageExchange(
@@ -179,12 +208,26 @@ class PipelineEngine:
     ) -> torch.optim.Optimizer | None:
         if optimizer is None:
             return None
+        zero = self.options.zero
+        if isinstance(optimizer, OptimizerSpec) and zero in (1, 2):
+            self.sharded = build_sharded(
+                optimizer,
+                self.module,
+                level=zero,
+                dtype=compute_dtype(self.options.precision),
+                group=self.mesh.dp_group,
+                dp=self.mesh.dp,
+                dp_rank=self.mesh.dp_rank,
+            )
+            return self.sharded.optimizer
         if isinstance(optimizer, OptimizerSpec):
-            zero_group = self.mesh.dp_group if self.options.zero and self.mesh.dp > 1 else None
-            return build_from_spec(optimizer, self.module, zero_group=zero_group)
-        if self.options.zero:
+            check_zero_optimizer(zero, optimizer.impl)
+            return build_from_spec(optimizer, self.module)  # on FSDP's shards under ZeRO-3
+        if zero:
             raise ValueError(
-                "ZeRO-1 shards the optimizer, so it needs an OptimizerSpec, not a factory"
+                f"zero={zero} shards the optimizer's state over flat buffers it builds itself, "
+                "so it needs an OptimizerSpec, not an optimizer factory: pass "
+                "optimizer=OptimizerSpec(...), or zero=0 with the factory"
             )
         return optimizer(self.module)
 
@@ -210,8 +253,13 @@ class PipelineEngine:
         Only the first stage needs `inputs` and only the last needs `targets`; other ranks may
         pass None. The returned loss is the global batch's mean, on every rank.
         """
-        for param in self.module.parameters():
-            param.grad = None
+        if self.sharded is not None:
+            self.sharded.begin_step()
+        else:
+            for param in self.module.parameters():
+                param.grad = None
+        if self.fsdp is not None:
+            self.fsdp.begin_step()
         origin = time.perf_counter()
         timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
         step_s = time.perf_counter() - origin
@@ -252,7 +300,9 @@ class PipelineEngine:
     def _optimizer_step(self, skipped: bool) -> float:
         """Step (unless skipped) and update fp16's loss scale; returns the scale this step
         used (1 without one)."""
-        if self.optimizer is not None and not skipped:
+        if self.sharded is not None and not skipped:
+            self.sharded.step()
+        elif self.optimizer is not None and not skipped:
             self.optimizer.step()
         if self.scaler is None:
             return 1.0
@@ -263,15 +313,24 @@ class PipelineEngine:
     def _finish_dp_reduction(self, origin: float) -> list[tuple[str, float, float]]:
         """Wait for the data-parallel gradient sum the stage's last backward started; its window
         as a phase of the step when there are replicas."""
-        with naming_failures("the data-parallel gradient all-reduce", timeout_s=self.timeout_s):
-            self._dp_reduce.finish()
-        window = self._dp_reduce.window
+        if self._ties_before_reduction:
+            assert self.sharded is not None
+            self.ties.sum_gradients()
+            self.sharded.start_reduction()
+        with naming_failures("the data-parallel gradient reduction", timeout_s=self.timeout_s):
+            if self.sharded is not None:
+                self.sharded.finish_reduction()
+            else:
+                self._dp_reduce.finish()
+        window = self._dp_reduce.window if self.sharded is None else self.sharded.window
         if window is None or self.mesh.dp == 1:
             return []
         return [("dp all-reduce", window[0] - origin, window[1] - origin)]
 
     def _sum_tied_weights(self, origin: float) -> list[tuple[str, float, float]]:
         start = time.perf_counter()
+        if self._ties_before_reduction:
+            return []  # summed before the dp reduction (`_finish_dp_reduction`)
         if not self.ties.sum_gradients():
             return []
         return [("tied sum", start - origin, time.perf_counter() - origin)]
@@ -300,9 +359,13 @@ class PipelineEngine:
 
     def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
         """Forward-only loss of a batch, on every rank."""
-        return self._run(
-            self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
-        )[1]
+        try:
+            return self._run(
+                self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
+            )[1]
+        finally:
+            if self.fsdp is not None:
+                self.fsdp.reshard()
 
     def _run(
         self,
@@ -353,6 +416,12 @@ class PipelineEngine:
                 align_gradients(params)
                 reduce()
 
+        if self.fsdp is not None:
+            dp_reduce = self.fsdp.reduce_gradients
+        if self.sharded is not None:
+            dp_reduce = self.sharded.start_reduction
+            if self._ties_before_reduction:
+                dp_reduce = lambda: None  # noqa: E731 - started after the tied sum
         return StepContext(
             stages=self.stages,
             row=schedule.rows[self.mesh.pp_rank],
@@ -366,6 +435,14 @@ class PipelineEngine:
             gradients_final=dp_reduce,
             shards=self._shards,
         )
+
+    @property
+    def _ties_before_reduction(self) -> bool:
+        """ZeRO-2 keeps only a shard of each gradient after its reduce-scatter, so weights
+        tied across pipeline ranks are summed over their holders first (within a replica),
+        once the whole schedule ran (a holder's last backward may wait on a peer's), and only
+        then does the reduction start: such a stage does not overlap it with the drain."""
+        return self.sharded is not None and self.sharded.level == 2 and bool(self.ties.groups)
 
     def _global_loss(self) -> float:
         loss = self.reports.loss().clone()
@@ -416,6 +493,21 @@ def _check_tensor_parallel(mesh: Mesh, options: EngineOptions) -> None:
                 f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled and without "
                 "ZeRO for now; drop it or use tp=1"
             )
+
+
+def _check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
+    """ZeRO-3 shards each layer on its own: a weight two layers of one rank share (a tie held
+    in one rank) would be sharded twice."""
+    owner: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for param in layer.parameters():
+            if owner.setdefault(id(param), index) != index:
+                raise ValueError(
+                    f"zero=3 shards every layer on its own, but two layers on pipeline rank "
+                    f"{pp_rank} share a tied weight (such as GPT's embedding and head in one "
+                    "rank's stages): place them on different pipeline ranks (more --pp, "
+                    "another --partition or no V-shaped placement), untie them, or use --zero 2"
+                )
 
 
 def _check_layout(

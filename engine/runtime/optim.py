@@ -1,4 +1,5 @@
-"""Optimizers: plain, or with state sharded over the data-parallel replicas (ZeRO-1).
+"""Optimizers: plain, or with masters and state sharded over the data-parallel replicas
+(ZeRO-1/2, `engine.parallel`).
 
 Weight decay applies to matrices only (not to norms, biases or other 1-D parameters), as in
 GPT-2 and Llama training recipes. Every implementation updates each tensor on its own, so a
@@ -15,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import OptimizerSpec
+from engine.parallel import ShardedOptimizer
 
-__all__ = ["build_from_spec", "build_optimizer"]
+__all__ = ["build_from_spec", "build_optimizer", "build_sharded"]
 
 
 def _param_groups(
@@ -72,27 +74,41 @@ def build_optimizer(
     return cls(_param_groups(module.named_parameters(), weight_decay), lr=lr, **kwargs)
 
 
-def build_from_spec(
-    spec: OptimizerSpec, module: nn.Module, *, zero_group: dist.ProcessGroup | None = None
-) -> torch.optim.Optimizer:
-    """The optimizer; with `zero_group`, torch's ZeroRedundancyOptimizer sharding its
-    state over that group (each replica keeps 1/dp of the moments, then broadcasts the
-    parameters it updated)."""
-    if zero_group is None:
-        return build_optimizer(
-            module,
-            name=spec.name,
-            lr=spec.lr,
-            weight_decay=spec.weight_decay,
-            betas=spec.betas,
-            momentum=spec.momentum,
-            impl=spec.impl,
-            eps=spec.eps,
-        )
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # slow import: only here
+def build_from_spec(spec: OptimizerSpec, module: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `spec` describes, over `module`'s parameters."""
+    return build_optimizer(
+        module,
+        name=spec.name,
+        lr=spec.lr,
+        weight_decay=spec.weight_decay,
+        betas=spec.betas,
+        momentum=spec.momentum,
+        impl=spec.impl,
+        eps=spec.eps,
+    )
 
+
+def build_sharded(
+    spec: OptimizerSpec,
+    module: nn.Module,
+    *,
+    level: int,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None,
+    dp: int,
+    dp_rank: int,
+) -> ShardedOptimizer:
+    """ZeRO-`level` (1 or 2) over `group`: the same optimizer class and groups as
+    `build_from_spec`, stepping this rank's flat master shards."""
     cls, kwargs = _optimizer_class(spec.name, spec.impl, spec.betas, spec.momentum, spec.eps)
     groups = _param_groups(module.named_parameters(), spec.weight_decay)
-    return ZeroRedundancyOptimizer(
-        groups, optimizer_class=cls, process_group=zero_group, lr=spec.lr, **kwargs
+    return ShardedOptimizer(
+        module,
+        groups,
+        lambda inner: cls(inner, lr=spec.lr, **kwargs),  # type: ignore[no-any-return]
+        level=level,
+        dtype=dtype,
+        group=group,
+        dp=dp,
+        dp_rank=dp_rank,
     )

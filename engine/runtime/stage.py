@@ -110,6 +110,11 @@ class PipelineStage:
         self.peak_in_flight = 0
         self.peak_pending_w = 0
 
+    def drop_weight_copies(self) -> None:
+        """No per-step low-precision copies: FSDP (ZeRO-3) gathers every weight in the
+        compute dtype itself."""
+        self._copies = None
+
     def enable_split_backward(self) -> None:
         """Prepare the split backward: I now, the weight GEMMs later in W.
 
@@ -381,9 +386,14 @@ class PipelineStage:
 
 def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
     """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would (a
-    low-precision copy's gradient widened by the add, as `WeightCopies` does)."""
+    low-precision copy's gradient widened by the add, as `WeightCopies` does), or into its
+    fp32 `main_grad` under ZeRO (`engine.parallel`)."""
     for param, value in zip(params, values, strict=True):
         if value is None:
+            continue
+        main = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation buffer
+        if main is not None:
+            main.add_(value)
             continue
         value = as_gradient_of(param, value)
         if param.grad is None:

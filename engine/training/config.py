@@ -24,6 +24,7 @@ from engine.config import (
     RunConfig,
     ScheduleConfig,
     check_layout,
+    check_zero_optimizer,
     from_flat,
     require,
     to_flat,
@@ -63,6 +64,7 @@ class TrainConfig:
             batch=self.batch,
             engine=self.engine,
         )
+        check_zero_optimizer(self.engine.zero, self.optimizer.impl)
         require(
             self.parallel.tp == 1 or self.optimizer.impl != "deepspeed_cpu",
             f"--tp {self.parallel.tp} with --optimizer-impl deepspeed_cpu: DeepSpeed's CPU Adam "

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.config.engine_options import ZERO_LEVELS
 from engine.config.optimizer import check_scheduler_params, no_auto
 
 __all__ = [
@@ -217,9 +218,10 @@ def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> d
         fields["seed"] = _number(cfg["seed"], "seed", int)
     if "zero_optimization" in cfg:
         stage = _number(cfg["zero_optimization"].get("stage", 0), "zero_optimization.stage", int)
-        if stage > 1:
+        if stage not in ZERO_LEVELS:
+            levels = ", ".join(map(str, ZERO_LEVELS))
             raise ValueError(
-                f"zero_optimization.stage={stage}: meshpipe supports ZeRO stage 0 or 1"
+                f"zero_optimization.stage={stage}: meshpipe supports ZeRO stages {levels}"
             )
         fields["zero"] = stage
     if "partition_method" in cfg.get("pipeline", {}):

@@ -84,7 +84,7 @@ class Case:
             + (f"-clip{self.clip}" if self.clip else "")
             + (f"-{self.precision}" if self.precision != "fp32" else "")
             + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
-            + ("-zero1" if self.zero else "")
+            + (f"-zero{self.zero}" if self.zero else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
             + (f"-tp{self.tp}" if self.tp > 1 else "")
@@ -105,9 +105,8 @@ def _optimizer(case: Case) -> OptimizerSpec:
     """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
     normalises gradients that are mathematically zero (attention's key bias) and turns their
     last-bit noise into lr-sized steps."""
-    return OptimizerSpec(
-        name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9, impl=case.optimizer_impl
-    )
+    impl = "per_tensor" if case.zero == 3 else case.optimizer_impl  # FSDP2 shards: no fused
+    return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9, impl=impl)
 
 
 def _poison(engine: PipelineEngine, case: Case, step: int) -> None:
@@ -176,6 +175,13 @@ def run_case(case: Case) -> dict[str, Any]:
     local_shapes = {
         n.split(".", 1)[1]: tuple(local_tensor(p).shape) for n, p in engine.module.named_parameters()
     }
+    if engine.sharded is not None:  # the fp32 masters, not the low-precision working weights
+        masters = engine.sharded.full_masters()
+        named = engine.module.named_parameters()
+        params = {n: masters[id(p)].clone() for n, p in named}
+    zero_bytes = held_bytes(engine) if engine.sharded is not None else {}
+    if engine.fsdp is not None:
+        zero_bytes = fsdp_held_bytes(engine)
     engine.close()  # the next case's engine makes its own groups in this world
     return {
         "losses": losses,
@@ -192,6 +198,59 @@ def run_case(case: Case) -> dict[str, Any]:
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),
+        "zero_bytes": zero_bytes,
+    }
+
+
+def fsdp_held_bytes(engine: PipelineEngine) -> dict[str, float]:
+    """Bytes per parameter a ZeRO-3 rank holds between steps: the local shards of weights,
+    gradients and optimizer state (DTensors), over the whole stage's parameter count."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> int:
+        part = t.to_local() if isinstance(t, DTensor) else t
+        return part.numel() * part.element_size()
+
+    params = list(engine.module.parameters())
+    numel = sum(p.numel() for p in params)
+    optimizer = engine.optimizer
+    assert optimizer is not None
+    return {
+        "weights": sum(local(p) for p in params) / numel,
+        "gradients": sum(local(p.grad) for p in params if p.grad is not None) / numel,
+        "moments": sum(
+            local(t)
+            for p in params
+            for t in optimizer.state[p].values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        / numel,
+    }
+
+
+def held_bytes(engine: PipelineEngine) -> dict[str, float]:
+    """Bytes per low-precision parameter this rank holds after a step under ZeRO, by kind,
+    counted from the tensors themselves: weights, fp32 gradients, fp32 masters, moments."""
+    assert engine.sharded is not None
+    flats = [f for f in engine.sharded.flats if f.dtype != torch.float32]
+    numel = sum(f.numel for f in flats)
+    if not numel:
+        return {}
+    grads = [t for f in flats for t in (f.grads, f.shard_grad) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in grads}
+    optimizer = engine.optimizer
+    assert optimizer is not None
+    moments = sum(
+        t.numel() * t.element_size()
+        for f in flats
+        for t in optimizer.state[f.master].values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return {
+        "weights": sum(f.weights.numel() * f.weights.element_size() for f in flats) / numel,
+        "gradients": sum(storages.values()) / numel,
+        "masters": sum(f.master.numel() * f.master.element_size() for f in flats) / numel,
+        "moments": moments / numel,
     }
 
 

@@ -14,15 +14,12 @@ from safetensors.torch import load_file
 from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from engine.checkpoint.files import MODEL_INDEX, TensorReader
 from engine.cli.main import main
+from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
+from engine.runtime.optim import build_optimizer
 from engine.training.config import TrainConfig
 from engine.training.data import prepare
-from engine.runtime.engine import PipelineEngine
-from engine.comm.mesh import init_mesh
-from engine.config import OptimizerSpec
-from engine.runtime.optim import build_optimizer
-from engine.config import EngineOptions
 from engine.training.loop import KILL_AT_STEP_ENV, train
-from engine.checkpoint.weights import local_optimizer
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.harness import RanksFailed, run_ranks
@@ -77,10 +74,12 @@ def test_pp2_resume_equals_the_uninterrupted_run_bit_for_bit(
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_zero1_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
-    tmp_path: Path, tokens: str
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_sharded_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
+    tmp_path: Path, tokens: str, zero: int
 ) -> None:
-    run = {**RUN, "model": "gpt-tiny", "dp": 2, "zero": 1, "data": tokens}
+    run = {**RUN, "model": "llama-tiny", "dp": 2, "zero": zero, "data": tokens}
+    run["optimizer_impl"] = "per_tensor" if zero == 3 else "fused"
     losses = run_ranks(_train, 2, TrainConfig.of(**run, checkpoint_dir=str(tmp_path / "a")))[0]
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step-00000003", tmp_path / "b" / "step-00000003")
@@ -89,56 +88,8 @@ def test_a_zero1_dp2_resume_equals_the_uninterrupted_run_bit_for_bit(
     assert run_ranks(_train, 2, resumed) == [losses[3:], losses[3:]]
     before = _tensors(tmp_path / "a" / "step-00000006")
     after = _tensors(tmp_path / "b" / "step-00000006")
-    assert any(name.startswith("optim-stage000-dp001") for name in before)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-
-
-def _zero_engine(dp: int, *, zero: int, seed: int) -> PipelineEngine:
-    specs = layer_specs("gpt-tiny")
-    return PipelineEngine(
-        specs,
-        init_mesh(1, dp, timeout_s=60),
-        partition=partition_model(specs, method="uniform", num_stages=1, seq_len=16),
-        micro_batches=2,
-        seed=seed,
-        optimizer=OptimizerSpec(lr=1e-2),
-        timeout_s=60,
-        options=EngineOptions(zero=zero),
-    )
-
-
-def _moments(engine: PipelineEngine) -> dict[str, torch.Tensor]:
-    """The optimizer state this rank holds, by global parameter name."""
-    assert engine.optimizer is not None
-    owner = local_optimizer(engine.optimizer)
-    return {
-        f"{name}.{key}": value.clone()
-        for stage in engine.stages.values()
-        for name, param in stage.module.named_parameters()
-        for key, value in owner.state.get(param, {}).items()
-    }
-
-
-def _save_zero1_after_a_step(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
-    engine = _zero_engine(world_size, zero=1, seed=1)
-    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
-    rows = tokens[4 * rank : 4 * (rank + 1)]
-    engine.train_step(rows[:, :-1], rows[:, 1:])
-    save_checkpoint(engine, layer_specs("gpt-tiny"), root, state=TrainerState(step=1))
-    return _moments(engine)
-
-
-def test_a_zero1_checkpoint_loads_every_replicas_moments_into_one_unsharded_optimizer(
-    tmp_path: Path,
-) -> None:
-    owned = run_ranks(_save_zero1_after_a_step, 2, str(tmp_path))
-    assert owned[0] and owned[1] and not owned[0].keys() & owned[1].keys()
-    engine = _zero_engine(1, zero=0, seed=2)
-    load_checkpoint(engine, layer_specs("gpt-tiny"), tmp_path)
-    loaded, saved = _moments(engine), _merged(owned)
-    assert loaded.keys() == saved.keys()
-    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 def _engine(

@@ -194,7 +194,7 @@ def test_missing_batch_size_is_derived_from_the_other_two() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("zero_optimization", {"stage": 3}, "ZeRO stage 0 or 1"),
+        ("zero_optimization", {"stage": 4}, "ZeRO stages 0, 1, 2"),
         ("amp", {"enabled": True}, r"keys \['amp'\] are not supported"),
         ("optimizer", {"type": "Lamb"}, "optimizer type 'Lamb' is not supported"),
         ("scheduler", {"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
