@@ -406,16 +406,11 @@ def _check_tensor_parallel(mesh: Mesh, options: EngineOptions) -> None:
     """What a tensor-parallel stage cannot run yet (TrainConfig refuses it earlier, by flag)."""
     if mesh.tp == 1:
         return
-    refused = {
-        "compile": options.compile,
-        "ZeRO": bool(options.zero),
-    }
-    for what, bad in refused.items():
-        if bad:
-            raise ValueError(
-                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled and without "
-                "ZeRO for now; drop it or use tp=1"
-            )
+    if options.zero:
+        raise ValueError(
+            f"tp={mesh.tp} with ZeRO-{options.zero}: ZeRO does not shard tensor-parallel "
+            "(DTensor) stages yet; drop zero or use tp=1"
+        )
 
 
 def _check_layout(

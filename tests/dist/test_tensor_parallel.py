@@ -51,6 +51,8 @@ def _tp2(
 TP2 = [_tp2(model, 1, 1) for model in ("gpt-tiny", "llama")]
 # Recomputation re-runs the layers' collectives in backward; clipping needs the global norm.
 TP2 += [_tp2("llama", 1, 1, clip=0.5, recompute="full")]
+# Regional compilation of DTensor layers (the plans' hooks run inside each compiled layer).
+TP2 += [_tp2("llama", 1, 1, compile=True)]
 PP2_TP2 = [_tp2(model, 2, 1) for model in ("gpt-tiny", "llama")]
 # Two stages per rank (GPT's tied embedding and head on different ranks), and steps without
 # a barrier (the grad norm read late from every rank's per-parameter norms).
