@@ -49,12 +49,12 @@ def check_layout(
     require(not outside, f"recompute stages {outside} are outside 0..{stages - 1}")
     if parallel.tp > 1:
         check_tensor_parallel_shape(model.model, model.config(), parallel.tp)
-        _check_tensor_parallel_options(parallel, resolved, batch, engine)
+        _check_tensor_parallel_options(parallel, batch, engine)
     return resolved
 
 
 def _check_tensor_parallel_options(
-    parallel: ParallelConfig, resolved: Schedule, batch: BatchConfig, engine: EngineOptions
+    parallel: ParallelConfig, batch: BatchConfig, engine: EngineOptions
 ) -> None:
     """What tensor parallelism cannot run (yet), refused by name with the way out."""
     tp = parallel.tp
@@ -64,13 +64,8 @@ def _check_tensor_parallel_options(
         f"rank sends 1/{tp} of the activation, split along the sequence; use a --seq-len that "
         f"is a multiple of {tp}",
     )
-    refused = {
-        "--compile": engine.compile,
-        f"--zero {engine.zero}": bool(engine.zero),
-    }
-    for what, bad in refused.items():
-        require(
-            not bad,
-            f"--tp {tp} with {what}: tensor-parallel stages run uncompiled and without ZeRO "
-            f"for now; drop {what} or use --tp 1",
-        )
+    require(
+        not engine.zero,
+        f"--tp {tp} with --zero {engine.zero}: ZeRO does not shard tensor-parallel (DTensor) "
+        f"stages yet; drop --zero {engine.zero} or use --tp 1",
+    )

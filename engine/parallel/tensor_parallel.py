@@ -20,7 +20,7 @@ gradient norms counting every shard once, and the pipeline exchange of sequence 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,17 +168,20 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return cut.to_local()
 
 
-def align_gradients(params: Sequence[nn.Parameter]) -> None:
-    """Lay every gradient out as its parameter is. DTensor's backward may leave a sharded
-    weight's gradient replicated (the vocabulary-parallel embedding's does); the optimizer, the
-    data-parallel sum and tied-weight sums all work shard by shard. Replicate → Shard is a local
-    cut, no communication."""
+def align_gradients(
+    params: Sequence[nn.Parameter], *, then: Callable[[], None] = lambda: None
+) -> None:
+    """Lay every gradient out as its parameter is, then call `then` (the data-parallel sum).
+    DTensor's backward may leave a sharded weight's gradient replicated (the vocabulary-
+    parallel embedding's does); the optimizer, the data-parallel sum and tied-weight sums all
+    work shard by shard. Replicate → Shard is a local cut, no communication."""
     for param in params:
         grad = param.grad
         if not isinstance(param, DTensor) or not isinstance(grad, DTensor):
             continue
         if grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
+    then()
 
 
 def _is_sharded(tensor: torch.Tensor) -> bool:

@@ -77,7 +77,11 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        _check_tensor_parallel(mesh, self.options)
+        if mesh.tp > 1 and self.options.zero:
+            raise ValueError(
+                f"tp={mesh.tp} with ZeRO-{self.options.zero}: ZeRO does not shard tensor-"
+                "parallel (DTensor) stages yet; drop zero or use tp=1"
+            )
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
@@ -410,12 +414,9 @@ class PipelineEngine:
     def _step_context(self, schedule: Schedule) -> StepContext:
         dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
         if self.mesh.tp > 1:
-            params, reduce = list(self.module.parameters()), dp_reduce
-
-            def dp_reduce() -> None:
-                align_gradients(params)
-                reduce()
-
+            dp_reduce = functools.partial(
+                align_gradients, list(self.module.parameters()), then=dp_reduce
+            )
         if self.fsdp is not None:
             dp_reduce = self.fsdp.reduce_gradients
         if self.sharded is not None:
@@ -477,22 +478,6 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
-
-
-def _check_tensor_parallel(mesh: Mesh, options: EngineOptions) -> None:
-    """What a tensor-parallel stage cannot run yet (TrainConfig refuses it earlier, by flag)."""
-    if mesh.tp == 1:
-        return
-    refused = {
-        "compile": options.compile,
-        "ZeRO": bool(options.zero),
-    }
-    for what, bad in refused.items():
-        if bad:
-            raise ValueError(
-                f"tp={mesh.tp} with {what}: tensor-parallel stages run uncompiled and without "
-                "ZeRO for now; drop it or use tp=1"
-            )
 
 
 def _check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:

@@ -71,6 +71,7 @@ class Case:
     guard: bool = True
     tp: int = 1
     optimizer_impl: str = "fused"
+    compile: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -88,6 +89,7 @@ class Case:
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
             + (f"-tp{self.tp}" if self.tp > 1 else "")
+            + ("-compiled" if self.compile else "")
         )
 
 
@@ -147,6 +149,7 @@ def run_case(case: Case) -> dict[str, Any]:
             recompute=case.recompute,
             zero=case.zero,
             nonfinite_guard=case.guard,
+            compile=case.compile,
         ),
     )
     rows = case.global_batch // case.dp

@@ -51,6 +51,8 @@ def _tp2(
 TP2 = [_tp2(model, 1, 1) for model in ("gpt-tiny", "llama")]
 # Recomputation re-runs the layers' collectives in backward; clipping needs the global norm.
 TP2 += [_tp2("llama", 1, 1, clip=0.5, recompute="full")]
+# Regional compilation of DTensor layers (the plans' hooks run inside each compiled layer).
+TP2 += [_tp2("llama", 1, 1, compile=True)]
 PP2_TP2 = [_tp2(model, 2, 1) for model in ("gpt-tiny", "llama")]
 # Two stages per rank (GPT's tied embedding and head on different ranks), and steps without
 # a barrier (the grad norm read late from every rank's per-parameter norms).
@@ -69,7 +71,8 @@ LOW_PRECISION = [_tp2("gpt-tiny", 1, 1, precision="fp16")]
 PP2_LOW_PRECISION = [_tp2(model, 2, 1, precision="bf16") for model in ("gpt-tiny", "llama")]
 SPLIT += [_tp2("llama", 2, 1, "zb_drain", 4, guard=False, precision="bf16")]
 PP2_LOW_PRECISION += SPLIT[1:]
-WORLDS = ((2, TP2 + LOW_PRECISION), (4, PP2_TP2 + PP2_LOW_PRECISION), (8, GRID))
+NAN = [_tp2("gpt-untied", 2, 1, nan_at_step=1)]  # stage 0's output poisoned in step 1
+WORLDS = ((2, TP2 + LOW_PRECISION), (4, PP2_TP2 + PP2_LOW_PRECISION + NAN), (8, GRID))
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
 
@@ -138,6 +141,12 @@ def test_the_global_gradient_norm_counts_every_shard_once(
     reference = reference_run(case)["grad_norms"]
     for rank in runs[str(case)]:
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
+
+
+def test_a_non_finite_step_is_skipped_by_every_stage_and_tp_rank_together(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    assert [rank["skipped"] for rank in runs[str(NAN[0])]] == [[False, True]] * 4
 
 
 @pytest.mark.parametrize("case", SPLIT, ids=str)

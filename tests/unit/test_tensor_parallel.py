@@ -104,7 +104,6 @@ def test_tp_not_dividing_the_vocabulary_is_refused() -> None:
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        ({"compile": True}, "--compile"),
         ({"zero": 1, "dp": 2}, "--zero 1"),
         ({"pp": 2, "seq_len": 33}, "--seq-len 33"),
         ({"optimizer_impl": "deepspeed_cpu"}, "--optimizer-impl deepspeed_cpu"),
