@@ -7,6 +7,7 @@ Layers: token + learned position embedding, `n_layer` pre-LN blocks, final Layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -52,6 +53,9 @@ class GPTEmbedding(nn.Module):
     """Token plus learned position embedding."""
 
     residual_params: tuple[str, ...] = ()
+    tp_plan: ClassVar[dict[str, str]] = {"wte": "vocab_embedding"}
+    """How tensor parallelism splits the layer: submodule → role (`colwise`, `rowwise`,
+    `vocab_embedding`, `vocab_head`; "" is the layer itself); the rest stays replicated."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -77,6 +81,14 @@ class GPTBlock(nn.Module):
     """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     residual_params: tuple[str, ...] = ("attn.o_proj.weight", "mlp.proj.weight")
+    tp_plan: ClassVar[dict[str, str]] = {
+        "attn.q_proj": "colwise",
+        "attn.k_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "attn.o_proj": "rowwise",
+        "mlp.fc": "colwise",
+        "mlp.proj": "rowwise",
+    }
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -120,6 +132,7 @@ class GPTHead(nn.Linear):
     """
 
     residual_params: tuple[str, ...] = ()
+    tp_plan: ClassVar[dict[str, str]] = {"": "vocab_head"}
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config.d_model, config.vocab_size, bias=False)

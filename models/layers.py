@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -97,12 +98,21 @@ def param_seed(seed: int, index: int | str, name: str) -> int:
     return zlib.crc32(key) | (zlib.adler32(key) << 32)
 
 
-def init_layer(module: nn.Module, spec: LayerSpec, *, seed: int, index: int) -> None:
+def init_layer(
+    module: nn.Module,
+    spec: LayerSpec,
+    *,
+    seed: int,
+    index: int,
+    write: Callable[[nn.Parameter, torch.Tensor], None] | None = None,
+) -> None:
     """Initialise a materialised layer in place, deterministically per parameter.
 
     Values are drawn on the CPU with a per-parameter generator and copied to the module's
     device, so CPU and CUDA builds start from identical weights. A tied parameter is seeded by
-    its tie key instead of its layer index, so all copies of it are equal.
+    its tie key instead of its layer index, so all copies of it are equal. `write` puts a
+    parameter's drawn values (always its full shape) into it; by default a copy, for a sharded
+    parameter the caller's cut of its own slice.
     """
     residual = set(getattr(module, "residual_params", ()))
     n_layer = int(spec.config.n_layer)
@@ -118,7 +128,10 @@ def init_layer(module: nn.Module, spec: LayerSpec, *, seed: int, index: int) -> 
             std = INIT_STD / math.sqrt(2 * n_layer) if name in residual else INIT_STD
             values.normal_(0.0, std, generator=generator)
         with torch.no_grad():
-            param.copy_(values)
+            if write is None:
+                param.copy_(values)
+            else:
+                write(param, values)
 
 
 def block_flops(module: nn.Module, d_model: int, batch_size: int, seq_len: int) -> int:
@@ -171,14 +184,16 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Head counts come from the projections' outputs, not from the config: under tensor
+        parallelism each rank's q/k/v hold only its share of the heads."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
             cos, sin = rotary_embedding(seq, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        gqa = self.n_kv_head != self.n_head
+        gqa = k.shape[1] != q.shape[1]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 

@@ -8,6 +8,7 @@ SwiGLU MLP), final RMSNorm, untied LM head. Parameter names follow Hugging Face'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ class LlamaEmbedding(nn.Module):
     """Token embedding (positions enter through rotary attention)."""
 
     residual_params: tuple[str, ...] = ()
+    tp_plan: ClassVar[dict[str, str]] = {"embed_tokens": "vocab_embedding"}
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -84,6 +86,15 @@ class LlamaBlock(nn.Module):
     """x + attn(rmsnorm(x)), then x + mlp(rmsnorm(x))."""
 
     residual_params: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    tp_plan: ClassVar[dict[str, str]] = {
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -127,6 +138,7 @@ class LlamaHead(nn.Module):
     """Untied projection onto the vocabulary."""
 
     residual_params: tuple[str, ...] = ()
+    tp_plan: ClassVar[dict[str, str]] = {"lm_head": "vocab_head"}
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -37,6 +37,7 @@ from engine.checkpoint.rng_state import restore_rng
 from engine.checkpoint.weights import (
     TensorSource,
     check_names,
+    copy_into,
     like,
     read_module_weights,
     read_optimizer_state,
@@ -70,7 +71,7 @@ class _Staged:
             return
         with torch.no_grad():
             for param, tensor in self.weights:
-                param.copy_(like(param, tensor))
+                copy_into(param, tensor)
         if self.optimizer is not None and engine.optimizer is not None:
             engine.optimizer.load_state_dict(_placed(engine.optimizer, self.optimizer))
         if self.rng is not None:
@@ -100,7 +101,8 @@ def _check_model(trainer: dict[str, Any], specs: Sequence[LayerSpec], directory:
 
 def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) -> Any:
     layout = trainer.get("layout", {})
-    if (layout.get("pp"), layout.get("dp")) != (engine.mesh.pp, engine.mesh.dp):
+    saved = (layout.get("pp"), layout.get("dp"), layout.get("tp", 1))
+    if saved != (engine.mesh.pp, engine.mesh.dp, engine.mesh.tp):
         return None
     name = f"rng-rank{engine.mesh.rank:05d}.json"
     want = trainer.get("rng", {}).get(name)
@@ -198,4 +200,4 @@ def load_model_weights(
         return
     with torch.no_grad():
         for param, tensor in pairs:
-            param.copy_(like(param, tensor))
+            copy_into(param, tensor)

@@ -3,7 +3,7 @@
 Training consumes no randomness today (no dropout; batches come from (seed, step)), but any
 future sampling must not make a resume diverge silently: torch (CPU and every CUDA device),
 NumPy's global generator and Python's `random` are saved per rank and restored when the
-resumed run has the same pp × dp layout.
+resumed run has the same pp × dp × tp layout.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
     rng = tmp / f"rng-rank{engine.mesh.rank:05d}.json"
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
-    first_replica = engine.mesh.dp_rank == 0
+    first_replica = engine.mesh.dp_rank == 0 and engine.mesh.tp_rank == 0
     masters, states, optimizer, groups = _whole_state(engine)  # collective over dp
 
     for s, stage in engine.stages.items():
@@ -122,6 +122,8 @@ def _write_optimizer(
     if not sharded and engine.mesh.dp_rank != 0:
         return
     tensors, meta = optimizer_state(optimizer, engine.stages[s].module, specs)
+    if engine.mesh.tp_rank != 0:  # it took part in gathering the tp shards; rank 0 writes
+        return
     if tensors:
         dp = f"-dp{engine.mesh.dp_rank:03d}" if sharded else ""
         report["optim"].append(write_shard(tmp, f"optim-stage{s:03d}{dp}.safetensors", tensors))
@@ -178,7 +180,12 @@ def _finish(
         "skipped_steps": state.skipped_steps,
         "model": model_config_dict(specs[0].config),
         "partition": _write_indexes(tmp, reports, state.step),
-        "layout": {"pp": engine.mesh.pp, "dp": engine.mesh.dp, "schedule": engine.schedule.name},
+        "layout": {
+            "pp": engine.mesh.pp,
+            "dp": engine.mesh.dp,
+            "tp": engine.mesh.tp,
+            "schedule": engine.schedule.name,
+        },
         "rng": dict(report["rng"] for report in reports),
         "torch": torch.__version__,
     }

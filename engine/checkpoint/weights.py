@@ -17,12 +17,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.checkpoint.files import CheckpointError, canonical_name, expected_names
-from engine.parallel import ShardedOptimizer
+from engine.parallel import ShardedOptimizer, full_tensor, local_tensor, shard_like
 from models import LayerSpec
 
 __all__ = [
     "TensorSource",
     "check_names",
+    "copy_into",
     "gathered",
     "is_sharded",
     "like",
@@ -52,9 +53,10 @@ class TensorSource(Protocol):
 
 
 def stored_parameters(module: nn.Module, specs: Sequence[LayerSpec]) -> dict[str, torch.Tensor]:
-    """The parameters this module stores: all but tied copies owned by a lower layer."""
+    """The parameters this module stores: all but tied copies owned by a lower layer. Full
+    tensors: a tensor-parallel shard is gathered over its tp group (every tp rank calls this)."""
     return {
-        name: param.detach()
+        name: full_tensor(param.detach())
         for name, param in module.named_parameters()
         if canonical_name(specs, name) == name
     }
@@ -98,6 +100,20 @@ def read_module_weights(
     return pairs
 
 
+def copy_into(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Copy a stored full tensor into a parameter; a tensor-parallel one takes its shard."""
+    local_tensor(param).copy_(shard_like(param, tensor))
+
+
+def _laid_out_like(param: nn.Parameter, value: Any) -> Any:
+    """A stored optimizer state of a tensor-parallel parameter, sharded as the parameter is
+    (the optimizer updates the shard with it); scalars and plain parameters' states as read."""
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or not value.dim():
+        return value
+    local = shard_like(param, value)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+
+
 def load_module_weights(
     module: nn.Module, specs: Sequence[LayerSpec], source: TensorSource
 ) -> None:
@@ -106,7 +122,7 @@ def load_module_weights(
     pairs = read_module_weights(module, specs, source, exact_dtype=False)
     with torch.no_grad():
         for param, tensor in pairs:
-            param.copy_(tensor)
+            copy_into(param, tensor)
 
 
 _SCALARS: dict[str, tuple[type, torch.dtype]] = {
@@ -182,7 +198,7 @@ def optimizer_state(
         state_keys[name] = []
         for key, value in sorted(owner.state.get(param, {}).items()):
             tensor, kind = _state_tensor(f"{name}.{key}", value)
-            tensors[f"{name}.{key}"] = tensor
+            tensors[f"{name}.{key}"] = full_tensor(tensor)
             state_keys[name].append(key)
             if kind is not None:
                 scalars[f"{name}.{key}"] = kind
@@ -247,7 +263,9 @@ def read_optimizer_state(
                     )
             if entry:
                 state[index[id(param)]] = {
-                    key: _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
+                    key: _laid_out_like(
+                        param, _state_value(tensor, scalars.get(f"{stored}.{key}"), where)
+                    )
                     for key, tensor in entry.items()
                 }
     groups = [  # numbered as `state_dict()` numbers them, which ZeRO-1 cannot call
@@ -358,7 +376,7 @@ def _whole(value: Any) -> Any:
 def like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` placed as `param` is: its shard when `param` is a DTensor (ZeRO-3; no
     communication, every rank holds the whole tensor), else `tensor` itself."""
-    if not isinstance(param, DTensor) or tensor.shape != param.shape:
+    if not isinstance(param, DTensor) or isinstance(tensor, DTensor) or tensor.shape != param.shape:
         return tensor
     return distribute_tensor(
         tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None

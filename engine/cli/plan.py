@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from models import get_config, layer_specs
-from partitioners import layer_costs, partition_model
+from engine.memory.estimate import MemoryConfig, resolve
+from models import LayerSpec, get_config, layer_specs
+from partitioners import Partition, layer_costs, partition_model
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -24,6 +25,20 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
     plan.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        help="memory of each device (80GB, 80GiB): the budget of --partition memory",
+    )
+    plan.add_argument(
+        "--schedule", default="1f1b", help="the schedule --partition memory budgets for"
+    )
+    plan.add_argument(
+        "--micro-batches", type=int, default=4, help="micro-batches --partition memory budgets for"
+    )
+    plan.add_argument(
+        "--precision", default="bf16", help="precision --partition memory budgets for"
+    )
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -35,9 +50,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"1 sequence of 1 to {context} tokens ({args.model}'s context)"
         )
     kwargs = {"batch_size": args.micro_batch_size, "seq_len": args.seq_len}
-    partition = partition_model(
-        specs, method=args.partition, num_stages=args.pp, cost_model=args.cost_model, **kwargs
-    )
+    partition = _partition(args, specs)
     costs = layer_costs(specs, args.cost_model, **kwargs)
     params = [spec.num_parameters() for spec in specs]
     print(
@@ -46,3 +59,29 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     print(partition.describe(costs=costs, params=params, names=[s.kind for s in specs]))
     return 0
+
+
+def _partition(args: argparse.Namespace, specs: list[LayerSpec]) -> Partition:
+    """The split the flags ask for; `memory` through the memory model (bf16 on a GPU, one
+    micro-batch size, the schedule and micro-batches given)."""
+    if args.partition.strip().lower() != "memory":
+        return partition_model(
+            specs,
+            method=args.partition,
+            num_stages=args.pp,
+            cost_model=args.cost_model,
+            batch_size=args.micro_batch_size,
+            seq_len=args.seq_len,
+        )
+    config = MemoryConfig.of(
+        model=args.model,
+        pp=args.pp,
+        schedule=args.schedule,
+        micro_batches=args.micro_batches,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        partition="memory",
+        device_memory=args.device_memory,
+    )
+    return resolve(config).partition

@@ -103,7 +103,8 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     else:
         if is_launched() and launcher_world_size() != ranks:
             raise ValueError(
-                f"--pp {config.parallel.pp} × --dp {config.parallel.dp} = {ranks} ranks, but "
+                f"--pp {config.parallel.pp} × --dp {config.parallel.dp} × --tp "
+                f"{config.parallel.tp} = {ranks} ranks, but "
                 f"the launcher started {launcher_world_size()}: make them equal"
             )
         if is_launched() and config.run.max_restarts and int(os.environ.get("RANK", "0")) == 0:

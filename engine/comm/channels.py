@@ -47,10 +47,11 @@ def cross_rank_edges(schedule: Schedule) -> list[Edge]:
 
 
 def new_pipeline_channels(schedule: Schedule, mesh: Mesh, *, timeout_s: float) -> PipelineChannels:
-    """Create the groups of every replica's pipeline; collective over the world.
+    """Create the groups of every pipeline (one per (dp, tp) column of the grid); collective
+    over the world.
 
     `new_group` must be called by every rank for every group in the same order, so each rank
-    walks all replicas and keeps the groups it belongs to. Each engine gets its own groups: a
+    walks all columns and keeps the groups it belongs to. Each engine gets its own groups: a
     message an earlier engine left unread can never be taken by a later one.
     """
     if mesh.world_size == 1:
@@ -58,15 +59,18 @@ def new_pipeline_channels(schedule: Schedule, mesh: Mesh, *, timeout_s: float) -
     timeout = timedelta(seconds=timeout_s)
     edges: dict[Edge, dist.ProcessGroup] = {}
     reports: dist.ProcessGroup | None = None
-    for replica in range(mesh.dp):
+    for replica, tp_rank in mesh.columns():
         for src, dst in cross_rank_edges(schedule):
             ranks = [
-                mesh.global_rank(pp_rank=schedule.rank_of(s), dp_rank=replica) for s in (src, dst)
+                mesh.global_rank(pp_rank=schedule.rank_of(s), dp_rank=replica, tp_rank=tp_rank)
+                for s in (src, dst)
             ]
             group = dist.new_group(sorted(ranks), timeout=timeout)
             if mesh.rank in ranks:
                 edges[(src, dst)] = group
-        pipeline = [mesh.global_rank(pp_rank=r, dp_rank=replica) for r in range(mesh.pp)]
+        pipeline = [
+            mesh.global_rank(pp_rank=r, dp_rank=replica, tp_rank=tp_rank) for r in range(mesh.pp)
+        ]
         group = dist.new_group(pipeline, timeout=timeout)
         if mesh.rank in pipeline:
             reports = group

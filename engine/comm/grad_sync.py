@@ -14,8 +14,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 __all__ = ["BucketedAllReduce"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) parameter's or gradient's local shard: the replicas of a
+    stage hold the same shards, so their gradients are summed shard by shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """A summed local gradient as the parameter's gradient (a DTensor of the same layout)."""
+    if not isinstance(param, DTensor):
+        return grad
+    return DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
 
 
 class BucketedAllReduce:
@@ -49,7 +63,10 @@ class BucketedAllReduce:
         for bucket in self._buckets:
             if not bucket:
                 continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            grads = [
+                _local(p.grad) if p.grad is not None else _local(p).new_zeros(_local(p).shape)
+                for p in bucket
+            ]
             held = [float(p.grad is not None) for p in bucket]
             counts = torch.tensor(held, dtype=grads[0].dtype, device=grads[0].device)
             flat = _flatten_dense_tensors([*grads, counts])
@@ -61,11 +78,11 @@ class BucketedAllReduce:
         """Wait for the reductions and write the sums back into `.grad`."""
         for work, flat, bucket, some_missing in self._inflight:
             work.wait()
-            shapes = [torch.empty_like(p) for p in bucket]
+            shapes = [torch.empty_like(_local(p)) for p in bucket]
             *summed, counts = _unflatten_dense_tensors(flat, [*shapes, flat[: len(bucket)]])
             held = counts.tolist() if some_missing else [1.0] * len(bucket)  # a sync, if any
             for param, grad, count in zip(bucket, summed, held, strict=True):
-                param.grad = grad if count > 0 else None
+                param.grad = _like(param, grad) if count > 0 else None
         if self._inflight and self.window is not None:
             self.window = (self.window[0], time.perf_counter())
         self._inflight = []

@@ -1,8 +1,11 @@
-"""The pp × dp process grid, built from the launcher's environment.
+"""The pp × dp × tp process grid, built from the launcher's environment.
 
-Ranks are laid out replica-major: global rank = dp_rank · pp + pp_rank, so the stages of one
-pipeline are consecutive ranks (on one host when a host runs a whole pipeline). Without a
-launcher (world size 1) the mesh is a single process and no process group is created.
+Ranks are laid out tp innermost, then dp, then pp outermost:
+global rank = (pp_rank · dp + dp_rank) · tp + tp_rank. The tensor-parallel ranks of a stage,
+which talk inside every layer, are consecutive (one host, fastest links); the replicas of a
+stage follow; pipeline ranks, which exchange one activation per micro-batch, are furthest
+apart. Each pipeline is one (dp_rank, tp_rank) column of the grid. Without a launcher (world
+size 1) the mesh is a single process and no process group is created.
 """
 
 from __future__ import annotations
@@ -18,12 +21,32 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.config import DEVICES
 
-__all__ = ["Mesh", "check_device", "init_mesh", "launcher_world_size", "placement"]
+__all__ = [
+    "Mesh",
+    "check_device",
+    "coordinates",
+    "init_mesh",
+    "launcher_world_size",
+    "placement",
+    "rank_of",
+]
 
 
 def launcher_world_size() -> int:
     """WORLD_SIZE as set by torchrun or the deepspeed launcher (1 when not launched)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_of(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    """The global rank at grid coordinates (pp_rank, dp_rank, tp_rank): tp innermost."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def coordinates(rank: int, *, dp: int, tp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of a global rank: the inverse of `rank_of`."""
+    column, tp_rank = divmod(rank, tp)
+    pp_rank, dp_rank = divmod(column, dp)
+    return pp_rank, dp_rank, tp_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +63,10 @@ class Mesh:
     """Position in the pipeline (which stage column)."""
     dp_rank: int
     """Which replica."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage."""
+    tp_rank: int = 0
+    """Which slice of every layer of the stage this rank holds."""
     device: torch.device
     """Where this rank computes."""
     backend: str | None = None
@@ -48,8 +75,10 @@ class Mesh:
     """The ranks of this pipeline (None in one process)."""
     dp_group: dist.ProcessGroup | None = None
     """The replicas of this stage (None in one process)."""
+    tp_group: dist.ProcessGroup | None = None
+    """The tensor-parallel ranks of this stage (None in one process)."""
     device_mesh: DeviceMesh | None = None
-    """The named `("dp", "pp")` DeviceMesh (None in one process)."""
+    """The named `("pp", "dp", "tp")` DeviceMesh (None in one process)."""
 
     @property
     def staged(self) -> bool:
@@ -63,21 +92,38 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
-    def global_rank(self, *, pp_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank of a pipeline position in a replica (this replica by default)."""
-        replica = self.dp_rank if dp_rank is None else dp_rank
-        return replica * self.pp + pp_rank
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The 1-D `tp` sub-mesh DTensor shards a stage's layers over (None without tp)."""
+        return self.device_mesh["tp"] if self.device_mesh is not None and self.tp > 1 else None
+
+    def columns(self) -> list[tuple[int, int]]:
+        """Every pipeline of the grid as its (dp_rank, tp_rank), in rank order."""
+        return [(d, t) for d in range(self.dp) for t in range(self.tp)]
+
+    def global_rank(
+        self, *, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None
+    ) -> int:
+        """Global rank of a pipeline position in a column (this rank's column by default)."""
+        return rank_of(
+            pp_rank=pp_rank,
+            dp_rank=self.dp_rank if dp_rank is None else dp_rank,
+            tp_rank=self.tp_rank if tp_rank is None else tp_rank,
+            dp=self.dp,
+            tp=self.tp,
+        )
 
 
-def _check_layout(pp: int, dp: int, world_size: int) -> None:
-    if pp < 1 or dp < 1:
-        raise ValueError(f"pp={pp} and dp={dp} must both be at least 1")
-    if pp * dp != world_size:
+def _check_layout(pp: int, dp: int, tp: int, world_size: int) -> None:
+    if pp < 1 or dp < 1 or tp < 1:
+        raise ValueError(f"pp={pp}, dp={dp} and tp={tp} must all be at least 1")
+    if pp * dp * tp != world_size:
         raise ValueError(
-            f"pp × dp = {pp} × {dp} = {pp * dp} does not match the world size {world_size}: "
-            f"launch {pp * dp} processes or choose pp and dp whose product is {world_size}"
+            f"pp × dp × tp = {pp} × {dp} × {tp} = {pp * dp * tp} does not match the world size "
+            f"{world_size}: launch {pp * dp * tp} processes or choose pp, dp and tp whose "
+            f"product is {world_size}"
         )
 
 
@@ -159,12 +205,13 @@ def placement(backend: str | None, device: str) -> tuple[torch.device, str]:
 def init_mesh(
     pp: int,
     dp: int = 1,
+    tp: int = 1,
     *,
     timeout_s: float = 300.0,
     backend: str | None = None,
     device: str = "auto",
 ) -> Mesh:
-    """Join the launcher's process group and build the named pp × dp grid.
+    """Join the launcher's process group and build the named pp × dp × tp grid.
 
     `device` says where ranks compute (see `placement`): by default CUDA with NCCL when the
     host has a GPU for each of its ranks, otherwise the CPU with gloo (four local ranks on a
@@ -173,7 +220,7 @@ def init_mesh(
     Every group gets `timeout_s`, so a dead or stalled peer raises instead of hanging.
     """
     world_size = launcher_world_size()
-    _check_layout(pp, dp, world_size)
+    _check_layout(pp, dp, tp, world_size)
     place, backend = placement(backend, device)
     if place.type == "cuda":
         torch.cuda.set_device(place)
@@ -182,23 +229,28 @@ def init_mesh(
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    override = {dim: (backend, _group_options(backend, timeout)) for dim in ("dp", "pp")}
+    dims = ("pp", "dp", "tp")
+    override = {dim: (backend, _group_options(backend, timeout)) for dim in dims}
     device_mesh = init_device_mesh(
         place.type,
-        (dp, pp),
-        mesh_dim_names=("dp", "pp"),
+        (pp, dp, tp),
+        mesh_dim_names=dims,
         backend_override=override,  # type: ignore[arg-type]
     )
     rank = dist.get_rank()
+    pp_rank, dp_rank, tp_rank = coordinates(rank, dp=dp, tp=tp)
     return Mesh(
         pp=pp,
         dp=dp,
+        tp=tp,
         rank=rank,
-        pp_rank=rank % pp,
-        dp_rank=rank // pp,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        tp_rank=tp_rank,
         device=place,
         backend=backend,
         pp_group=device_mesh.get_group("pp"),
         dp_group=device_mesh.get_group("dp"),
+        tp_group=device_mesh.get_group("tp"),
         device_mesh=device_mesh,
     )

@@ -113,6 +113,15 @@ class StageExchange:
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...], Action]] = []
         self._posted: dict[Action, tuple[tuple[torch.Tensor, ...], list[dist.Work]]] = {}
 
+    @property
+    def sent_shapes(self) -> dict[tuple[int, int], list[tuple[int, ...]]]:
+        """The shapes each edge (sending stage, receiving stage) carried in training."""
+        return {
+            (src, dst): [m.shape for m in metas]
+            for (src, dst, training), metas in self._sent.items()
+            if training
+        }
+
     def send(self, action: Action, tensors: tuple[torch.Tensor, ...], *, training: bool) -> None:
         """Post the tensors of `action` (SEND_F or SEND_B) without waiting for delivery."""
         src, dst, what = _edge(action)

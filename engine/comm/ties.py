@@ -46,7 +46,7 @@ class TiedWeights:
                 if param.grad is None:  # a holder whose copy got no gradient takes part
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
-            if isinstance(grad, DTensor):  # ZeRO-3: holders in one replica share a shard
+            if isinstance(grad, DTensor):  # a tp or ZeRO-3 shard: summed in place
                 grad = grad.to_local()
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
                 dist.all_reduce(grad, group=self.groups[key])

@@ -8,7 +8,7 @@ from engine.config.batch import BatchConfig
 from engine.config.engine_options import EngineOptions
 from engine.config.fields import require
 from engine.config.model import ModelChoice
-from engine.config.parallel import ParallelConfig
+from engine.config.parallel import ParallelConfig, check_tensor_parallel_shape
 from engine.config.schedule import ScheduleConfig
 from engine.schedule import Schedule, split_units
 
@@ -47,4 +47,25 @@ def check_layout(
     )
     outside = [s for s in engine.recompute_stages or () if not 0 <= s < stages]
     require(not outside, f"recompute stages {outside} are outside 0..{stages - 1}")
+    if parallel.tp > 1:
+        check_tensor_parallel_shape(model.model, model.config(), parallel.tp)
+        _check_tensor_parallel_options(parallel, batch, engine)
     return resolved
+
+
+def _check_tensor_parallel_options(
+    parallel: ParallelConfig, batch: BatchConfig, engine: EngineOptions
+) -> None:
+    """What tensor parallelism cannot run (yet), refused by name with the way out."""
+    tp = parallel.tp
+    require(
+        parallel.pp == 1 or batch.seq_len % tp == 0,
+        f"--tp {tp} with --seq-len {batch.seq_len}: between pipeline stages each tensor-parallel "
+        f"rank sends 1/{tp} of the activation, split along the sequence; use a --seq-len that "
+        f"is a multiple of {tp}",
+    )
+    require(
+        not engine.zero,
+        f"--tp {tp} with --zero {engine.zero}: ZeRO does not shard tensor-parallel (DTensor) "
+        f"stages yet; drop --zero {engine.zero} or use --tp 1",
+    )

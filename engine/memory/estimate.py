@@ -41,6 +41,7 @@ from engine.memory.replay import (
     in_flight,
     stage_actions,
 )
+from engine.memory.sharding import sharded_states, sharded_step_peak
 from engine.memory.states import (
     OPTIMIZER_IMPLS,
     ParamInfo,
@@ -168,11 +169,14 @@ class StageMemory:
     parameters: int
     """Parameter count (a weight shared inside the stage counts once)."""
     weights: int
-    """fp32 parameters: under bf16/fp16 they are the master weights autocast casts from."""
+    """Kept across steps: fp32 parameters (under bf16/fp16 the masters autocast casts from);
+    under ZeRO-1/2 the working weights (Linears in the compute dtype), under ZeRO-3 the fp32
+    shards (`engine.memory.sharding`)."""
     gradients: int
-    """fp32 gradients; the step's first backward allocates them, so `step_peak` holds them."""
+    """fp32 gradients while the step accumulates; the step's backwards allocate them, so
+    `step_peak` holds them."""
     optimizer: int
-    """AdamW's two fp32 states (ZeRO-1: the largest replica's shard)."""
+    """AdamW's two fp32 states; under ZeRO this replica's shard of them and of the masters."""
     recompute: str
     """The stage's recompute policy."""
     kept_per_micro_batch: int
@@ -236,7 +240,9 @@ class Layout:
         return stage_shape(config, stage)
 
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
-        return [p for s in stages for p in stage_params(self.stage_specs(s))]
+        """One rank's parameters of `stages` (its tensor-parallel shard of each)."""
+        tp = self.states.tp
+        return [p for s in stages for p in stage_params(self.stage_specs(s), tp)]
 
 
 def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
@@ -249,6 +255,7 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
         divisor=config.schedule.micro_batches * config.parallel.dp,
         precision=config.engine.precision,
         recompute=config.engine.recompute_of(stage),
+        tp=config.parallel.tp,
     )
 
 
@@ -323,6 +330,7 @@ def resolve(config: MemoryConfig) -> Layout:
     states = StateLayout(
         dp=config.parallel.dp,
         zero=config.engine.zero,
+        tp=config.parallel.tp,
         block=CUDA_BLOCK if config.device == "cuda" else 1,
         optimizer_impl=config.optimizer.impl,
         device=config.device,
@@ -369,6 +377,17 @@ def _step_peak(
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
+    if layout.states.zero:
+        return sharded_step_peak(
+            sharded_states(params, layout.states, precision=config.engine.precision),
+            layout.states,
+            params,
+            peak=peak,
+            live_end=live,
+            held=held,
+            cached=cached,
+            precision=config.engine.precision,
+        )
     after = tail_peak(params, live_end=live, held=held, cached=cached, states=layout.states)
     return max(peak, after)
 
@@ -402,6 +421,23 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     )
 
 
+def _states(config: MemoryConfig, layout: Layout, params: Sequence[ParamInfo]) -> dict[str, int]:
+    """Weights, gradients and optimizer bytes of one replica's `params`."""
+    if layout.states.zero:
+        sharded = sharded_states(params, layout.states, precision=config.engine.precision)
+        return {
+            "weights": sharded.weights,
+            "gradients": sharded.gradients,
+            "optimizer": sharded.optimizer,
+        }
+    fp32 = sum(round_up(4 * p.numel, layout.block) for p in params)
+    return {
+        "weights": fp32,
+        "gradients": fp32,
+        "optimizer": optimizer_bytes(params, layout.states),
+    }
+
+
 def stage_memory(
     config: MemoryConfig,
     layout: Layout,
@@ -419,9 +455,7 @@ def stage_memory(
         rank=layout.schedule.rank_of(stage),
         layers=(layers.start, layers.stop),
         parameters=sum(p.numel for p in params),
-        weights=sum(round_up(4 * p.numel, layout.block) for p in params),
-        gradients=sum(round_up(4 * p.numel, layout.block) for p in params),
-        optimizer=optimizer_bytes(params, layout.states),
+        **_states(config, layout, params),
         recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
         weight_copies=weight_copies,

@@ -83,7 +83,7 @@ def layer_sums(
     last = len(specs) - 1
     states, grads, kept, copies, transient = [], [], [], [], []
     for i, spec in enumerate(specs):
-        fp32 = sum(round_up(4 * p.numel, block) for p in stage_params((spec,)))
+        fp32 = sum(round_up(4 * p.numel, block) for p in stage_params((spec,), shape.tp))
         states.append(fp32 + -(-2 * fp32 // shards))
         grads.append(fp32)
         trace = cached_trace((spec,), i == 0, i == last, styles, shape, device)

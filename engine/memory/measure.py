@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config import require
 from engine.memory.estimate import (
     Layout,
     MemoryConfig,
@@ -211,12 +212,23 @@ def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake:
 
 
 def check_measurable(config: MemoryConfig) -> None:
-    """Refuse what one process here cannot run: dp > 1, a missing GPU, a model too large."""
+    """Refuse what one process here cannot run: dp or tp > 1, a missing GPU, a model too large."""
     layout = resolve(config)
     if config.parallel.dp > 1:
         raise ValueError(
             f"--measure runs one replica in one process, so dp={config.parallel.dp}'s "
             "all-reduce cannot run: measure with --dp 1 (the estimate models dp > 1)"
+        )
+    if config.engine.zero:
+        raise ValueError(
+            f"--measure with --zero {config.engine.zero}: the measured run steps an unsharded "
+            "optimizer; ZeRO's states are modelled from shapes (engine.memory.sharding): "
+            "measure with --zero 0"
+        )
+    if config.parallel.tp > 1:
+        raise ValueError(
+            f"--measure runs one process, so --tp {config.parallel.tp}'s DTensor collectives "
+            "cannot run: measure with --tp 1 (the estimate replays one tp rank's share)"
         )
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -241,6 +253,10 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
     layout = resolve(config)
     if not fake:
         check_measurable(config)
+    require(
+        not config.engine.zero,
+        "a measured or fake-replayed run steps an unsharded optimizer: replay with --zero 0",
+    )
     context = fake_device(cuda=config.device == "cuda") if fake else contextlib.nullcontext()
     with context:
         measured = {

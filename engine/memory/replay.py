@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.memory.tp_shards import shard_for_tp
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
@@ -54,6 +55,8 @@ class StageShape:
     """`fp32`, `bf16` or `fp16`, as `EngineOptions.precision`."""
     recompute: str
     """Recompute policy of the stage, as `EngineOptions.recompute`."""
+    tp: int = 1
+    """Tensor-parallel ranks the stage's layers are split over (the replay runs one's share)."""
 
 
 Phase = tuple[ActionKind, bool]
@@ -88,13 +91,15 @@ class StageTrace:
         return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
 
 
-def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
-    """The stage's layers on the meta device, weights tied inside the stage shared.
+def build_stage(specs: Sequence[LayerSpec], tp: int = 1) -> LayerStack:
+    """The stage's layers on the meta device, weights tied inside the stage shared, each
+    tensor-parallel weight cut to one of `tp` ranks' shards (`shard_for_tp`).
 
     `models.build_layers` would initialise every weight on the CPU first, which planning a
     70B stage cannot afford.
     """
     layers = {i: spec.build("meta") for i, spec in enumerate(specs)}
+    shard_for_tp(layers.values(), tp)
     first: dict[str, nn.Parameter] = {}
     for i, spec in enumerate(specs):
         if spec.tie_key is None or spec.tied_param is None:
@@ -266,7 +271,7 @@ def trace_stage(
     order: tuple[bool | None, ...] = styles or (None,)
     split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
     with fake_device(cuda=cuda):
-        module = build_stage(specs)
+        module = build_stage(specs, shape.tp)
         fake_parameters(module)
         run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
         tracker = MemoryTracker(block=block)

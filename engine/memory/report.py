@@ -41,12 +41,13 @@ def _title(report: MemoryReport) -> str:
     c = report.config
     v, engine = c.schedule.stages_per_rank, c.engine
     virtual = f" × {v} stages per rank" if v > 1 else ""
-    zero = ", ZeRO-1" if engine.zero else ""
+    zero = f", ZeRO-{engine.zero}" if engine.zero else ""
+    tp = f" × tp {c.parallel.tp}" if c.parallel.tp > 1 else ""
     recompute = engine.recompute
     if engine.recompute_stages is not None:
         recompute = f"{engine.recompute} on {engine.recompute_stages}"
     return (
-        f"{c.model.model}: pp {c.parallel.pp}{virtual} × dp {c.parallel.dp}, "
+        f"{c.model.model}: pp {c.parallel.pp}{virtual} × dp {c.parallel.dp}{tp}, "
         f"{c.schedule.schedule}, {c.schedule.micro_batches} micro-batches of "
         f"{c.micro_batch_size} × {c.batch.seq_len} tokens, {engine.precision}, "
         f"recompute {recompute}{zero} ({c.device} model, {report.source})"

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from engine.memory.tp_shards import shard_for_tp
 from engine.memory.tracker import round_up
+from engine.parallel import castable_linear_params
 from models import LayerSpec
 
 __all__ = [
@@ -30,7 +32,6 @@ __all__ = [
     "param_info",
     "stage_params",
     "tail_peak",
-    "zero_shards",
 ]
 
 DP_BUCKET_BYTES = 25 * 2**20
@@ -46,6 +47,8 @@ class StateLayout:
 
     dp: int = 1
     zero: int = 0
+    tp: int = 1
+    """Tensor-parallel ranks: each holds its shard of every split weight."""
     block: int = 1
     """Allocation granularity (512 for CUDA)."""
     optimizer_impl: str = "fused"
@@ -72,21 +75,31 @@ class ParamInfo:
     numel: int
     decay: bool
     """In the weight-decay group (matrices), which ZeRO-1 partitions first."""
+    cast: bool = False
+    """A Linear's weight that autocast casts: kept in the compute dtype under ZeRO-1/2."""
+    rows: int = 0
+    """Size of its first dimension (FSDP2 shards along it, padding to a multiple of dp)."""
 
 
 def param_info(module: nn.Module) -> list[ParamInfo]:
     """Parameters in `module.parameters()` order (shared ones once), as the engine sees them."""
-    return [ParamInfo(p.numel(), p.dim() >= 2) for p in module.parameters() if p.requires_grad]
+    cast = {id(p) for p in castable_linear_params(module)}
+    return [_info(p, id(p) in cast) for p in module.parameters() if p.requires_grad]
 
 
-def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
+def _info(param: nn.Parameter, cast: bool) -> ParamInfo:
+    rows = param.shape[0] if param.dim() else 1
+    return ParamInfo(param.numel(), param.dim() >= 2, cast, rows)
+
+
+def stage_params(specs: Sequence[LayerSpec], tp: int = 1) -> list[ParamInfo]:
     """`param_info(build_stage(specs))` without building the stage: each distinct layer spec
     is built on `meta` once (planning asks for the same blocks thousands of times), and a
     weight tied to an earlier layer of the stage counts once, where it first appears."""
     found: list[ParamInfo] = []
     tied: set[str] = set()
     for spec in specs:
-        for name, info in _layer_params(spec):
+        for name, info in _layer_params(spec, tp):
             if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
                 continue
             found.append(info)
@@ -96,30 +109,18 @@ def stage_params(specs: Sequence[LayerSpec]) -> list[ParamInfo]:
 
 
 @functools.lru_cache(maxsize=256)
-def _layer_params(spec: LayerSpec) -> tuple[tuple[str, ParamInfo], ...]:
+def _layer_params(spec: LayerSpec, tp: int = 1) -> tuple[tuple[str, ParamInfo], ...]:
     module = spec.build("meta")
+    shard_for_tp([module], tp)
+    cast = {id(p) for p in castable_linear_params(module)}
     return tuple(
-        (name, ParamInfo(p.numel(), p.dim() >= 2))
-        for name, p in module.named_parameters()
-        if p.requires_grad
+        (name, _info(p, id(p) in cast)) for name, p in module.named_parameters() if p.requires_grad
     )
 
 
-def zero_shards(params: Sequence[ParamInfo], dp: int) -> list[list[ParamInfo]]:
-    """`ZeroRedundancyOptimizer`'s assignment: per group (decay, then no decay), largest first,
-    each parameter to the replica holding the fewest elements so far."""
-    shards: list[list[ParamInfo]] = [[] for _ in range(dp)]
-    sizes = [0] * dp
-    for group in ([p for p in params if p.decay], [p for p in params if not p.decay]):
-        for param in sorted(group, key=lambda p: p.numel, reverse=True):
-            rank = sizes.index(min(sizes))
-            shards[rank].append(param)
-            sizes[rank] += param.numel
-    return shards
-
-
 def _own(params: Sequence[ParamInfo], states: StateLayout) -> list[list[ParamInfo]]:
-    return zero_shards(params, states.dp) if states.zero and states.dp > 1 else [list(params)]
+    """The parameters a replica steps: all of them (ZeRO's shards: `engine.memory.sharding`)."""
+    return [list(params)]
 
 
 def optimizer_bytes(params: Sequence[ParamInfo], states: StateLayout) -> int:

@@ -1,18 +1,40 @@
-"""What shards a stage over its data-parallel replicas: ZeRO-1/2 flat buffers with sharded
-fp32 masters and optimizer state (Megatron's distributed optimizer), and ZeRO-3 through
-FSDP2."""
+"""What shards a stage across ranks: tensor-parallel plans (DTensor) over the mesh's `tp`
+dimension; over its `dp` replicas, ZeRO-1/2 flat buffers with sharded fp32 masters and
+optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2."""
 
 from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
 from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
+from engine.parallel.tensor_parallel import (
+    SequenceShards,
+    align_gradients,
+    as_gradient_of,
+    build_sharded_layers,
+    full_tensor,
+    local_tensor,
+    parallelize_layers,
+    shard_like,
+    sharded_loss_scope,
+    split_gradient_norms,
+)
 from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
 
 __all__ = [
     "FlatGroup",
     "FullyShardedLayers",
     "OptimizerBuilder",
+    "SequenceShards",
     "ShardedOptimizer",
     "add_into_main_grad",
+    "align_gradients",
+    "as_gradient_of",
+    "build_sharded_layers",
     "castable_linear_params",
     "check_unshared",
+    "full_tensor",
+    "local_tensor",
+    "parallelize_layers",
     "shard_layers",
+    "shard_like",
+    "sharded_loss_scope",
+    "split_gradient_norms",
 ]

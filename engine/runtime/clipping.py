@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.parallel import local_tensor, split_gradient_norms
 from models import LayerSpec
 
 __all__ = ["clip_gradients", "global_grad_norm", "global_parameter_order", "gradient_norms"]
@@ -45,11 +46,12 @@ def gradient_norms(
     """This rank's per-parameter gradient norms at their global positions (zeros elsewhere):
     summed over the pipeline, they give every rank the whole model's vector."""
     device = named_params[0][1].device if named_params else torch.device("cpu")
-    norms = torch.zeros(len(order), dtype=torch.float32, device=device)
-    for name, param in named_params:
-        if name in order and param.grad is not None:
-            norms[order[name]] = torch.linalg.vector_norm(param.grad, 2.0).float()
-    return norms
+    grads = [
+        (order[name], param.grad)
+        for name, param in named_params
+        if name in order and param.grad is not None
+    ]
+    return split_gradient_norms(grads, len(order), device)
 
 
 def global_grad_norm(
@@ -77,4 +79,5 @@ def clip_gradients(params: Sequence[nn.Parameter], total: torch.Tensor, max_norm
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in params:
         if param.grad is not None:
-            param.grad.mul_(coef.to(param.grad.dtype))
+            grad = local_tensor(param.grad)
+            grad.mul_(coef.to(grad.dtype))

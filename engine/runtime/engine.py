@@ -25,7 +25,13 @@ from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
 from engine.config import EngineOptions, OptimizerSpec, check_zero_optimizer
-from engine.parallel import FullyShardedLayers, ShardedOptimizer, shard_layers
+from engine.parallel import (
+    FullyShardedLayers,
+    SequenceShards,
+    ShardedOptimizer,
+    align_gradients,
+    shard_layers,
+)
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
@@ -71,12 +77,23 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
+        if mesh.tp > 1 and self.options.zero:
+            raise ValueError(
+                f"tp={mesh.tp} with ZeRO-{self.options.zero}: ZeRO does not shard tensor-"
+                "parallel (DTensor) stages yet; drop zero or use tp=1"
+            )
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
         self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
         """The process groups this rank's pipeline traffic travels over (one per edge)."""
         self.exchange = self._build_exchange(partition)
+        self._shards = (
+            SequenceShards(mesh.tp_group, mesh.tp_rank, mesh.tp)
+            if mesh.tp > 1 and mesh.tp_group is not None
+            else None
+        )
+        """Each tp rank exchanges 1/tp of every boundary tensor (None without tp)."""
         self.reports = self._build_reports(partition)
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self.ties = self._build_ties(specs, partition)
@@ -113,6 +130,7 @@ class PipelineEngine:
                 precision=options.precision,
                 recompute=options.recompute_of(s),
                 compile=options.compile,
+                tp_mesh=self.mesh.tp_mesh,
             )
             for s in self.schedule.stages_of(self.mesh.pp_rank)
         }
@@ -169,7 +187,15 @@ class PipelineEngine:
             groups = new_tie_groups(
                 specs,
                 [partition.layers_of(s) for s in stages],
-                [[self._global_rank_of_stage(s, d) for s in stages] for d in range(self.mesh.dp)],
+                [
+                    [
+                        self.mesh.global_rank(
+                            pp_rank=self.schedule.rank_of(s), dp_rank=d, tp_rank=t
+                        )
+                        for s in stages
+                    ]
+                    for d, t in self.mesh.columns()
+                ],
                 timeout=timedelta(seconds=self.timeout_s),
             )
         return TiedWeights(tied, groups, timeout_s=self.timeout_s)
@@ -380,6 +406,10 @@ class PipelineEngine:
 
     def _step_context(self, schedule: Schedule) -> StepContext:
         dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
+        if self.mesh.tp > 1:
+            dp_reduce = functools.partial(
+                align_gradients, list(self.module.parameters()), then=dp_reduce
+            )
         if self.fsdp is not None:
             dp_reduce = self.fsdp.reduce_gradients
         if self.sharded is not None:
@@ -397,6 +427,7 @@ class PipelineEngine:
             exchange=self.exchange,
             reports=self.reports,
             gradients_final=dp_reduce,
+            shards=self._shards,
         )
 
     @property

@@ -14,9 +14,17 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
+from engine.parallel import (
+    as_gradient_of,
+    build_sharded_layers,
+    local_tensor,
+    parallelize_layers,
+    sharded_loss_scope,
+)
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
@@ -61,17 +69,27 @@ class PipelineStage:
         recompute: str = "none",
         compile: bool = False,
         built: LayerStack | None = None,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
         """`built`: the stage's layers already made (the memory replay's fake ones); by
-        default they are built and initialised here, on `device`."""
+        default they are built and initialised here, on `device`. `tp_mesh`: split every layer
+        over these tensor-parallel ranks (each keeps its slice of the full initial weights)."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
-        self.module = (
-            build_layers(specs, layers, seed=seed, device=device) if built is None else built
-        )
+        if built is not None:
+            self.module = built
+            if tp_mesh is not None:
+                parallelize_layers(list(built.layers.values()), tp_mesh)
+        elif tp_mesh is not None:
+            self.module = build_sharded_layers(
+                specs, layers, seed=seed, device=device, tp_mesh=tp_mesh
+            )
+        else:
+            self.module = build_layers(specs, layers, seed=seed, device=device)
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
+        self.tensor_parallel = tp_mesh is not None
         self.compiled = compile
         if compile:
             for module in modules:
@@ -206,12 +224,13 @@ class PipelineStage:
             if self.is_last:
                 if targets is None:
                     raise StageError(f"stage {self.stage} is last but got no targets")
-                loss = self.loss_fn(out, targets)
+                with sharded_loss_scope(self.tensor_parallel):
+                    loss = self.loss_fn(out, targets)
                 root = (
                     loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
                 )
                 outputs: tuple[torch.Tensor, ...] = (root,) if training else ()
-                result: tuple[torch.Tensor, ...] = (loss.detach(),)
+                result: tuple[torch.Tensor, ...] = (local_tensor(loss.detach()),)
             else:
                 dtype = compute_dtype(self.precision)
                 out = out.to(dtype) if out.is_floating_point() else out
@@ -263,7 +282,8 @@ class PipelineStage:
         """Backward of one micro-batch: accumulate parameter grads, return input grads."""
         state = self._pop(micro_batch)
         roots, grads = self._roots(state, output_grads)
-        torch.autograd.backward(roots, grad_tensors=grads)
+        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+            torch.autograd.backward(roots, grad_tensors=grads)
         return tuple(x.grad for x in state.inputs if x.requires_grad and x.grad is not None)
 
     def backward_input(
@@ -286,13 +306,14 @@ class PipelineStage:
         nodes = [out for _, _, out in state.weight_nodes]
         eager = [p for p in self._eager_params if p.requires_grad]
         manual = self.precision == "fp32"
-        found = torch.autograd.grad(
-            roots,
-            wanted + nodes + eager,
-            grad_outputs=grads,
-            retain_graph=not manual,
-            allow_unused=True,
-        )
+        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+            found = torch.autograd.grad(
+                roots,
+                wanted + nodes + eager,
+                grad_outputs=grads,
+                retain_graph=not manual,
+                allow_unused=True,
+            )
         cut = len(wanted) + len(nodes)
         input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
         _accumulate(eager, found[cut:])
@@ -373,7 +394,9 @@ def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | 
         main = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation buffer
         if main is not None:
             main.add_(value)
-        elif param.grad is None:
+            continue
+        value = as_gradient_of(param, value)
+        if param.grad is None:
             param.grad = value.to(param.dtype)
         else:
             param.grad += value
@@ -387,8 +410,10 @@ def _linear_weight_grads(
     The same kernels on the same operands as autograd's AddmmBackward, so the same bits,
     without an autograd call per module (the W pass's main overhead).
     """
-    g2d = grad.reshape(-1, module.out_features)
-    values = [g2d.t().mm(x.detach().reshape(-1, module.in_features))]
+    weight = local_tensor(module.weight)  # a tp shard's GEMM is on local tensors
+    out_features, in_features = weight.shape
+    g2d = local_tensor(grad).reshape(-1, out_features)
+    values = [g2d.t().mm(local_tensor(x.detach()).reshape(-1, in_features))]
     if module.bias is not None and module.bias.requires_grad:
         values.append(g2d.sum(0))
     return values

@@ -15,6 +15,7 @@ import torch
 
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
+from engine.parallel import SequenceShards
 from engine.runtime.micro_batches import split_micro_batches
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind
@@ -45,6 +46,8 @@ class StepContext:
     reports: StepReports
     gradients_final: Callable[[], None]
     """Called after the rank's last B or W: its gradients are final (the dp reduction starts)."""
+    shards: SequenceShards | None = None
+    """Under tensor parallelism: send 1/tp of each boundary tensor, all-gather what arrives."""
 
     @property
     def is_first(self) -> bool:
@@ -162,11 +165,15 @@ class StepRun:
 
     def send(self, action: Action) -> None:
         tensors = self.outbox.pop((action.kind, action.stage, action.micro_batch))
+        if self.context.shards is not None:
+            tensors = self.context.shards.outgoing(tensors)
         self.context.exchange.send(action, tensors, training=self.training)
 
     def recv(self, action: Action) -> None:
         exchange = self.context.exchange
         tensors = exchange.recv(action, training=self.training)
+        if self.context.shards is not None:
+            tensors = self.context.shards.incoming(tensors)
         following = self._next_recv.get(action)
         if following is not None:
             exchange.post_ahead(following, training=self.training)

@@ -67,6 +67,19 @@ class TrainConfig:
         world = self.parallel.pp * self.parallel.dp
         check_zero_optimizer(self.engine.zero, self.optimizer.impl, world)
         require(
+            self.parallel.tp == 1 or self.optimizer.impl != "deepspeed_cpu",
+            f"--tp {self.parallel.tp} with --optimizer-impl deepspeed_cpu: DeepSpeed's CPU Adam "
+            "updates plain tensors, not the DTensor shards of a tensor-parallel stage; use "
+            "--optimizer-impl fused or per_tensor, or --tp 1",
+        )
+        require(
+            self.parallel.tp == 1
+            or not (self.optimizer.name == "sgd" and self.optimizer.impl == "fused"),
+            f"--tp {self.parallel.tp} with --optimizer sgd --optimizer-impl fused: torch's fused "
+            "SGD kernel cannot update DTensor shards; use --optimizer-impl per_tensor (or "
+            "adamw, whose fused kernel can), or --tp 1",
+        )
+        require(
             self.checkpoint.resume or self.run.max_restarts == 0,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",

@@ -1,4 +1,4 @@
-"""The training loop behind `meshpipe train`: one process or a pp × dp mesh of them.
+"""The training loop behind `meshpipe train`: one process or a pp × dp × tp mesh of them.
 
 Every rank runs this loop. Only the first stage reads inputs and only the last reads targets;
 global rank 0 shows the progress bar and writes the metrics. With --checkpoint-dir the loop
@@ -265,6 +265,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     mesh = init_mesh(
         config.parallel.pp,
         config.parallel.dp,
+        config.parallel.tp,
         timeout_s=config.run.timeout,
         device=config.run.device,
     )

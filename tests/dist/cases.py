@@ -17,6 +17,7 @@ from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
 from engine.config import OptimizerSpec
 from engine.config import EngineOptions
+from engine.parallel import full_tensor, local_tensor
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
@@ -68,6 +69,9 @@ class Case:
     nan_at_step: int = -1
     micro_batch_size: int = 2
     guard: bool = True
+    tp: int = 1
+    optimizer_impl: str = "fused"
+    compile: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -84,6 +88,8 @@ class Case:
             + (f"-zero{self.zero}" if self.zero else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
+            + (f"-tp{self.tp}" if self.tp > 1 else "")
+            + ("-compiled" if self.compile else "")
         )
 
 
@@ -101,7 +107,7 @@ def _optimizer(case: Case) -> OptimizerSpec:
     """AdamW for bitwise cases; SGD where results are compared to a tolerance, because Adam
     normalises gradients that are mathematically zero (attention's key bias) and turns their
     last-bit noise into lr-sized steps."""
-    impl = "per_tensor" if case.zero == 3 else "fused"  # FSDP2's DTensor shards: no fused
+    impl = "per_tensor" if case.zero == 3 else case.optimizer_impl  # FSDP2 shards: no fused
     return OptimizerSpec(name=case.optimizer, lr=1e-2, weight_decay=0.1, momentum=0.9, impl=impl)
 
 
@@ -123,7 +129,7 @@ def _unpoison(engine: PipelineEngine) -> None:
 
 def run_case(case: Case) -> dict[str, Any]:
     """Train `case` on this rank; returns losses, in-flight peaks and this rank's parameters."""
-    mesh = init_mesh(case.pp, case.dp, timeout_s=60)
+    mesh = init_mesh(case.pp, case.dp, case.tp, timeout_s=60)
     specs = model_specs(case.model)
     stages = case.pp * case.stages_per_rank
     partition = partition_model(specs, method=case.partition, num_stages=stages, seq_len=SEQ_LEN)
@@ -143,6 +149,7 @@ def run_case(case: Case) -> dict[str, Any]:
             recompute=case.recompute,
             zero=case.zero,
             nonfinite_guard=case.guard,
+            compile=case.compile,
         ),
     )
     rows = case.global_batch // case.dp
@@ -167,9 +174,10 @@ def run_case(case: Case) -> dict[str, Any]:
     inputs, targets = batches(case)[0]
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
     eval_loss = engine.eval_step(inputs[local], targets[local])
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    if engine.fsdp is not None:  # ZeRO-3: each rank holds shards (DTensors): gather them
-        params = {n: p.full_tensor() for n, p in params.items()}  # type: ignore[attr-defined]
+    params = {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
+    local_shapes = {
+        n.split(".", 1)[1]: tuple(local_tensor(p).shape) for n, p in engine.module.named_parameters()
+    }
     if engine.sharded is not None:  # the fp32 masters, not the low-precision working weights
         masters = engine.sharded.full_masters()
         named = engine.module.named_parameters()
@@ -186,6 +194,10 @@ def run_case(case: Case) -> dict[str, Any]:
         "bubbles": bubbles,
         "params": {n.split(".", 1)[1]: p for n, p in params.items()},
         "dp_rank": mesh.dp_rank,
+        "tp_rank": mesh.tp_rank,
+        "pp_rank": mesh.pp_rank,
+        "sent_shapes": engine.exchange.sent_shapes,
+        "local_shapes": local_shapes,
         "grad_norms": norms,
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),

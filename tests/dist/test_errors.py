@@ -56,9 +56,10 @@ def test_a_dead_peer_raises_instead_of_hanging() -> None:
     assert time.monotonic() - start < 45
 
 
-def test_pp_times_dp_must_equal_the_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pp_times_dp_times_tp_must_equal_the_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match=r"pp × dp = 2 × 3 = 6 does not match the world size 4"):
+    match = r"pp × dp × tp = 2 × 3 × 1 = 6 does not match the world size 4"
+    with pytest.raises(ValueError, match=match):
         init_mesh(2, 3)
 
 

@@ -43,7 +43,12 @@ def test_every_flat_name_is_unique_in_a_composite(composite: type) -> None:
 def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
     flat = TrainConfig.of().flat()
     assert {name: flat[name] for name in OLD_TRAIN_DEFAULTS} == OLD_TRAIN_DEFAULTS
-    assert set(flat) - set(OLD_TRAIN_DEFAULTS) == {"cost_model", "recompute_stages"}
+    assert set(flat) - set(OLD_TRAIN_DEFAULTS) == {
+        "cost_model",
+        "device_memory",
+        "recompute_stages",
+        "tp",
+    }
 
 
 def test_every_train_setting_is_a_flag_of_the_same_name() -> None:

@@ -74,3 +74,13 @@ def test_plan_cli_prints_a_row_per_stage(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["plan", "--model", "gpt-tiny", "--pp", "3", "--partition", "uniform"]) == 0
     out = capsys.readouterr().out
     assert "[0, 3)" in out and "[3, 5)" in out and "[5, 7)" in out
+
+
+def test_plan_cli_splits_by_memory_within_the_device_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--model", "llama-1b", "--pp", "4", "--partition", "memory"]
+    argv += ["--device-memory", "13GiB", "--micro-batches", "8", "--micro-batch-size", "2"]
+    assert main([*argv, "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "(memory, cost share by flops)" in out and "[0, 6)" in out

@@ -18,16 +18,17 @@ from engine.cli.memory import add_parsers, run
 from engine.config import replace_flat
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve
-from engine.memory.measure import measure_memory
+from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.replay import build_stage, stage_actions
+from engine.memory.sharding import sharded_states
 from engine.memory.states import (
     ParamInfo,
+    StateLayout,
     deepspeed_zero2_model_states,
     dp_buckets,
     megatron_activations,
     param_info,
     stage_params,
-    zero_shards,
 )
 from engine.memory.suggest import held_with_gradients, memory_balanced, states_floor, suggest
 from engine.memory.tracker import MemoryTracker, fake_device
@@ -128,9 +129,9 @@ def test_cuda_model_keeps_flash_statistics_instead_of_the_attention_matrix() -> 
         {"schedule": "zb_drain", "micro_batches": 6, "pp": 3},
         {"recompute": "every:1"},
         {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "device": "cuda"},
-        {"model": "gpt-tiny", "pp": 3, "dp": 2, "zero": 1, "precision": "fp16"},
+        {"model": "gpt-tiny", "pp": 3, "dp": 2, "precision": "fp16"},
     ],
-    ids=["zb-h1", "zb-drain", "recompute", "interleaved-cuda", "gpt-zero-fp16"],
+    ids=["zb-h1", "zb-drain", "recompute", "interleaved-cuda", "gpt-dp-fp16"],
 )
 def test_composing_one_micro_batch_equals_replaying_all_of_them(changes: dict[str, object]) -> None:
     config = _tiny(**changes)
@@ -223,10 +224,31 @@ def test_cuda_model_allocates_whole_512_byte_blocks() -> None:
     assert all(s.kept_per_micro_batch % 512 == 0 and s.step_peak % 512 == 0 for s in stages)
 
 
-def test_zero_1_assigns_whole_parameters_largest_first_to_the_lightest_replica() -> None:
-    params = [ParamInfo(n, decay) for n, decay in [(10, True), (30, True), (20, True), (5, False)]]
-    shards = zero_shards(params, 2)
-    assert [[p.numel for p in shard] for shard in shards] == [[30, 5], [20, 10]]
+def _bytes_per_parameter(zero: int) -> tuple[float, float, float, float]:
+    params = stage_params(layer_specs("llama3-70b")[1:3])
+    total = sum(p.numel for p in params)
+    states = sharded_states(params, StateLayout(dp=8, zero=zero), precision="bf16")
+    held = (states.weights, states.gradients, states.optimizer, states.gathered)
+    return tuple(round(b / total, 3) for b in held)  # type: ignore[return-value]
+
+
+def test_zero_1_keeps_megatrons_distributed_optimizer_bytes_per_parameter() -> None:
+    """bf16 weights, fp32 gradient buffer, 1/dp of fp32 masters and two moments: 7.5 at dp 8."""
+    assert _bytes_per_parameter(1) == (2.0, 4.0, 1.5, 0.0)
+
+
+def test_zero_3_keeps_16_over_dp_bytes_per_parameter_between_steps() -> None:
+    """fp32 shards of weights and moments (2 at dp 8); the step gathers bf16 layers and
+    accumulates their fp32 gradients unsharded."""
+    assert _bytes_per_parameter(3) == (0.5, 4.0, 1.0, 2.0)
+
+
+def test_zero_levels_order_the_llama_70b_peaks() -> None:
+    base = {"model": "llama-70b", "pp": 8, "dp": 8, "micro_batches": 16, "seq_len": 4096}
+    peaks = [
+        estimate_memory(MemoryConfig.of(**base, recompute="full", zero=z)).peak for z in (0, 1)
+    ]
+    assert peaks[1] < peaks[0] * 0.75
 
 
 def test_dp_buckets_close_once_they_reach_25_mib() -> None:
@@ -516,3 +538,22 @@ def test_memory_partition_budgets_one_stage_per_device() -> None:
                 device_memory="80GB",
             )
         )
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_every_split_weight() -> None:
+    specs = layer_specs("llama-tiny")
+    whole = sum(p.numel for p in stage_params(specs))
+    norms = sum(p.numel for p in stage_params(specs) if not p.decay)
+    assert sum(p.numel for p in stage_params(specs, 2)) == (whole - norms) // 2 + norms
+
+
+def test_tensor_parallelism_divides_a_stage_states_and_weight_copies() -> None:
+    base = {"model": "llama-tiny", "pp": 2, "precision": "bf16", "device": "cpu"}
+    one, two = (estimate_memory(MemoryConfig.of(**base, tp=tp)).stages[0] for tp in (1, 2))
+    assert two.parameters < one.parameters and two.weight_copies * 2 == one.weight_copies
+
+
+def test_measuring_a_tensor_parallel_layout_is_refused_by_name() -> None:
+    config = MemoryConfig.of(model="llama-tiny", pp=2, tp=2, device="cpu")
+    with pytest.raises(ValueError, match="--measure runs one process, so --tp 2"):
+        check_measurable(config)

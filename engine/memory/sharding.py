@@ -1,0 +1,115 @@
+"""Model states of a stage under ZeRO-1/2/3, from parameter shapes and the way
+`engine.parallel` lays them out.
+
+ZeRO-1/2 (Megatron's distributed optimizer, `engine.parallel.zero`): one flat buffer per
+optimizer group (decay, no decay) and dtype, padded to a multiple of dp. Under bf16/fp16 the
+Linears' weights live only in the compute dtype (2 bytes), the rest stay fp32; every gradient
+accumulates in an fp32 buffer the size of the whole flat (4 bytes); each replica keeps its
+1/dp shard of the fp32 masters (the narrow flats only: an fp32 flat is its own master) and of
+AdamW's two moments. ZeRO-2 keeps only its gradient shard between steps; while the step's
+backwards accumulate, the whole fp32 buffer exists as under ZeRO-1.
+
+ZeRO-3 (FSDP2, `engine.parallel.fsdp`): every parameter an fp32 shard along its first
+dimension (padded to a multiple of dp), AdamW's moments likewise; each step gathers every
+layer in the compute dtype and keeps it gathered, and gradients accumulate unsharded in fp32
+until the stage's last backward reduce-scatters them.
+
+Bytes per parameter at bf16 and dp 8, weights + gradients + optimizer: ZeRO-1 2 + 4 + 12/8 =
+7.5 (Megatron's distributed optimizer, the same formula); ZeRO-2 the same during the step,
+2 + 0.5 + 1.5 = 4 between steps; ZeRO-3 16/8 = 2 between steps, plus the gathered layers
+(2) and their unsharded gradients (4) during it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.memory.states import ParamInfo, StateLayout
+from engine.memory.tracker import round_up
+
+__all__ = ["ShardedStates", "sharded_states", "sharded_step_peak"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedStates:
+    """What one replica of a stage holds under a ZeRO level, in bytes."""
+
+    weights: int
+    """Kept across steps: the working weights (ZeRO-1/2) or the fp32 shards (ZeRO-3)."""
+    gradients: int
+    """The fp32 gradients while the step accumulates (the whole buffer, or unsharded)."""
+    optimizer: int
+    """Kept across steps: this replica's fp32 masters and AdamW moments (and step counters)."""
+    gathered: int
+    """ZeRO-3: the compute-dtype copies of every layer, gathered once per step."""
+
+
+def _flats(params: Sequence[ParamInfo], narrow: bool) -> list[tuple[int, bool]]:
+    """(elements, kept narrow) of each flat buffer: per optimizer group, narrow then fp32."""
+    flats = []
+    for decay in (True, False):
+        group = [p for p in params if p.decay == decay]
+        for kind in (True, False) if narrow else (False,):
+            numel = sum(p.numel for p in group if (p.cast and narrow) == kind)
+            if numel:
+                flats.append((numel, kind))
+    return flats
+
+
+def sharded_states(
+    params: Sequence[ParamInfo], states: StateLayout, *, precision: str
+) -> ShardedStates:
+    """A replica's states of `params` under `states.zero` (1, 2 or 3)."""
+    dp, block = states.dp, states.block
+    size = 4 if precision == "fp32" else 2
+    step = round_up(4, block) if states.step_counters else 0
+    if states.zero == 3:
+        shards = [-(-p.rows // dp) * (p.numel // max(p.rows, 1)) for p in params]
+        return ShardedStates(
+            weights=sum(round_up(4 * n, block) for n in shards),
+            gradients=sum(round_up(4 * p.numel, block) for p in params),
+            optimizer=sum(2 * round_up(4 * n, block) + step for n in shards),
+            gathered=sum(round_up(size * p.numel, block) for p in params),
+        )
+    weights = gradients = optimizer = 0
+    for numel, narrow in _flats(params, precision != "fp32"):
+        padded = -(-numel // dp) * dp
+        shard = padded // dp
+        weights += round_up((size if narrow else 4) * padded, block)
+        gradients += round_up(4 * padded, block)
+        masters = round_up(4 * shard, block) if narrow else 0
+        optimizer += masters + 2 * round_up(4 * shard, block) + step
+    return ShardedStates(weights=weights, gradients=gradients, optimizer=optimizer, gathered=0)
+
+
+def sharded_step_peak(
+    states: ShardedStates,
+    layout: StateLayout,
+    params: Sequence[ParamInfo],
+    *,
+    peak: int,
+    live_end: int,
+    held: int,
+    cached: int,
+    precision: str,
+) -> int:
+    """The step's peak above the kept states, from the zero-0 replay of the same row.
+
+    The replay casts each Linear weight once per step (`cached` bytes) and allocates fp32
+    gradients as backwards arrive. ZeRO-1/2 keep those weights in the compute dtype already:
+    no copies. ZeRO-3 gathers every parameter in the compute dtype, norms and embeddings too.
+    After the schedule: ZeRO-1 all-reduces its buffers in place, ZeRO-2 reduce-scatters into a
+    shard-sized buffer; the optimizer's per-tensor temporaries are shard-sized.
+    """
+    block = layout.block
+    if layout.zero == 3:
+        extra = states.gathered - cached
+        return max(peak + extra, live_end - held + extra)
+    copies = cached if precision != "fp32" else 0
+    flats = _flats(params, precision != "fp32")
+    largest = max((-(-numel // layout.dp) for numel, _ in flats), default=0)
+    scattered = round_up(4 * largest, block) if layout.zero == 2 and layout.dp > 1 else 0
+    temporaries = layout.temporaries * round_up(4 * largest, block)
+    after = live_end - held - cached + max(scattered, temporaries)
+    return max(peak - copies, after)
