@@ -34,6 +34,11 @@ CASES = [
     Case("llama", 2, 2, "1f1b", 2, "uniform", "sgd", clip=0.05, precision="fp16", zero=2),
     Case("gpt-tiny", 2, 2, "zb_drain", 2, "uniform", "sgd", clip=0.05, precision="bf16", zero=3),
     Case("llama", 2, 2, "1f1b", 2, "uniform", "sgd", clip=0.05, zero=3, recompute="full"),
+    Case("llama", 2, 2, "zb_h1", 2, "uniform", "sgd", clip=0.05, precision="fp16", zero=3),
+    Case(
+        "llama", 2, 2, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2,
+        precision="bf16", zero=2,
+    ),
 ]
 EXACT = [
     Case("gpt-untied", 2, 1, "zb_drain", 4, "uniform", clip=0.05, zero=2),
