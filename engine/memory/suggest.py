@@ -1,10 +1,11 @@
 """What to change when a layout does not fit: alternatives, each one re-estimated.
 
-Candidates: recompute the forward (on every stage, or only on those over), ZeRO-1, a
-memory-balanced partition (boundaries chosen against per-layer memory, each stage weighted by its
-in-flight micro-batches), more pipeline stages, smaller micro-batches. Every candidate runs
-through `estimate_memory`, so a suggestion is what the estimator predicts, not a rule of thumb,
-and only candidates the estimator puts below the layout's own peak are offered.
+Candidates: recompute the forward (on every stage, or only on those over), a higher ZeRO
+level, the same devices split otherwise (twice the stages or the tensor-parallel width for half
+the replicas), a memory-balanced partition (boundaries chosen against per-layer memory, each
+stage weighted by its in-flight micro-batches), more pipeline stages, smaller micro-batches.
+Every candidate runs through `estimate_memory`, so a suggestion is what the estimator predicts,
+not a rule of thumb, and only candidates the estimator puts below the layout's own peak are offered.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-from engine.config import replace_flat
+from engine.config import ZERO_LEVELS, replace_flat
 from engine.memory.estimate import (
     MemoryConfig,
     MemoryReport,
@@ -210,12 +211,50 @@ def _recompute(config: MemoryConfig, stages: Sequence[int]) -> list[_Candidate]:
     return found
 
 
+def _same_devices(config: MemoryConfig) -> list[_Candidate]:
+    """Layouts on the same devices and the same global and micro-batch sizes: a higher ZeRO
+    level, or half the replicas traded for twice the pipeline stages or the tensor-parallel
+    width (with twice the micro-batches per replica). A user with 64 GPUs asks how to place
+    the model on them, not on more; one the configuration refuses (tp not dividing the heads,
+    ZeRO with tp, more stages than layers) is no candidate."""
+    parallel, micro_batches = config.parallel, config.schedule.micro_batches
+    changes: list[tuple[str, dict[str, object], str]] = [
+        (f"--zero {level}", {"zero": level}, _ZERO_NOTES.get(level, ""))
+        for level in ZERO_LEVELS
+        if level > config.engine.zero and parallel.dp > 1
+    ]
+    if parallel.dp % 2 == 0:
+        fewer = {"dp": parallel.dp // 2, "micro_batches": 2 * micro_batches}
+        batches = f"--dp {parallel.dp // 2} --micro-batches {2 * micro_batches}"
+        if config.schedule.stages_per_rank == 1 and 2 * parallel.pp <= len(resolve(config).specs):
+            flags = _layout_flags(_balanced_for(config, 2 * parallel.pp))
+            deeper = {"pp": 2 * parallel.pp, "partition": flags, **fewer}
+            changes.append((f"--pp {2 * parallel.pp} {batches} --partition {flags}", deeper, ""))
+        changes.append((f"--tp {2 * parallel.tp} {batches}", {"tp": 2 * parallel.tp, **fewer}, ""))
+    found = []
+    for change, fields, note in changes:
+        try:
+            candidate = replace_flat(config, **fields)
+        except ValueError:
+            continue
+        found.append((change, candidate, note or _same_count(config)))
+    return found
+
+
+_ZERO_NOTES = {3: "meshpipe train runs ZeRO-3 with --optimizer-impl per_tensor"}
+
+
+def _same_count(config: MemoryConfig) -> str:
+    parallel = config.parallel
+    devices = "GPUs" if config.device == "cuda" else "ranks"
+    return f"the same {parallel.pp * parallel.dp * parallel.tp} {devices}"
+
+
 def _candidates(
     config: MemoryConfig, report: MemoryReport, over: Sequence[int]
 ) -> list[_Candidate]:
     found = _recompute(config, sorted(s.stage for s in report.stages if s.rank in over))
-    if config.parallel.dp > 1 and not config.engine.zero:
-        found.append(("--zero 1", replace_flat(config, zero=1), ""))
+    found += _same_devices(config)
     if config.schedule.stages_per_rank == 1 and config.parallel.pp > 1:
         partition = _balanced_for(config, config.parallel.pp)
         if partition != report.partition:

@@ -308,6 +308,39 @@ def test_more_stages_suggests_the_fewest_that_fits() -> None:
     assert more[0].report.peak <= budget
 
 
+def _devices(config: MemoryConfig) -> int:
+    return config.parallel.pp * config.parallel.dp * config.parallel.tp
+
+
+@pytest.mark.parametrize(("zero", "offered"), [(0, "--tp 2"), (1, "--pp 4")])
+def test_same_devices_trade_replicas_for_stages_or_tp(zero: int, offered: str) -> None:
+    """Half the replicas buy twice the stages (or, without ZeRO, the tp width) on the same
+    devices, the global batch and micro-batch size unchanged."""
+    config = _tiny(dp=2, zero=zero, micro_batches=8)
+    report = estimate_memory(config)
+    found = [s for s in suggest(config, report, report.peak - 1) if s.change.startswith(offered)]
+    assert len(found) == 1
+    other = found[0].report.config
+    assert _devices(other) == _devices(config)
+    assert other.batch.global_batch == config.batch.global_batch
+    assert other.micro_batch_size == config.micro_batch_size
+    assert "the same 4 ranks" in found[0].note
+
+
+def test_zero_with_tp_is_not_offered_on_the_same_devices() -> None:
+    config = _tiny(dp=2, zero=1, micro_batches=8)
+    report = estimate_memory(config)
+    assert not any("--tp" in s.change for s in suggest(config, report, report.peak - 1))
+
+
+def test_zero_3_is_offered_with_what_train_needs() -> None:
+    config = _tiny(dp=2, micro_batches=8)
+    report = estimate_memory(config)
+    zero3 = [s for s in suggest(config, report, report.peak - 1) if s.change == "--zero 3"]
+    assert zero3 and "--optimizer-impl per_tensor" in zero3[0].note
+    assert zero3[0].report.config.engine.zero == 3
+
+
 def test_memory_balanced_with_gradients_minimises_the_largest_modelled_stage() -> None:
     states, grads, kept = [5, 1, 2, 1, 3, 5], [2, 1, 1, 1, 1, 2], [1, 4, 3, 4, 2, 1]
     flight, after = [3, 2, 1], [2, 2, 1]
