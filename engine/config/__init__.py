@@ -8,6 +8,7 @@ from engine.config.batch import BatchConfig
 from engine.config.engine_options import (
     PRECISIONS,
     ZERO_LEVELS,
+    ZERO_RESHARDS,
     EngineOptions,
     check_zero_optimizer,
     recompute_groups,
@@ -36,6 +37,7 @@ __all__ = [
     "OPTIMIZERS",
     "PRECISIONS",
     "ZERO_LEVELS",
+    "ZERO_RESHARDS",
     "BatchConfig",
     "CheckpointConfig",
     "DataConfig",

@@ -10,6 +10,7 @@ from engine.config.fields import flat, require
 __all__ = [
     "PRECISIONS",
     "ZERO_LEVELS",
+    "ZERO_RESHARDS",
     "EngineOptions",
     "check_zero_optimizer",
     "parse_stages",
@@ -18,6 +19,7 @@ __all__ = [
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_LEVELS = (0, 1, 2, 3)
+ZERO_RESHARDS = ("step", "micro-batch")
 """0: nothing sharded; 1: fp32 masters and optimizer state; 2: and the fp32 gradients;
 3: and the weights (FSDP2)."""
 """fp32, or bf16 / fp16 autocast over fp32 master weights and gradients."""
@@ -100,6 +102,15 @@ class EngineOptions:
     replica keeps only its shard's fp32 gradient between steps. 3: everything (torch FSDP2,
     one unit per layer): each replica keeps 1/dp of the fp32 weights, gradients and optimizer
     state, and a layer is gathered in the compute dtype once per step."""
+    zero_reshard: str = "step"
+    """ZeRO-3: when a layer gives its gathered weights back. step: gathered at the step's first
+    forward and kept for every micro-batch, gradients accumulated unsharded in fp32 and
+    reduce-scattered once after the stage's last backward (the least communication; the stage's
+    gathered weights and whole fp32 gradients live over the step). micro-batch: gathered for each
+    forward and backward and resharded after each, gradients reduce-scattered after every
+    micro-batch's backward into the fp32 shard, as DeepSpeed's ZeRO-3 runs (1/dp of the
+    gradients and a layer or two gathered at a time, for a gather per forward and backward and a
+    reduce-scatter per micro-batch). Not with a split backward (zb_* schedules)."""
     compile: bool = False
     """torch.compile each layer (regional compilation: one graph per layer class, reused by
     every block): fuses the norms, rotary and activations eager runs as separate kernels;
@@ -131,6 +142,15 @@ class EngineOptions:
             self.zero in ZERO_LEVELS,
             f"zero={self.zero}: choose a ZeRO level among "
             f"{', '.join(map(str, ZERO_LEVELS))} (see --zero's help for what each shards)",
+        )
+        require(
+            self.zero_reshard in ZERO_RESHARDS,
+            f"zero_reshard={self.zero_reshard!r}: choose {' or '.join(ZERO_RESHARDS)}",
+        )
+        require(
+            self.zero_reshard == "step" or self.zero == 3,
+            f"--zero-reshard {self.zero_reshard} applies to ZeRO-3's gathered layers, but "
+            f"--zero is {self.zero}: add --zero 3 or drop --zero-reshard",
         )
 
     def recompute_of(self, stage: int) -> str:

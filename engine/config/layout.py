@@ -32,6 +32,12 @@ def check_layout(
         "weight gradient, which a compiled layer hides; use 1f1b, gpipe, interleaved_1f1b "
         "or looped_bfs with --compile, or drop --compile",
     )
+    require(
+        not (engine.zero_reshard == "micro-batch" and any(split_units(r) for r in resolved.rows)),
+        f"--zero-reshard micro-batch with schedule {schedule.schedule}: its split backward runs "
+        "each weight gradient after the layer's backward has resharded it and reduced its "
+        "gradient; use 1f1b, gpipe, interleaved_1f1b or looped_bfs, or --zero-reshard step",
+    )
     layers = len(model.specs())
     stages = parallel.pp * schedule.stages_per_rank
     require(

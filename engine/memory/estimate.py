@@ -330,6 +330,7 @@ def resolve(config: MemoryConfig) -> Layout:
     states = StateLayout(
         dp=config.parallel.dp,
         zero=config.engine.zero,
+        zero_reshard=config.engine.zero_reshard,
         tp=config.parallel.tp,
         block=CUDA_BLOCK if config.device == "cuda" else 1,
         optimizer_impl=config.optimizer.impl,

@@ -42,6 +42,7 @@ def _title(report: MemoryReport) -> str:
     v, engine = c.schedule.stages_per_rank, c.engine
     virtual = f" × {v} stages per rank" if v > 1 else ""
     zero = f", ZeRO-{engine.zero}" if engine.zero else ""
+    zero += " resharded per micro-batch" if engine.zero_reshard == "micro-batch" else ""
     tp = f" × tp {c.parallel.tp}" if c.parallel.tp > 1 else ""
     recompute = engine.recompute
     if engine.recompute_stages is not None:

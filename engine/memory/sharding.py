@@ -12,12 +12,15 @@ backwards accumulate, the whole fp32 buffer exists as under ZeRO-1.
 ZeRO-3 (FSDP2, `engine.parallel.fsdp`): every parameter an fp32 shard along its first
 dimension (padded to a multiple of dp), AdamW's moments likewise; each step gathers every
 layer in the compute dtype and keeps it gathered, and gradients accumulate unsharded in fp32
-until the stage's last backward reduce-scatters them.
+until the stage's last backward reduce-scatters them. Resharded per micro-batch
+(`--zero-reshard micro-batch`), a layer is gathered only for its forward or backward and its
+gradient reduce-scattered after each backward into the fp32 shard.
 
 Bytes per parameter at bf16 and dp 8, weights + gradients + optimizer: ZeRO-1 2 + 4 + 12/8 =
 7.5 (Megatron's distributed optimizer, the same formula); ZeRO-2 the same during the step,
 2 + 0.5 + 1.5 = 4 between steps; ZeRO-3 16/8 = 2 between steps, plus the gathered layers
-(2) and their unsharded gradients (4) during it.
+(2) and their unsharded gradients (4) during it, or, resharded per micro-batch, 2 during it as
+well plus one layer's turn.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class ShardedStates:
     optimizer: int
     """Kept across steps: this replica's fp32 masters and AdamW moments (and step counters)."""
     gathered: int
-    """ZeRO-3: the compute-dtype copies of every layer, gathered once per step."""
+    """ZeRO-3: the compute-dtype copies of every layer, gathered once per step; or, resharded
+    per micro-batch, what one layer's turn holds on top of the shards (`_one_layer_at_a_time`)."""
 
 
 def _flats(params: Sequence[ParamInfo], narrow: bool) -> list[tuple[int, bool]]:
@@ -66,11 +70,17 @@ def sharded_states(
     step = round_up(4, block) if states.step_counters else 0
     if states.zero == 3:
         shards = [-(-p.rows // dp) * (p.numel // max(p.rows, 1)) for p in params]
+        per_micro_batch = states.zero_reshard == "micro-batch"
         return ShardedStates(
             weights=sum(round_up(4 * n, block) for n in shards),
-            gradients=sum(round_up(4 * p.numel, block) for p in params),
+            gradients=sum(
+                round_up(4 * (n if per_micro_batch else p.numel), block)
+                for n, p in zip(shards, params, strict=True)
+            ),
             optimizer=sum(2 * round_up(4 * n, block) + step for n in shards),
-            gathered=sum(round_up(size * p.numel, block) for p in params),
+            gathered=_one_layer_at_a_time(params, size, block)
+            if per_micro_batch
+            else sum(round_up(size * p.numel, block) for p in params),
         )
     weights = gradients = optimizer = 0
     for numel, narrow in _flats(params, precision != "fp32"):
@@ -81,6 +91,17 @@ def sharded_states(
         masters = round_up(4 * shard, block) if narrow else 0
         optimizer += masters + 2 * round_up(4 * shard, block) + step
     return ShardedStates(weights=weights, gradients=gradients, optimizer=optimizer, gathered=0)
+
+
+def _one_layer_at_a_time(params: Sequence[ParamInfo], size: int, block: int) -> int:
+    """Resharded per micro-batch, the largest layer's turn: it and the layer FSDP prefetches
+    gathered in the compute dtype, and its unsharded gradient with the fp32 copy the
+    reduce-scatter sends."""
+    layers: dict[int, int] = {}
+    for p in params:
+        layers[p.layer] = layers.get(p.layer, 0) + round_up(p.numel * size, block)
+    largest = max(layers.values(), default=0)
+    return 2 * largest + largest + largest * 4 // size
 
 
 def sharded_step_peak(
@@ -105,6 +126,8 @@ def sharded_step_peak(
     block = layout.block
     if layout.zero == 3:
         extra = states.gathered - cached
+        if layout.zero_reshard == "micro-batch":  # the replay's whole fp32 gradients: shards
+            extra -= sum(round_up(4 * p.numel, block) for p in params) - states.gradients
         return max(peak + extra, live_end - held + extra)
     copies = cached if precision != "fp32" else 0
     flats = _flats(params, precision != "fp32")

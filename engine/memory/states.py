@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -47,6 +47,8 @@ class StateLayout:
 
     dp: int = 1
     zero: int = 0
+    zero_reshard: str = "step"
+    """ZeRO-3: layers gathered for the whole step, or per micro-batch (`EngineOptions`)."""
     tp: int = 1
     """Tensor-parallel ranks: each holds its shard of every split weight."""
     block: int = 1
@@ -79,17 +81,31 @@ class ParamInfo:
     """A Linear's weight that autocast casts: kept in the compute dtype under ZeRO-1/2."""
     rows: int = 0
     """Size of its first dimension (FSDP2 shards along it, padding to a multiple of dp)."""
+    layer: int = 0
+    """Its layer's position in the stage (ZeRO-3 gathers a layer's parameters together)."""
 
 
 def param_info(module: nn.Module) -> list[ParamInfo]:
     """Parameters in `module.parameters()` order (shared ones once), as the engine sees them."""
     cast = {id(p) for p in castable_linear_params(module)}
-    return [_info(p, id(p) in cast) for p in module.parameters() if p.requires_grad]
+    positions: dict[str, int] = {}
+    found = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            layer = positions.setdefault(_layer_key(name), len(positions))
+            found.append(_info(p, id(p) in cast, layer))
+    return found
 
 
-def _info(param: nn.Parameter, cast: bool) -> ParamInfo:
+def _layer_key(name: str) -> str:
+    """`layers.3` of `layers.3.attn.q_proj.weight`: the layer a stack's parameter is in."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else ""
+
+
+def _info(param: nn.Parameter, cast: bool, layer: int = 0) -> ParamInfo:
     rows = param.shape[0] if param.dim() else 1
-    return ParamInfo(param.numel(), param.dim() >= 2, cast, rows)
+    return ParamInfo(param.numel(), param.dim() >= 2, cast, rows, layer)
 
 
 def stage_params(specs: Sequence[LayerSpec], tp: int = 1) -> list[ParamInfo]:
@@ -98,11 +114,14 @@ def stage_params(specs: Sequence[LayerSpec], tp: int = 1) -> list[ParamInfo]:
     weight tied to an earlier layer of the stage counts once, where it first appears."""
     found: list[ParamInfo] = []
     tied: set[str] = set()
+    position = 0
     for spec in specs:
+        before = len(found)
         for name, info in _layer_params(spec, tp):
             if spec.tie_key is not None and name == spec.tied_param and spec.tie_key in tied:
                 continue
-            found.append(info)
+            found.append(replace(info, layer=position))
+        position += len(found) > before
         if spec.tie_key is not None:
             tied.add(spec.tie_key)
     return found

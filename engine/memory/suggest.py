@@ -223,6 +223,10 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
         for level in ZERO_LEVELS
         if level > config.engine.zero and parallel.dp > 1
     ]
+    if parallel.dp > 1 and config.engine.zero_reshard == "step":
+        zero = "" if config.engine.zero == 3 else "--zero 3 "
+        per_micro_batch = {"zero": 3, "zero_reshard": "micro-batch"}
+        changes.append((f"{zero}--zero-reshard micro-batch", per_micro_batch, _RESHARD_NOTE))
     if parallel.dp % 2 == 0:
         fewer = {"dp": parallel.dp // 2, "micro_batches": 2 * micro_batches}
         batches = f"--dp {parallel.dp // 2} --micro-batches {2 * micro_batches}"
@@ -242,6 +246,10 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
 
 
 _ZERO_NOTES = {3: "meshpipe train runs ZeRO-3 with --optimizer-impl per_tensor"}
+_RESHARD_NOTE = (
+    "a gather per forward and backward and a reduce-scatter per micro-batch; "
+    "meshpipe train runs ZeRO-3 with --optimizer-impl per_tensor"
+)
 
 
 def _same_count(config: MemoryConfig) -> str:

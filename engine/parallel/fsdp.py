@@ -6,8 +6,10 @@ a step gathers a layer in the compute dtype and keeps it gathered for the step's
 micro-batches and for the backwards (no reshard after forward or backward), while gradients
 accumulate unsharded without being reduced. After the stage's last backward of the step every
 layer runs FSDP's post-backward with gradient sync on: one reduce-scatter in fp32 per layer,
-and the layer is resharded. FSDP casts every parameter (norms and embeddings too), so the
-arithmetic differs from autocast's and agrees with the reference to tolerance only.
+and the layer is resharded. `--zero-reshard micro-batch` leaves FSDP its own protocol instead:
+gathered for each forward and backward, reduce-scattered after each backward. FSDP casts every
+parameter (norms and embeddings too), so the arithmetic differs from autocast's and agrees with
+the reference to tolerance only.
 """
 
 from __future__ import annotations
@@ -23,11 +25,18 @@ __all__ = ["FullyShardedLayers", "check_unshared", "shard_layers"]
 
 
 def shard_layers(
-    layers: Sequence[nn.Module], mesh: DeviceMesh | None, dtype: torch.dtype, *, pp_rank: int
+    layers: Sequence[nn.Module],
+    mesh: DeviceMesh | None,
+    dtype: torch.dtype,
+    *,
+    pp_rank: int,
+    reshard: str = "step",
 ) -> FullyShardedLayers:
     """`fully_shard` each layer over `mesh` (1-D, the dp replicas): parameters gathered in
     `dtype`, gradients reduced in fp32; each layer is its own FSDP root, since a stage runs
-    its layers one by one and never the stack's own forward."""
+    its layers one by one and never the stack's own forward. `reshard` is when a layer gives
+    its gathered weights back: after the step (`step`) or after each forward and backward
+    (`micro-batch`, FSDP's own per-backward reduce-scatter)."""
     if mesh is None:
         raise ValueError(
             "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
@@ -38,10 +47,11 @@ def shard_layers(
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     sharded: list[FSDPModule] = []
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        per_micro_batch = reshard == "micro-batch"
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
         assert isinstance(layer, FSDPModule)
         sharded.append(layer)
-    return FullyShardedLayers(sharded)
+    return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
 
 
 def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
@@ -60,14 +70,20 @@ def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
 
 
 class FullyShardedLayers:
-    """The FSDP layers of one rank's stages and the per-step protocol that keeps them gathered
-    across micro-batches and reduces their gradients once."""
+    """The FSDP layers of one rank's stages and the per-step protocol: kept gathered across
+    micro-batches with gradients reduced once, or (`per_micro_batch`) FSDP's own protocol of
+    a gather per forward and backward and a reduce-scatter after each backward, whose sharded
+    gradients FSDP sums over the step's micro-batches."""
 
-    def __init__(self, layers: Sequence[FSDPModule]) -> None:
+    def __init__(self, layers: Sequence[FSDPModule], *, per_micro_batch: bool = False) -> None:
         self.layers = list(layers)
+        self.per_micro_batch = per_micro_batch
 
     def begin_step(self) -> None:
-        """Micro-batch backwards accumulate unsharded gradients and keep the layers gathered."""
+        """Micro-batch backwards accumulate unsharded gradients and keep the layers gathered
+        (nothing to change when every backward reduces and reshards)."""
+        if self.per_micro_batch:
+            return
         for layer in self.layers:
             layer.set_requires_gradient_sync(False, recurse=False)
             layer.set_is_last_backward(False)
@@ -75,7 +91,10 @@ class FullyShardedLayers:
 
     def reduce_gradients(self) -> None:
         """After the stage's last backward: every layer's post-backward with sync on (its fp32
-        reduce-scatter into the sharded `.grad`), then reshard."""
+        reduce-scatter into the sharded `.grad`), then reshard. Per micro-batch, each backward
+        has done so already."""
+        if self.per_micro_batch:
+            return
         for layer in self.layers:
             layer.set_is_last_backward(True)
             layer.set_reshard_after_backward(True, recurse=False)

@@ -150,7 +150,9 @@ class PipelineEngine:
         layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
         dp_mesh = self.mesh.device_mesh["dp"] if self.mesh.device_mesh is not None else None
         dtype = compute_dtype(self.options.precision)
-        return shard_layers(layers, dp_mesh, dtype, pp_rank=self.mesh.pp_rank)
+        return shard_layers(
+            layers, dp_mesh, dtype, pp_rank=self.mesh.pp_rank, reshard=self.options.zero_reshard
+        )
 
     def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
         return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)

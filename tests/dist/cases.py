@@ -66,6 +66,7 @@ class Case:
     precision: str = "fp32"
     recompute: str = "none"
     zero: int = 0
+    zero_reshard: str = "step"
     nan_at_step: int = -1
     micro_batch_size: int = 2
     guard: bool = True
@@ -86,6 +87,7 @@ class Case:
             + (f"-{self.precision}" if self.precision != "fp32" else "")
             + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
             + (f"-zero{self.zero}" if self.zero else "")
+            + (f"-reshard={self.zero_reshard}" if self.zero_reshard != "step" else "")
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
             + (f"-tp{self.tp}" if self.tp > 1 else "")
@@ -148,6 +150,7 @@ def run_case(case: Case) -> dict[str, Any]:
             precision=case.precision,
             recompute=case.recompute,
             zero=case.zero,
+            zero_reshard=case.zero_reshard,
             nonfinite_guard=case.guard,
             compile=case.compile,
         ),

@@ -39,6 +39,16 @@ CASES = [
         "llama", 2, 2, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2,
         precision="bf16", zero=2,
     ),
+    Case(
+        "llama", 2, 2, "1f1b", 4, "uniform", "sgd", clip=0.05, precision="bf16", zero=3,
+        zero_reshard="micro-batch", recompute="full",
+    ),
+    Case("gpt-tiny", 2, 2, "gpipe", 2, "uniform", "sgd", clip=0.05, zero=3,
+         zero_reshard="micro-batch"),
+    Case(
+        "llama", 2, 2, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2,
+        precision="fp16", zero=3, zero_reshard="micro-batch",
+    ),
 ]
 EXACT = [
     Case("gpt-untied", 2, 1, "zb_drain", 4, "uniform", clip=0.05, zero=2),

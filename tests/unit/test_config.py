@@ -48,6 +48,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "device_memory",
         "recompute_stages",
         "tp",
+        "zero_reshard",
     }
 
 
@@ -92,6 +93,12 @@ def test_a_composite_keeps_its_own_defaults_for_a_shared_section() -> None:
         ({"recompute": "full", "recompute_stages": "5"}, r"recompute stages \[5\] are outside"),
         ({"schedule": "zb"}, "unknown schedule 'zb'"),
         ({"cost_model": "bytes"}, "unknown cost model 'bytes'"),
+        ({"zero_reshard": "layer"}, "zero_reshard='layer': choose step or micro-batch"),
+        ({"dp": 2, "zero": 2, "zero_reshard": "micro-batch"}, "add --zero 3 or drop"),
+        (
+            {"pp": 2, "dp": 2, "zero": 3, "zero_reshard": "micro-batch", "schedule": "zb_h1"},
+            r"--zero-reshard micro-batch with schedule zb_h1: its split backward.*use 1f1b",
+        ),
     ],
 )
 def test_train_and_memory_refuse_a_layout_in_the_same_words(
