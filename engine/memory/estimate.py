@@ -13,7 +13,7 @@ come the DP all-reduce's flat buffers and the optimizer's temporaries (`memory_s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.config import (
@@ -27,6 +27,7 @@ from engine.config import (
     check_layout,
     format_size,
     from_flat,
+    recompute_groups,
     replace_flat,
     require,
     to_flat,
@@ -242,7 +243,25 @@ class Layout:
     def params(self, stages: Sequence[int]) -> list[ParamInfo]:
         """One rank's parameters of `stages` (its tensor-parallel shard of each)."""
         tp = self.states.tp
-        return [p for s in stages for p in stage_params(self.stage_specs(s), tp)]
+        found: list[ParamInfo] = []
+        for s in stages:  # layer positions run on across the rank's stages
+            offset = 1 + max((p.layer for p in found), default=-1)
+            found += [
+                replace(p, layer=p.layer + offset) for p in stage_params(self.stage_specs(s), tp)
+            ]
+        return found
+
+    def gathered_together(self, config: MemoryConfig, stages: Sequence[int]) -> int:
+        """The most consecutive layers of `stages` one recomputed run regathers at once (1
+        without recompute): ZeRO-3 per micro-batch keeps them gathered until their backward."""
+        runs = [
+            len(run) if recomputed else 1
+            for s in stages
+            for run, recomputed in recompute_groups(
+                len(self.partition.layers_of(s)), config.engine.recompute_of(s)
+            )
+        ]
+        return max(runs, default=1)
 
 
 def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
@@ -380,7 +399,12 @@ def _step_peak(
     params = layout.params(stages)
     if layout.states.zero:
         return sharded_step_peak(
-            sharded_states(params, layout.states, precision=config.engine.precision),
+            sharded_states(
+                params,
+                layout.states,
+                precision=config.engine.precision,
+                together=layout.gathered_together(config, stages),
+            ),
             layout.states,
             params,
             peak=peak,
@@ -423,7 +447,8 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
 
 
 def _states(config: MemoryConfig, layout: Layout, params: Sequence[ParamInfo]) -> dict[str, int]:
-    """Weights, gradients and optimizer bytes of one replica's `params`."""
+    """Weights, gradients and optimizer bytes of one replica's `params` (what a layer's turn
+    gathers is the step's, not kept: `_step_peak`)."""
     if layout.states.zero:
         sharded = sharded_states(params, layout.states, precision=config.engine.precision)
         return {

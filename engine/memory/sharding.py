@@ -46,7 +46,7 @@ class ShardedStates:
     """Kept across steps: this replica's fp32 masters and AdamW moments (and step counters)."""
     gathered: int
     """ZeRO-3: the compute-dtype copies of every layer, gathered once per step; or, resharded
-    per micro-batch, what one layer's turn holds on top of the shards (`_one_layer_at_a_time`)."""
+    per micro-batch, what the largest turn holds on top of the shards (`_one_turn`)."""
 
 
 def _flats(params: Sequence[ParamInfo], narrow: bool) -> list[tuple[int, bool]]:
@@ -62,9 +62,10 @@ def _flats(params: Sequence[ParamInfo], narrow: bool) -> list[tuple[int, bool]]:
 
 
 def sharded_states(
-    params: Sequence[ParamInfo], states: StateLayout, *, precision: str
+    params: Sequence[ParamInfo], states: StateLayout, *, precision: str, together: int = 1
 ) -> ShardedStates:
-    """A replica's states of `params` under `states.zero` (1, 2 or 3)."""
+    """A replica's states of `params` under `states.zero` (1, 2 or 3); `together`: how many
+    consecutive layers one recomputed run gathers at once (ZeRO-3 per micro-batch)."""
     dp, block = states.dp, states.block
     size = 4 if precision == "fp32" else 2
     step = round_up(4, block) if states.step_counters else 0
@@ -78,7 +79,7 @@ def sharded_states(
                 for n, p in zip(shards, params, strict=True)
             ),
             optimizer=sum(2 * round_up(4 * n, block) + step for n in shards),
-            gathered=_one_layer_at_a_time(params, size, block)
+            gathered=_one_turn(params, size, block, together)
             if per_micro_batch
             else sum(round_up(size * p.numel, block) for p in params),
         )
@@ -93,15 +94,18 @@ def sharded_states(
     return ShardedStates(weights=weights, gradients=gradients, optimizer=optimizer, gathered=0)
 
 
-def _one_layer_at_a_time(params: Sequence[ParamInfo], size: int, block: int) -> int:
-    """Resharded per micro-batch, the largest layer's turn: it and the layer FSDP prefetches
-    gathered in the compute dtype, and its unsharded gradient with the fp32 copy the
-    reduce-scatter sends."""
+def _one_turn(params: Sequence[ParamInfo], size: int, block: int, together: int) -> int:
+    """Resharded per micro-batch, the largest turn: `together` consecutive layers gathered in
+    the compute dtype (a recomputed run keeps every layer it regathered until that layer's
+    backward), the next layer FSDP prefetches, and the largest layer's unsharded gradient with
+    the fp32 copy the reduce-scatter sends."""
     layers: dict[int, int] = {}
     for p in params:
         layers[p.layer] = layers.get(p.layer, 0) + round_up(p.numel * size, block)
-    largest = max(layers.values(), default=0)
-    return 2 * largest + largest + largest * 4 // size
+    sizes = [layers[k] for k in sorted(layers)]
+    largest = max(sizes, default=0)
+    window = max((sum(sizes[i : i + together]) for i in range(len(sizes))), default=0)
+    return window + largest + largest + largest * 4 // size
 
 
 def sharded_step_peak(

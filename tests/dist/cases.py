@@ -49,6 +49,8 @@ def model_specs(model: str) -> list[LayerSpec]:
     for block, key in ((1, "A"), (4, "A"), (2, "B"), (3, "B")):
         specs[block] = replace(specs[block], tie_key=key, tied_param="mlp.fc.weight")
     return specs
+
+
 STEPS = 2
 
 
@@ -156,6 +158,7 @@ def run_case(case: Case) -> dict[str, Any]:
         ),
     )
     rows = case.global_batch // case.dp
+    gathered = _count_gathered(engine)
     losses, peaks, pending, bubbles, norms, skipped = [], [], [], [], [], []
     steps = []
     for step, (inputs, targets) in enumerate(batches(case)):
@@ -179,7 +182,8 @@ def run_case(case: Case) -> dict[str, Any]:
     eval_loss = engine.eval_step(inputs[local], targets[local])
     params = {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
     local_shapes = {
-        n.split(".", 1)[1]: tuple(local_tensor(p).shape) for n, p in engine.module.named_parameters()
+        n.split(".", 1)[1]: tuple(local_tensor(p).shape)
+        for n, p in engine.module.named_parameters()
     }
     if engine.sharded is not None:  # the fp32 masters, not the low-precision working weights
         masters = engine.sharded.full_masters()
@@ -205,7 +209,27 @@ def run_case(case: Case) -> dict[str, Any]:
         "skipped": skipped,
         "optimizer_state_bytes": _state_bytes(engine.optimizer),
         "zero_bytes": zero_bytes,
+        "gathered_at_forwards": gathered,
+        "fsdp_layers": len(engine.fsdp.layers) if engine.fsdp is not None else 0,
     }
+
+
+def _count_gathered(engine: PipelineEngine) -> list[int]:
+    """ZeRO-3: how many of the rank's layers are gathered as each layer's forward starts (FSDP
+    registers a layer's plain tensors while gathered, its DTensor shards otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    counts: list[int] = []
+    if engine.fsdp is None:
+        return counts
+    layers = engine.fsdp.layers
+
+    def count(*_: object) -> None:
+        counts.append(sum(not isinstance(next(iter(m.parameters())), DTensor) for m in layers))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(count)  # type: ignore[attr-defined]
+    return counts
 
 
 def fsdp_held_bytes(engine: PipelineEngine) -> dict[str, float]:

@@ -41,7 +41,7 @@ CASES = [
     ),
     Case(
         "llama", 2, 2, "1f1b", 4, "uniform", "sgd", clip=0.05, precision="bf16", zero=3,
-        zero_reshard="micro-batch", recompute="full",
+        zero_reshard="micro-batch", recompute="every:1",
     ),
     Case("gpt-tiny", 2, 2, "gpipe", 2, "uniform", "sgd", clip=0.05, zero=3,
          zero_reshard="micro-batch"),
@@ -129,3 +129,95 @@ def test_bf16_ranks_hold_the_bytes_per_parameter_of_their_zero_level(
     reduce-scatter)."""
     for rank in runs[str(case)]:
         assert rank["zero_bytes"] == pytest.approx(expected, rel=2e-2)
+
+
+def _gathered(case: Case, runs: dict[str, Any]) -> list[tuple[int, int]]:
+    """Per rank: its FSDP layers, and the most of them gathered as a layer's forward starts."""
+    return [(r["fsdp_layers"], max(r["gathered_at_forwards"])) for r in runs[str(case)]]
+
+
+def test_zero3_kept_for_the_step_holds_every_layer_gathered(runs: dict[str, Any]) -> None:
+    assert CASES[5].zero == 3 and CASES[5].zero_reshard == "step"
+    for layers, most in _gathered(CASES[5], runs):
+        assert most == layers > 2
+
+
+def test_zero3_resharded_per_micro_batch_gathers_a_layer_at_a_time(
+    runs: dict[str, Any],
+) -> None:
+    """As each layer's forward starts (its own gather done), at most it and the one before it
+    (whose backward comes next, under per-layer recompute) are gathered, of three or more.
+    A recomputed run of several layers keeps each gathered until its backward: the memory
+    model counts the run (`engine.memory.sharding`)."""
+    assert CASES[8].zero_reshard == "micro-batch" and CASES[8].recompute == "every:1"
+    for layers, most in _gathered(CASES[8], runs):
+        assert most <= 2 < layers
+
+
+def _engine(dp: int, zero: int, *, seed: int) -> PipelineEngine:
+    """llama-tiny in one stage over `dp` replicas, bf16, AdamW (per tensor: ZeRO-3's shards
+    cannot run the fused kernel, and the class name is what a checkpoint records)."""
+    specs = layer_specs("llama-tiny")
+    return PipelineEngine(
+        specs,
+        init_mesh(1, dp, timeout_s=60),
+        partition=partition_model(specs, method="uniform", num_stages=1, seq_len=16),
+        micro_batches=2,
+        seed=seed,
+        optimizer=OptimizerSpec(lr=1e-2, weight_decay=0.1, impl="per_tensor"),
+        timeout_s=60,
+        options=EngineOptions(zero=zero, precision="bf16"),
+    )
+
+
+def _whole_state(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+    """fp32 weights and optimizer state by global name, whole (gathered under ZeRO)."""
+    if engine.sharded is not None:
+        masters, states = engine.sharded.full_masters(), engine.sharded.full_state()
+    elif engine.fsdp is not None:
+        masters, states = gathered(engine.module.parameters(), engine.optimizer)
+    else:
+        assert engine.optimizer is not None
+        masters = {id(p): p.detach() for p in engine.module.parameters()}
+        states = {id(p): s for p, s in engine.optimizer.state.items()}
+    out = {}
+    for name, param in engine.module.named_parameters():
+        out[name] = masters[id(param)].clone()
+        out.update({f"{name}.{k}": v.clone() for k, v in states[id(param)].items()})
+    return out
+
+
+def _step_and_save(rank: int, world_size: int, root: str, zero: int) -> dict[str, torch.Tensor]:
+    engine = _engine(world_size, zero, seed=1)
+    tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
+    rows = tokens.chunk(world_size)[rank]
+    engine.train_step(rows[:, :-1], rows[:, 1:])
+    save_checkpoint(engine, layer_specs("llama-tiny"), root, state=TrainerState(step=1))
+    return _whole_state(engine)
+
+
+def _load(rank: int, world_size: int, root: str, zero: int) -> dict[str, torch.Tensor]:
+    engine = _engine(world_size, zero, seed=2)
+    load_checkpoint(engine, layer_specs("llama-tiny"), root)
+    return _whole_state(engine)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_sharded_checkpoint_loads_into_zero0_as_the_state_it_gathered(
+    tmp_path: Path, zero: int
+) -> None:
+    saved = run_ranks(_step_and_save, 2, str(tmp_path), zero)
+    assert saved[0].keys() == saved[1].keys()
+    loaded = _load(0, 1, str(tmp_path), 0)
+    assert loaded.keys() == saved[0].keys()
+    assert all(torch.equal(loaded[k], saved[0][k]) for k in loaded)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_zero0_checkpoint_loads_into_shards_that_gather_back_to_it(
+    tmp_path: Path, zero: int
+) -> None:
+    saved = _step_and_save(0, 1, str(tmp_path), 0)
+    for loaded in run_ranks(_load, 2, str(tmp_path), zero):
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)

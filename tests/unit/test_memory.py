@@ -355,6 +355,16 @@ def test_zero3_resharded_per_micro_batch_holds_gradient_shards_and_one_layer() -
         assert resharded.step_peak < kept.step_peak / 2
 
 
+def test_zero3_per_micro_batch_counts_a_recomputed_run_gathered_together() -> None:
+    """A run recomputed as one (`--recompute full`) regathers its layers and keeps each until
+    its backward: four 200-byte bf16 layers gathered together cost three more than one."""
+    params = [ParamInfo(100, True, rows=10, layer=i) for i in range(4)]
+    layout = StateLayout(dp=2, zero=3, zero_reshard="micro-batch")
+    one, run = (sharded_states(params, layout, precision="bf16", together=k) for k in (1, 4))
+    assert run.gathered - one.gathered == 3 * 200
+    assert run.gradients == one.gradients == 4 * 4 * 50
+
+
 def test_memory_balanced_with_gradients_minimises_the_largest_modelled_stage() -> None:
     states, grads, kept = [5, 1, 2, 1, 3, 5], [2, 1, 1, 1, 1, 2], [1, 4, 3, 4, 2, 1]
     flight, after = [3, 2, 1], [2, 2, 1]
