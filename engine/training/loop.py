@@ -268,6 +268,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         config.parallel.tp,
         timeout_s=config.run.timeout,
         device=config.run.device,
+        order=config.parallel.mesh_order,
     )
     _set_threads(config, mesh)
     run = _open_run(config, mesh)
