@@ -49,6 +49,7 @@ from engine.training.resume_check import (
     keep_new_hyperparameters,
     optimizer_hyperparameters,
 )
+from engine.training.shared_folder import check_shared_folder
 from engine.training.trace import TraceRecorder
 from models import LayerSpec
 
@@ -271,6 +272,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         order=config.parallel.mesh_order,
     )
     _set_threads(config, mesh)
+    root = config.checkpoint.checkpoint_dir
+    if root is not None:
+        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     run = _open_run(config, mesh)
     first = run.restore()
     tokens_per_step = config.batch.global_batch * config.batch.seq_len
