@@ -298,8 +298,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 "skipped": result.skipped,
             }
             log.record(**record)
-            if config.run.log_every and (step + 1) % config.run.log_every == 0:
-                _say(mesh, _log_line(record, run.engine.skipped_steps))
+            due = config.run.log_every and (step + 1) % config.run.log_every == 0
+            if due and mesh.rank == 0:
+                log.say(f"meshpipe: {_log_line(record, run.engine.skipped_steps)}")
 
         # A step is logged once the next one ran: its bubble and grad norm need every pipeline
         # rank's figures, which have arrived by then without holding any rank back.
