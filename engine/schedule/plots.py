@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.schedule.actions import ActionKind
 from engine.schedule.simulate import SimResult, TimedAction
 
-__all__ = ["KIND_COLOURS", "chrome_trace", "plot_timeline"]
+__all__ = ["KIND_COLOURS", "TRACKS", "TraceSlice", "chrome_trace", "plot_timeline"]
 
 KIND_COLOURS = {
     ActionKind.F: "#4C72B0",
@@ -71,40 +71,72 @@ def _draw(ax: Any, rank: int, timed: TimedAction) -> None:
     )
 
 
+TRACKS = ("compute", "communication")
+"""A rank's tracks in a trace: its actions and phases, and the collectives that overlap them."""
+
+
+class TraceSlice(NamedTuple):
+    """One slice of a rank's timeline in a trace."""
+
+    name: str
+    start: float
+    end: float
+    step: int = 0
+    """The training step it belongs to (a simulated schedule is one step, 0)."""
+    track: str = "compute"
+    """One of `TRACKS`: communication that runs beside compute (the dp all-reduce overlaps
+    the last backward) gets a track of its own, so each track's slices nest."""
+
+
 def chrome_trace(
-    timelines: Sequence[Sequence[tuple[str, float, float]]],
+    timelines: Sequence[Sequence[TraceSlice]],
     path: str | Path,
     *,
     unit_s: float = 1.0,
     process: str = "meshpipe",
 ) -> None:
-    """Write Chrome/Perfetto trace JSON: one track per rank, one slice per (name, start, end).
+    """Write Chrome/Perfetto trace JSON: a track per rank (tid = rank), below it a track for its
+    communication when it has any (tid = ranks + rank), one slice per `TraceSlice`, each
+    carrying its step in `args`.
 
     `unit_s` converts the times to seconds (1 for measured runs; any scale for simulations).
     """
-    events: list[dict[str, object]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process}}
-    ]
-    for rank, slices in enumerate(timelines):
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": 0,
-                "tid": rank,
-                "args": {"name": f"rank {rank}"},
-            }
-        )
-        for name, start, end in slices:
-            events.append(
+    ranks = len(timelines)
+    slices: list[dict[str, object]] = []
+    tids = set(range(ranks))
+    for rank, timeline in enumerate(timelines):
+        for piece in map(TraceSlice._make, timeline):
+            tid = rank + ranks * TRACKS.index(piece.track)
+            tids.add(tid)
+            slices.append(
                 {
-                    "name": name,
-                    "cat": name.lstrip("0123456789").rstrip("0123456789"),
+                    "name": piece.name,
+                    "cat": piece.name.lstrip("0123456789").rstrip("0123456789"),
                     "ph": "X",
                     "pid": 0,
-                    "tid": rank,
-                    "ts": start * unit_s * 1e6,
-                    "dur": (end - start) * unit_s * 1e6,
+                    "tid": tid,
+                    "ts": piece.start * unit_s * 1e6,
+                    "dur": (piece.end - piece.start) * unit_s * 1e6,
+                    "args": {"step": piece.step},
                 }
             )
+    process_name = {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": process}}
+    tracks = [event for tid in sorted(tids) for event in _track_names(tid, ranks)]
+    events = [process_name, *tracks, *slices]
     Path(path).write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
+
+
+def _track_names(tid: int, ranks: int) -> list[dict[str, object]]:
+    """The metadata naming a track and keeping each rank's tracks together, in rank order."""
+    track, rank = divmod(tid, ranks)
+    name = f"rank {rank}" if track == 0 else f"rank {rank} {TRACKS[track]}"
+    return [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}},
+        {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": 0,
+            "tid": tid,
+            "args": {"sort_index": rank * len(TRACKS) + track},
+        },
+    ]

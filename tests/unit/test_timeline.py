@@ -11,7 +11,7 @@ from engine.cli.main import main
 from engine.schedule.actions import format_actions
 from engine.schedule.generators import gpipe, interleaved_1f1b, make_schedule, zb_h1
 from engine.schedule.passes import add_communication
-from engine.schedule.plots import chrome_trace, plot_timeline
+from engine.schedule.plots import TraceSlice, chrome_trace, plot_timeline
 from engine.schedule.resolve import schedule_for
 from engine.schedule.simulate import ActionCosts, simulate
 from engine.schedule.text import load_schedule, save_schedule
@@ -94,14 +94,39 @@ def test_timeline_plot_is_written(tmp_path: Path) -> None:
 
 
 def test_chrome_trace_has_a_track_per_rank_and_a_slice_per_action(tmp_path: Path) -> None:
-    chrome_trace([[("0F0", 0.0, 0.5)], [("1F0", 0.5, 1.0), ("1B0", 1.0, 2.0)]], tmp_path / "t.json")
+    timelines = [
+        [TraceSlice("0F0", 0.0, 0.5)],
+        [TraceSlice("1F0", 0.5, 1.0), TraceSlice("1B0", 1.0, 2.0)],
+    ]
+    chrome_trace(timelines, tmp_path / "t.json")
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert [(e["name"], e["tid"], e["dur"]) for e in slices] == [
-        ("0F0", 0, 500000.0),
-        ("1F0", 1, 500000.0),
-        ("1B0", 1, 1000000.0),
+    assert [(e["name"], e["tid"], e["dur"], e["args"]) for e in slices] == [
+        ("0F0", 0, 500000.0, {"step": 0}),
+        ("1F0", 1, 500000.0, {"step": 0}),
+        ("1B0", 1, 1000000.0, {"step": 0}),
     ]
+
+
+def test_chrome_trace_puts_communication_on_a_track_below_its_rank(tmp_path: Path) -> None:
+    timelines = [
+        [TraceSlice("0B1", 1.0, 2.0, step=3)],
+        [
+            TraceSlice("0B1", 1.0, 2.0, step=3),
+            TraceSlice("dp all-reduce", 1.5, 2.5, step=3, track="communication"),
+        ],
+    ]
+    chrome_trace(timelines, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    order = {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"}
+    slices = [(e["name"], names[e["tid"]], e["args"]["step"]) for e in events if e["ph"] == "X"]
+    assert slices == [
+        ("0B1", "rank 0", 3),
+        ("0B1", "rank 1", 3),
+        ("dp all-reduce", "rank 1 communication", 3),
+    ]
+    assert sorted(names, key=order.__getitem__) == [0, 1, 3]
 
 
 def test_schedule_trace_keeps_profiled_costs_in_seconds(
