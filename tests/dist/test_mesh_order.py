@@ -49,14 +49,23 @@ def test_dp_pp_tp_groups_hold_the_ranks_rank_of_names() -> None:
     assert [g["dp"] for g in groups] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
-def _losses(rank: int, world_size: int, data: str, order: str) -> tuple[float, ...]:
-    config = TrainConfig.of(**SETTINGS, data=data, mesh_order=order)
+def _losses(
+    rank: int, world_size: int, data: str, order: str, layout: dict[str, int]
+) -> tuple[float, ...]:
+    config = TrainConfig.of(**{**SETTINGS, **layout}, data=data, mesh_order=order)
     return train(config, progress=False).losses
 
 
-def test_dp_pp_tp_losses_equal_the_default_orders_bit_for_bit(tokens: str) -> None:
-    default = run_ranks(_losses, 4, tokens, "pp,dp,tp")
-    moved = run_ranks(_losses, 4, tokens, "dp,pp,tp")
+@pytest.mark.parametrize(
+    ("layout", "order"),
+    [({"dp": 2}, "dp,pp,tp"), ({"dp": 1, "tp": 2}, "tp,pp,dp")],
+    ids=["pp2-dp2-dp,pp,tp", "pp2-tp2-tp,pp,dp"],
+)
+def test_losses_in_another_order_equal_the_default_orders_bit_for_bit(
+    tokens: str, layout: dict[str, int], order: str
+) -> None:
+    default = run_ranks(_losses, 4, tokens, "pp,dp,tp", layout)
+    moved = run_ranks(_losses, 4, tokens, order, layout)
     assert len(set(default)) == 1 and len(set(moved)) == 1
     assert moved[0] == default[0]
 
