@@ -236,6 +236,24 @@ def placement(backend: str | None, device: str) -> tuple[torch.device, str]:
     return cpu, "gloo"
 
 
+def _device_mesh(
+    place: torch.device,
+    sizes: dict[str, int],
+    dims: tuple[str, ...],
+    backend: str,
+    timeout: timedelta,
+) -> DeviceMesh:
+    """The named DeviceMesh with its dims in rank order: its rank tensor, arange(world)
+    shaped by the sizes in `dims` order, is then the map `rank_of` computes."""
+    override = {dim: (backend, _group_options(backend, timeout)) for dim in dims}
+    return init_device_mesh(
+        place.type,
+        tuple(sizes[dim] for dim in dims),
+        mesh_dim_names=dims,
+        backend_override=override,  # type: ignore[arg-type]
+    )
+
+
 def init_mesh(
     pp: int,
     dp: int = 1,
@@ -266,14 +284,7 @@ def init_mesh(
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    override = {dim: (backend, _group_options(backend, timeout)) for dim in dims}
-    size = {"pp": pp, "dp": dp, "tp": tp}
-    device_mesh = init_device_mesh(  # rank r sits at the grid's r-th place in `dims` order
-        place.type,
-        tuple(size[dim] for dim in dims),
-        mesh_dim_names=dims,
-        backend_override=override,  # type: ignore[arg-type]
-    )
+    device_mesh = _device_mesh(place, {"pp": pp, "dp": dp, "tp": tp}, dims, backend, timeout)
     rank = dist.get_rank()
     pp_rank, dp_rank, tp_rank = coordinates(rank, dp=dp, tp=tp, pp=pp, order=dims)
     return Mesh(

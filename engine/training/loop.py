@@ -243,6 +243,9 @@ def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
 
 
 def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
+    root = config.checkpoint.checkpoint_dir
+    if root is not None:  # before anything is loaded from it or trained
+        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     loader = BatchLoader(
         open_dataset(config),
         seq_len=config.batch.seq_len,
@@ -272,9 +275,6 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         order=config.parallel.mesh_order,
     )
     _set_threads(config, mesh)
-    root = config.checkpoint.checkpoint_dir
-    if root is not None:
-        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     run = _open_run(config, mesh)
     first = run.restore()
     tokens_per_step = config.batch.global_batch * config.batch.seq_len
