@@ -101,8 +101,10 @@ def _check_model(trainer: dict[str, Any], specs: Sequence[LayerSpec], directory:
 
 def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) -> Any:
     layout = trainer.get("layout", {})
-    saved = (layout.get("pp"), layout.get("dp"), layout.get("tp", 1))
-    if saved != (engine.mesh.pp, engine.mesh.dp, engine.mesh.tp):
+    order = layout.get("mesh_order", "pp,dp,tp")  # the only order before --mesh-order
+    saved = (layout.get("pp"), layout.get("dp"), layout.get("tp", 1), order)
+    mesh = engine.mesh
+    if saved != (mesh.pp, mesh.dp, mesh.tp, ",".join(mesh.order)):
         return None
     name = f"rng-rank{engine.mesh.rank:05d}.json"
     want = trainer.get("rng", {}).get(name)

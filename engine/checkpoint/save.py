@@ -184,6 +184,7 @@ def _finish(
             "pp": engine.mesh.pp,
             "dp": engine.mesh.dp,
             "tp": engine.mesh.tp,
+            "mesh_order": ",".join(engine.mesh.order),
             "schedule": engine.schedule.name,
         },
         "rng": dict(report["rng"] for report in reports),

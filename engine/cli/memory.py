@@ -32,7 +32,7 @@ COMMANDS = ("memory",)
 _NOT_MEMORY = frozenset(
     {
         *("global_batch", "lr", "weight_decay", "betas", "momentum", "adam_eps"),
-        *("clip_grad_norm", "no_nonfinite_guard"),
+        *("clip_grad_norm", "no_nonfinite_guard", "mesh_order"),
         "device_memory",  # its own flag below: the fit to check, and --partition memory's budget
     }
 )

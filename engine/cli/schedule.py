@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.schedule.generators import SCHEDULES, make_schedule
-from engine.schedule.plots import chrome_trace, plot_timeline
+from engine.schedule.plots import TraceSlice, chrome_trace, plot_timeline
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, save_schedule
@@ -154,7 +154,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         plot_timeline(result, args.plot, title=title)
         print(f"wrote {args.plot}")
     if args.trace:
-        slices = [[(str(t.action), t.start, t.end) for t in row] for row in result.timeline]
+        slices = [
+            [TraceSlice(str(t.action), t.start, t.end) for t in row] for row in result.timeline
+        ]
         chrome_trace(slices, args.trace, unit_s=_trace_unit_s(args.costs), process=title)
         print(f"wrote {args.trace}")
     if args.out:

@@ -1,11 +1,13 @@
 """The pp × dp × tp process grid, built from the launcher's environment.
 
-Ranks are laid out tp innermost, then dp, then pp outermost:
+By default ranks are laid out tp innermost, then dp, then pp outermost:
 global rank = (pp_rank · dp + dp_rank) · tp + tp_rank. The tensor-parallel ranks of a stage,
 which talk inside every layer, are consecutive (one host, fastest links); the replicas of a
 stage follow; pipeline ranks, which exchange one activation per micro-batch, are furthest
-apart. Each pipeline is one (dp_rank, tp_rank) column of the grid. Without a launcher (world
-size 1) the mesh is a single process and no process group is created.
+apart. `--mesh-order` permutes the dimensions (outermost first); every rank computes its
+peers through `rank_of` and `coordinates`, so nothing else depends on the order. Each pipeline
+is one (dp_rank, tp_rank) column of the grid. Without a launcher (world size 1) the mesh is a
+single process and no process group is created.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engine.config import DEVICES
+from engine.config import DEVICES, MESH_DIMS, parse_mesh_order
 
 __all__ = [
     "Mesh",
@@ -37,16 +39,43 @@ def launcher_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rank_of(*, pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
-    """The global rank at grid coordinates (pp_rank, dp_rank, tp_rank): tp innermost."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def rank_of(
+    *,
+    pp_rank: int,
+    dp_rank: int,
+    tp_rank: int,
+    dp: int,
+    tp: int,
+    pp: int | None = None,
+    order: tuple[str, ...] = MESH_DIMS,
+) -> int:
+    """The global rank at grid coordinates (pp_rank, dp_rank, tp_rank), the dimensions laid
+    out in `order` (outermost first; the outermost one's size is not needed)."""
+    sizes = _sizes(pp, dp, tp, order)
+    position = {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+    rank = 0
+    for dim in order:
+        rank = rank * sizes[dim] + position[dim]
+    return rank
 
 
-def coordinates(rank: int, *, dp: int, tp: int) -> tuple[int, int, int]:
+def coordinates(
+    rank: int, *, dp: int, tp: int, pp: int | None = None, order: tuple[str, ...] = MESH_DIMS
+) -> tuple[int, int, int]:
     """(pp_rank, dp_rank, tp_rank) of a global rank: the inverse of `rank_of`."""
-    column, tp_rank = divmod(rank, tp)
-    pp_rank, dp_rank = divmod(column, dp)
-    return pp_rank, dp_rank, tp_rank
+    sizes = _sizes(pp, dp, tp, order)
+    position: dict[str, int] = {}
+    for dim in reversed(order[1:]):
+        rank, position[dim] = divmod(rank, sizes[dim])
+    position[order[0]] = rank
+    return position["pp"], position["dp"], position["tp"]
+
+
+def _sizes(pp: int | None, dp: int, tp: int, order: tuple[str, ...]) -> dict[str, int]:
+    """Each dimension's size; pp may be left out only where it is outermost."""
+    assert tuple(sorted(order)) == tuple(sorted(MESH_DIMS)), f"not a mesh order: {order}"
+    assert pp is not None or order[0] == "pp", f"rank order {order} needs the pp size"
+    return {"pp": pp or 1, "dp": dp, "tp": tp}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +96,8 @@ class Mesh:
     """Tensor-parallel ranks per stage."""
     tp_rank: int = 0
     """Which slice of every layer of the stage this rank holds."""
+    order: tuple[str, ...] = MESH_DIMS
+    """The dimensions in global-rank order, outermost first (`--mesh-order`)."""
     device: torch.device
     """Where this rank computes."""
     backend: str | None = None
@@ -78,7 +109,7 @@ class Mesh:
     tp_group: dist.ProcessGroup | None = None
     """The tensor-parallel ranks of this stage (None in one process)."""
     device_mesh: DeviceMesh | None = None
-    """The named `("pp", "dp", "tp")` DeviceMesh (None in one process)."""
+    """The DeviceMesh named `("pp", "dp", "tp")`, its dims in `order` (None in one process)."""
 
     @property
     def staged(self) -> bool:
@@ -100,7 +131,8 @@ class Mesh:
         return self.device_mesh["tp"] if self.device_mesh is not None and self.tp > 1 else None
 
     def columns(self) -> list[tuple[int, int]]:
-        """Every pipeline of the grid as its (dp_rank, tp_rank), in rank order."""
+        """Every pipeline of the grid as its (dp_rank, tp_rank), dp-major (the same list on
+        every rank, whatever the mesh order)."""
         return [(d, t) for d in range(self.dp) for t in range(self.tp)]
 
     def global_rank(
@@ -113,6 +145,8 @@ class Mesh:
             tp_rank=self.tp_rank if tp_rank is None else tp_rank,
             dp=self.dp,
             tp=self.tp,
+            pp=self.pp,
+            order=self.order,
         )
 
 
@@ -202,6 +236,24 @@ def placement(backend: str | None, device: str) -> tuple[torch.device, str]:
     return cpu, "gloo"
 
 
+def _device_mesh(
+    place: torch.device,
+    sizes: dict[str, int],
+    dims: tuple[str, ...],
+    backend: str,
+    timeout: timedelta,
+) -> DeviceMesh:
+    """The named DeviceMesh with its dims in rank order: its rank tensor, arange(world)
+    shaped by the sizes in `dims` order, is then the map `rank_of` computes."""
+    override = {dim: (backend, _group_options(backend, timeout)) for dim in dims}
+    return init_device_mesh(
+        place.type,
+        tuple(sizes[dim] for dim in dims),
+        mesh_dim_names=dims,
+        backend_override=override,  # type: ignore[arg-type]
+    )
+
+
 def init_mesh(
     pp: int,
     dp: int = 1,
@@ -210,36 +262,33 @@ def init_mesh(
     timeout_s: float = 300.0,
     backend: str | None = None,
     device: str = "auto",
+    order: str | tuple[str, ...] = MESH_DIMS,
 ) -> Mesh:
     """Join the launcher's process group and build the named pp × dp × tp grid.
 
     `device` says where ranks compute (see `placement`): by default CUDA with NCCL when the
     host has a GPU for each of its ranks, otherwise the CPU with gloo (four local ranks on a
     one-GPU laptop run on its CPU, with a warning); `cuda` lets ranks share the GPUs over gloo.
+    `order` lays the dimensions out in the global rank, outermost first (`pp,dp,tp`).
 
     Every group gets `timeout_s`, so a dead or stalled peer raises instead of hanging.
     """
+    dims = parse_mesh_order(order)
     world_size = launcher_world_size()
     _check_layout(pp, dp, tp, world_size)
     place, backend = placement(backend, device)
     if place.type == "cuda":
         torch.cuda.set_device(place)
     if world_size == 1:
-        return Mesh(pp=1, dp=1, rank=0, pp_rank=0, dp_rank=0, device=place)
+        return Mesh(pp=1, dp=1, rank=0, pp_rank=0, dp_rank=0, order=dims, device=place)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    dims = ("pp", "dp", "tp")
-    override = {dim: (backend, _group_options(backend, timeout)) for dim in dims}
-    device_mesh = init_device_mesh(
-        place.type,
-        (pp, dp, tp),
-        mesh_dim_names=dims,
-        backend_override=override,  # type: ignore[arg-type]
-    )
+    device_mesh = _device_mesh(place, {"pp": pp, "dp": dp, "tp": tp}, dims, backend, timeout)
     rank = dist.get_rank()
-    pp_rank, dp_rank, tp_rank = coordinates(rank, dp=dp, tp=tp)
+    pp_rank, dp_rank, tp_rank = coordinates(rank, dp=dp, tp=tp, pp=pp, order=dims)
     return Mesh(
+        order=dims,
         pp=pp,
         dp=dp,
         tp=tp,

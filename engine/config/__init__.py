@@ -24,7 +24,7 @@ from engine.config.optimizer import (
     LRSchedule,
     OptimizerSpec,
 )
-from engine.config.parallel import ParallelConfig
+from engine.config.parallel import MESH_DIMS, ParallelConfig, parse_mesh_order
 from engine.config.run import DEVICES, CheckpointConfig, DataConfig, RunConfig
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
@@ -34,6 +34,7 @@ __all__ = [
     "DEVICES",
     "IMPLEMENTATIONS",
     "LR_SCHEDULES",
+    "MESH_DIMS",
     "OPTIMIZERS",
     "PRECISIONS",
     "ZERO_LEVELS",
@@ -55,6 +56,7 @@ __all__ = [
     "flat_fields",
     "format_size",
     "from_flat",
+    "parse_mesh_order",
     "parse_size",
     "recompute_groups",
     "replace_flat",

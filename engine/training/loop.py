@@ -49,6 +49,7 @@ from engine.training.resume_check import (
     keep_new_hyperparameters,
     optimizer_hyperparameters,
 )
+from engine.training.shared_folder import check_shared_folder
 from engine.training.trace import TraceRecorder
 from models import LayerSpec
 
@@ -242,6 +243,9 @@ def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
 
 
 def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
+    root = config.checkpoint.checkpoint_dir
+    if root is not None:  # before anything is loaded from it or trained
+        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     loader = BatchLoader(
         open_dataset(config),
         seq_len=config.batch.seq_len,
@@ -268,6 +272,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         config.parallel.tp,
         timeout_s=config.run.timeout,
         device=config.run.device,
+        order=config.parallel.mesh_order,
     )
     _set_threads(config, mesh)
     run = _open_run(config, mesh)
@@ -293,8 +298,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 "skipped": result.skipped,
             }
             log.record(**record)
-            if config.run.log_every and (step + 1) % config.run.log_every == 0:
-                _say(mesh, _log_line(record, run.engine.skipped_steps))
+            due = config.run.log_every and (step + 1) % config.run.log_every == 0
+            if due and mesh.rank == 0:
+                log.say(f"meshpipe: {_log_line(record, run.engine.skipped_steps)}")
 
         # A step is logged once the next one ran: its bubble and grad norm need every pipeline
         # rank's figures, which have arrived by then without holding any rank back.

@@ -51,6 +51,11 @@ class MetricsLog:
             self._file.flush()
         self._show(fields)
 
+    def say(self, line: str) -> None:
+        """Print a line to stderr above the progress bar (`tqdm.write` lifts the bar), so the
+        line never runs into the bar's own."""
+        tqdm.write(line, file=sys.stderr)
+
     def _show(self, fields: dict[str, Any]) -> None:
         shown = {k: fields[k] for k in ("loss", "tokens_per_s", "bubble") if k in fields}
         self._bar.set_postfix(

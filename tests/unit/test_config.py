@@ -46,6 +46,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
     assert set(flat) - set(OLD_TRAIN_DEFAULTS) == {
         "cost_model",
         "device_memory",
+        "mesh_order",
         "recompute_stages",
         "tp",
         "zero_reshard",

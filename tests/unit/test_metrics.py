@@ -66,3 +66,19 @@ def test_a_resumed_log_holds_the_kept_records_from_the_moment_it_opens(tmp_path:
         assert read_records(path) == kept  # a crash now keeps the history
         log.record(step=2, loss=0.5)
     assert [r["step"] for r in read_records(path)] == [0, 1, 2]
+
+
+def _lines_as_shown(text: str) -> list[str]:
+    """What a terminal shows of each line: the text after its last carriage return."""
+    return [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
+
+
+def test_a_log_line_is_printed_on_its_own_line_above_the_progress_bar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with MetricsLog(total_steps=3, progress=True) as log:
+        log.record(step=0, loss=5.0, tokens_per_s=10.0, bubble=0.5)
+        log.say("meshpipe: step 1: loss 5.0000")
+        log.record(step=1, loss=4.0, tokens_per_s=10.0, bubble=0.5)
+    err = capsys.readouterr().err
+    assert "meshpipe: step 1: loss 5.0000" in _lines_as_shown(err)

@@ -9,11 +9,17 @@ import pytest
 
 from engine.cli.main import main
 from engine.schedule.actions import format_actions
-from engine.schedule.generators import gpipe, interleaved_1f1b, make_schedule, zb_h1
+from engine.schedule.generators import (
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    zb_h1,
+)
 from engine.schedule.passes import add_communication
-from engine.schedule.plots import chrome_trace, plot_timeline
+from engine.schedule.plots import TraceSlice, chrome_trace, plot_timeline, timeline_figure
 from engine.schedule.resolve import schedule_for
-from engine.schedule.simulate import ActionCosts, simulate
+from engine.schedule.simulate import ActionCosts, SimResult, simulate
 from engine.schedule.text import load_schedule, save_schedule
 from engine.schedule.validate import ScheduleError
 from engine.training.config import TrainConfig
@@ -93,15 +99,85 @@ def test_timeline_plot_is_written(tmp_path: Path) -> None:
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _figure_labels(result: SimResult) -> tuple[list[str], list[str]]:
+    """The texts on the bars and the legend's entries of a schedule's timeline figure."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(result, title="t")
+    ax = fig.axes[0]
+    texts, legend = [t.get_text() for t in ax.texts], [t.get_text() for t in ax.get_legend().texts]
+    plt.close(fig)
+    return texts, legend
+
+
+def test_interleaved_plot_labels_each_action_with_its_stage_chunk() -> None:
+    pytest.importorskip("matplotlib")
+    result = simulate(interleaved_1f1b(2, 4), ActionCosts(forward=2, backward=4))
+    texts, _ = _figure_labels(result)
+    chunk_of = {0: 0, 1: 0, 2: 1, 3: 1}  # stages 0, 2 on rank 0 and 1, 3 on rank 1
+    expected = [
+        f"{t.action.kind.value}{t.action.micro_batch}·c{chunk_of[t.action.stage]}"
+        for row in result.timeline
+        for t in row
+        if t.action.is_compute
+    ]
+    assert texts == expected
+    assert {"F3·c0", "F3·c1", "B0·c1"} <= set(texts)
+
+
+def test_interleaved_plot_legend_lists_only_the_kinds_it_draws() -> None:
+    pytest.importorskip("matplotlib")
+    _, legend = _figure_labels(simulate(interleaved_1f1b(2, 4)))
+    assert legend == ["F", "B"]
+
+
+def test_a_one_stage_per_rank_plot_keeps_stage_kind_micro_batch_labels() -> None:
+    pytest.importorskip("matplotlib")
+    result = simulate(one_f_one_b(2, 2), ActionCosts(forward=2, backward=4))
+    texts, legend = _figure_labels(result)
+    assert texts == ["0F0", "0F1", "0B0", "0B1", "1F0", "1B0", "1F1", "1B1"]
+    assert legend == ["F", "B"]
+
+
+def test_a_zero_bubble_plot_legend_lists_its_split_backwards() -> None:
+    pytest.importorskip("matplotlib")
+    assert _figure_labels(simulate(zb_h1(2, 4)))[1] == ["F", "B", "I", "W"]
+
+
 def test_chrome_trace_has_a_track_per_rank_and_a_slice_per_action(tmp_path: Path) -> None:
-    chrome_trace([[("0F0", 0.0, 0.5)], [("1F0", 0.5, 1.0), ("1B0", 1.0, 2.0)]], tmp_path / "t.json")
+    timelines = [
+        [TraceSlice("0F0", 0.0, 0.5)],
+        [TraceSlice("1F0", 0.5, 1.0), TraceSlice("1B0", 1.0, 2.0)],
+    ]
+    chrome_trace(timelines, tmp_path / "t.json")
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
-    assert [(e["name"], e["tid"], e["dur"]) for e in slices] == [
-        ("0F0", 0, 500000.0),
-        ("1F0", 1, 500000.0),
-        ("1B0", 1, 1000000.0),
+    assert [(e["name"], e["tid"], e["dur"], e["args"]) for e in slices] == [
+        ("0F0", 0, 500000.0, {"step": 0}),
+        ("1F0", 1, 500000.0, {"step": 0}),
+        ("1B0", 1, 1000000.0, {"step": 0}),
     ]
+
+
+def test_chrome_trace_puts_communication_on_a_track_below_its_rank(tmp_path: Path) -> None:
+    timelines = [
+        [TraceSlice("0B1", 1.0, 2.0, step=3)],
+        [
+            TraceSlice("0B1", 1.0, 2.0, step=3),
+            TraceSlice("dp all-reduce", 1.5, 2.5, step=3, track="communication"),
+        ],
+    ]
+    chrome_trace(timelines, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    order = {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"}
+    slices = [(e["name"], names[e["tid"]], e["args"]["step"]) for e in events if e["ph"] == "X"]
+    assert slices == [
+        ("0B1", "rank 0", 3),
+        ("0B1", "rank 1", 3),
+        ("dp all-reduce", "rank 1 communication", 3),
+    ]
+    assert sorted(names, key=order.__getitem__) == [0, 1, 3]
 
 
 def test_schedule_trace_keeps_profiled_costs_in_seconds(

@@ -77,6 +77,16 @@ def test_training_is_deterministic() -> None:
     assert train(config, progress=False).losses == train(config, progress=False).losses
 
 
+def test_log_every_lines_stand_on_their_own_lines_beside_the_progress_bar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = TrainConfig.of(steps=2, global_batch=4, micro_batches=2, seq_len=32, log_every=1)
+    train(config, progress=True)
+    shown = [line.rsplit("\r", 1)[-1] for line in capsys.readouterr().err.split("\n")]
+    logged = [line for line in shown if "loss" in line and line.startswith("meshpipe: step")]
+    assert [line.split(":")[1] for line in logged] == [" step 1", " step 2"]
+
+
 def test_cli_trains_on_prepared_data_and_writes_metrics(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
