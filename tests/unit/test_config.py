@@ -48,6 +48,12 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "device_memory",
         "recompute_stages",
         "tp",
+        "loss_scale",
+        "initial_scale_power",
+        "loss_scale_window",
+        "hysteresis",
+        "consecutive_hysteresis",
+        "min_loss_scale",
     }
 
 
