@@ -6,6 +6,7 @@ one flat name for flags, DeepSpeed mapping and checkpoints (`engine.config.field
 
 from engine.config.batch import BatchConfig
 from engine.config.engine_options import (
+    LOSS_SCALE_FIELDS,
     PRECISIONS,
     ZERO_LEVELS,
     EngineOptions,
@@ -24,7 +25,7 @@ from engine.config.optimizer import (
     OptimizerSpec,
 )
 from engine.config.parallel import ParallelConfig
-from engine.config.run import DEVICES, CheckpointConfig, DataConfig, RunConfig
+from engine.config.run import DEVICES, CheckpointConfig, DataConfig, MonitorConfig, RunConfig
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
 
@@ -32,6 +33,7 @@ __all__ = [
     "DEEPSPEED_SCHEDULERS",
     "DEVICES",
     "IMPLEMENTATIONS",
+    "LOSS_SCALE_FIELDS",
     "LR_SCHEDULES",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -43,6 +45,7 @@ __all__ = [
     "FlatField",
     "LRSchedule",
     "ModelChoice",
+    "MonitorConfig",
     "OptimizerSpec",
     "ParallelConfig",
     "PartitionConfig",

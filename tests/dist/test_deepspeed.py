@@ -195,7 +195,8 @@ def test_missing_batch_size_is_derived_from_the_other_two() -> None:
     ("key", "value", "message"),
     [
         ("zero_optimization", {"stage": 4}, "ZeRO stages 0, 1, 2"),
-        ("amp", {"enabled": True}, r"keys \['amp'\] are not supported"),
+        ("amp", {"enabled": True}, r"amp=\{\"enabled\": true\} is refused: NVIDIA Apex AMP"),
+        ("ampp", {"enabled": True}, r"keys \['ampp'\] are not supported"),
         ("optimizer", {"type": "Lamb"}, "optimizer type 'Lamb' is not supported"),
         ("scheduler", {"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
         ("activation_checkpointing", {"cpu_checkpointing": True}, "cpu_checkpointing"),

@@ -54,6 +54,11 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "hysteresis",
         "consecutive_hysteresis",
         "min_loss_scale",
+        "tensorboard_dir",
+        "csv_dir",
+        "wandb_project",
+        "wandb_group",
+        "log_phases",
     }
 
 
