@@ -234,12 +234,12 @@ _ZERO_REFUSED: Refusals = {
 }
 
 
-def _offloaded(section: Mapping[str, Any]) -> Mapping[str, Any]:
-    """An offload section whose device is none is no offload at all."""
-    return {
-        k: None if isinstance(v, Mapping) and v.get("device", "none") == "none" else v
-        for k, v in section.items()
-    }
+def _offloads_nothing(key: str, value: Any) -> bool:
+    """An offload whose device is none, or an old `cpu_offload*` switch that is off."""
+    if "offload" not in key:
+        return False
+    none = isinstance(value, Mapping) and value.get("device", "none") == "none"
+    return none or value is False or value is None
 
 
 def _zero(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -247,7 +247,8 @@ def _zero(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     `deepspeed_defaults` unless a flag chose another, which is then refused)."""
     section = _section(value, "zero_optimization")
     _known(section, ("stage", *_ZERO_COMMUNICATION, *_ZERO_REFUSED), "zero_optimization")
-    refuse_values(_offloaded(section), _ZERO_REFUSED, "zero_optimization")
+    offloading = {k: v for k, v in section.items() if not _offloads_nothing(k, v)}
+    refuse_values(offloading, _ZERO_REFUSED, "zero_optimization")
     stage = zero_stage(config)
     require(
         stage in ZERO_LEVELS,
