@@ -289,3 +289,8 @@ def test_a_flag_that_agrees_with_the_json_is_fine(tmp_path: Path) -> None:
     ds = {**BATCH, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99]}}}
     config = _from_command_line(tmp_path, ds, "--betas", "0.9,0.99", "--global-batch", "2")
     assert config.optimizer.betas == (0.9, 0.99)
+
+
+def test_the_docs_give_every_keys_fate() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "DEEPSPEED.md").read_text(encoding="utf-8")
+    assert [key for key in TOP_LEVEL_KEYS if f"| `{key}` |" not in docs] == []
