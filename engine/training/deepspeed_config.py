@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.config import require
+from engine.config import LOSS_SCALE_FIELDS, require
 from engine.config.optimizer import no_auto
 from engine.training.deepspeed_auto import resolve_auto
 from engine.training.deepspeed_sections import (
@@ -138,6 +138,7 @@ _SOURCES = {
     "recompute": "pipeline.activation_checkpoint_interval", "log_every": "steps_per_print",
     "log_phases": "wall_clock_breakdown", "tensorboard_dir": "tensorboard",
     "csv_dir": "csv_monitor", "wandb_project": "wandb.project", "wandb_group": "wandb.group",
+    **{name: f"fp16.{name}" for name in LOSS_SCALE_FIELDS},
 }  # fmt: skip
 """The JSON key each flat setting comes from, to name both sides of a contradiction."""
 
