@@ -185,15 +185,14 @@ def _bf16(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
 def precision(config: Mapping[str, Any]) -> dict[str, Any]:
     """A config naming neither bf16 nor fp16 leaves --precision; one naming either decides
     (fp32 when neither is enabled), as DeepSpeed would run it."""
-    bf16_key = "bf16" if "bf16" in config else "bfloat16"
-    if bf16_key not in config and "fp16" not in config:
+    if "bf16" not in config and "fp16" not in config:
         return {}
-    bf16 = bool(_section(config.get(bf16_key, {}), bf16_key).get("enabled", False))
+    bf16 = bool(_section(config.get("bf16", {}), "bf16").get("enabled", False))
     fp16 = bool(_section(config.get("fp16", {}), "fp16").get("enabled", False))
     require(not (bf16 and fp16), "the DeepSpeed config enables both bf16 and fp16: choose one")
     fields = {"precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
     fields.update(_fp16(config.get("fp16", {}), config))
-    fields.update(_bf16(config.get(bf16_key, {}), config))
+    fields.update(_bf16(config.get("bf16", {}), config))
     return fields
 
 

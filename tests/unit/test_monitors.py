@@ -95,3 +95,16 @@ def test_log_phases_adds_rank_0s_times_to_the_log_line(
     _trained(tmp_path, log_every=1, log_phases=True)
     lines = [line for line in capsys.readouterr().err.splitlines() if "step 2:" in line]
     assert "; ms F " in lines[0] and " B " in lines[0] and "optimizer" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "scales"),
+    [({"loss_scale": 128.0}, [128, 128]), ({"initial_scale_power": 3}, [8, 8])],
+)
+def test_the_fp16_loss_scale_settings_reach_the_run(
+    tmp_path: Path, settings: dict[str, Any], scales: list[float]
+) -> None:
+    _trained(tmp_path, precision="fp16", csv_dir=str(tmp_path / "csv"), **settings)
+    with (tmp_path / "csv" / "Train_Samples_loss_scale.csv").open() as file:
+        rows = list(csv.reader(file))[1:]
+    assert [float(value) for _, value in rows] == scales
