@@ -107,3 +107,10 @@ def test_loss_scale_settings_outside_fp16_are_refused_by_flag() -> None:
 def test_a_bad_loss_scale_setting_is_refused_by_name(setting: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineOptions(precision="fp16", **setting)
+
+
+def test_a_scale_saved_before_hysteresis_existed_still_loads() -> None:
+    scaler = LossScaler(window=3)
+    scaler.load_state_dict({"scale": 1024.0, "good_steps": 2})
+    assert _scales(scaler.update, lambda: scaler.scale, [OK, OK]) == [1024, 1024]
+    assert scaler.scale == 2048
