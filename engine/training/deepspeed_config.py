@@ -199,8 +199,8 @@ def _check_keys(cfg: Mapping[str, Any]) -> None:
     unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
     require(
         not unknown,
-        f"DeepSpeed config keys {unknown} are not supported by meshpipe (nor read by "
-        "DeepSpeed 0.19): remove them (docs/DEEPSPEED.md lists every key and its fate)",
+        f"DeepSpeed config keys {unknown} are not supported by meshpipe (DeepSpeed 0.19 does "
+        "not read them either): remove them (docs/DEEPSPEED.md lists every key and its fate)",
     )
     for key, (off, why) in _REFUSED.items():
         if key not in cfg:

@@ -18,7 +18,14 @@ from typing import Any
 from engine.config import LOSS_SCALE_FIELDS, ZERO_LEVELS, require
 from engine.config.optimizer import check_scheduler_params, no_auto
 
-__all__ = ["SECTION_HANDLERS", "number", "refuse_values"]
+__all__ = [
+    "SECTION_HANDLERS",
+    "Refusals",
+    "number",
+    "precision",
+    "refuse_values",
+    "zero_stage",
+]
 
 Handler = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
 Refusals = Mapping[str, tuple[Any, str]]
