@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
             "--save-every", "100",
             "--keep", "2",
             "--metrics-file", str(out / "metrics.jsonl"),
-            "--log-every", "50",
             *rest,
         ]
     )  # fmt: skip

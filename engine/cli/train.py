@@ -33,10 +33,11 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--deepspeed_config",
         "--deepspeed-config",
         default=None,
-        help="a DeepSpeed JSON: its batch, optimizer, scheduler, precision, clipping, ZeRO, "
-        "partition, recompute and seed keys override the flags above; a setting it omits "
-        "takes the flag if given, else DeepSpeed's default (clipping at 1.0; with an "
-        "optimizer: its own betas, eps and weight decay, and a constant lr without a scheduler)",
+        help="a DeepSpeed JSON, run as DeepSpeed runs it (docs/DEEPSPEED.md): each key sets "
+        'its flag (a flag given that contradicts it is refused), "auto" takes the flag; a '
+        "setting it omits takes the flag if given, else DeepSpeed's default (clipping at 1.0; "
+        "with an optimizer: its own betas, eps and weight decay, and a constant lr without a "
+        "scheduler)",
     )
     plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
     plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")

@@ -6,6 +6,7 @@ one flat name for flags, DeepSpeed mapping and checkpoints (`engine.config.field
 
 from engine.config.batch import BatchConfig
 from engine.config.engine_options import (
+    LOSS_SCALE_FIELDS,
     PRECISIONS,
     ZERO_LEVELS,
     ZERO_RESHARDS,
@@ -25,7 +26,7 @@ from engine.config.optimizer import (
     OptimizerSpec,
 )
 from engine.config.parallel import MESH_DIMS, ParallelConfig, parse_mesh_order
-from engine.config.run import DEVICES, CheckpointConfig, DataConfig, RunConfig
+from engine.config.run import DEVICES, CheckpointConfig, DataConfig, MonitorConfig, RunConfig
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
 
@@ -33,6 +34,7 @@ __all__ = [
     "DEEPSPEED_SCHEDULERS",
     "DEVICES",
     "IMPLEMENTATIONS",
+    "LOSS_SCALE_FIELDS",
     "LR_SCHEDULES",
     "MESH_DIMS",
     "OPTIMIZERS",
@@ -46,6 +48,7 @@ __all__ = [
     "FlatField",
     "LRSchedule",
     "ModelChoice",
+    "MonitorConfig",
     "OptimizerSpec",
     "ParallelConfig",
     "PartitionConfig",

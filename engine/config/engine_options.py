@@ -3,11 +3,13 @@ non-finite guard, ZeRO, compiled layers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 from engine.config.fields import flat, require
 
 __all__ = [
+    "LOSS_SCALE_FIELDS",
     "PRECISIONS",
     "ZERO_LEVELS",
     "ZERO_RESHARDS",
@@ -23,6 +25,17 @@ ZERO_RESHARDS = ("step", "micro-batch")
 """0: nothing sharded; 1: fp32 masters and optimizer state; 2: and the fp32 gradients;
 3: and the weights (FSDP2)."""
 """fp32, or bf16 / fp16 autocast over fp32 master weights and gradients."""
+
+
+LOSS_SCALE_FIELDS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
+"""The fp16 loss-scale settings (DeepSpeed's fp16 keys of the same names): fp16 only."""
 
 
 def recompute_groups(num_layers: int, policy: str) -> list[tuple[range, bool]]:
@@ -87,6 +100,20 @@ class EngineOptions:
     """fp32, bf16 (autocast, fp32 master weights and grads) or fp16 (plus loss scaling)."""
     clip_grad_norm: float = 0.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    loss_scale: float = 0.0
+    """fp16: a static loss scale; 0 scales dynamically (DeepSpeed's fp16.loss_scale)."""
+    initial_scale_power: int = 16
+    """fp16: the dynamic loss scale starts at 2 to this power."""
+    loss_scale_window: int = 2000
+    """fp16: the dynamic loss scale doubles after this many steps without an overflow (counted
+    as DeepSpeed counts them, from the step after the last overflow)."""
+    hysteresis: int = 1
+    """fp16: overflows absorbed (steps skipped, scale kept) before the scale halves; refilled
+    when the scale grows. DeepSpeed's ZeRO optimizers default to 2."""
+    consecutive_hysteresis: bool = False
+    """fp16: refill the hysteresis after every step without an overflow."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic loss scale never halves below this."""
     recompute: str = "none"
     """Activation recomputation per stage: none, full or every:N layers."""
     recompute_stages: tuple[int, ...] | None = field(
@@ -131,6 +158,7 @@ class EngineOptions:
             self.clip_grad_norm >= 0,
             f"clip_grad_norm={self.clip_grad_norm} must be >= 0 (0 disables)",
         )
+        self._check_loss_scaling()
         recompute_groups(1, self.recompute)
         if self.recompute_stages is not None and self.recompute == "none":
             stages = _stages_text(self.recompute_stages)
@@ -151,6 +179,31 @@ class EngineOptions:
             self.zero_reshard == "step" or self.zero == 3,
             f"--zero-reshard {self.zero_reshard} applies to ZeRO-3's gathered layers, but "
             f"--zero is {self.zero}: add --zero 3 or drop --zero-reshard",
+        )
+
+    def _check_loss_scaling(self) -> None:
+        require(
+            0 <= self.loss_scale < math.inf,
+            f"loss_scale={self.loss_scale}: give 0 (dynamic) or a positive static scale",
+        )
+        require(
+            0 <= self.initial_scale_power <= 64,
+            f"initial_scale_power={self.initial_scale_power}: give a power of two between 0 and "
+            "64 (16 starts at 65536)",
+        )
+        for name in ("loss_scale_window", "hysteresis"):
+            value = getattr(self, name)
+            require(value >= 1, f"{name}={value} must be at least 1")
+        require(self.min_loss_scale > 0, f"min_loss_scale={self.min_loss_scale} must be > 0")
+        if self.precision == "fp16":
+            return
+        defaults = {f.name: f.default for f in fields(self)}
+        changed = [n for n in LOSS_SCALE_FIELDS if getattr(self, n) != defaults[n]]
+        require(
+            not changed,
+            f"{', '.join('--' + n.replace('_', '-') for n in changed)} only apply to "
+            f"--precision fp16 (this run is {self.precision}, which scales no loss): drop them "
+            "or use --precision fp16",
         )
 
     def recompute_of(self, stage: int) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.config.fields import require
 
-__all__ = ["DEVICES", "CheckpointConfig", "DataConfig", "RunConfig"]
+__all__ = ["DEVICES", "CheckpointConfig", "DataConfig", "MonitorConfig", "RunConfig"]
 
 DEVICES = ("auto", "cuda", "cpu")
 """Where ranks may be placed (`meshpipe train --device`)."""
@@ -48,6 +48,32 @@ class RunConfig:
         require(self.timeout > 0, f"timeout={self.timeout} must be positive")
         require(self.log_every >= 0, f"log_every={self.log_every} must be >= 0 (0: never)")
         require(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """What rank 0 also writes each step beyond --metrics-file (DeepSpeed's monitors), and
+    what its log lines show."""
+
+    tensorboard_dir: str | None = None
+    """Write the train loss, lr (and fp16's loss scale) of every step as TensorBoard scalars
+    into this folder, tagged as DeepSpeed tags them (needs the tensorboard package)."""
+    csv_dir: str | None = None
+    """Write them as CSV files into this folder, one per value, named as DeepSpeed's
+    csv_monitor names them (Train_Samples_train_loss.csv)."""
+    wandb_project: str | None = None
+    """Log them to this Weights & Biases project, offline (`wandb sync` uploads later)."""
+    wandb_group: str | None = None
+    """The Weights & Biases group of the run (with --wandb-project)."""
+    log_phases: bool = False
+    """Add rank 0's seconds per phase of the step (forward, backward, all-reduce, optimizer)
+    to each --log-every line (DeepSpeed's wall_clock_breakdown)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.wandb_group is None or self.wandb_project is not None,
+            f"--wandb-group {self.wandb_group} needs --wandb-project: add it",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

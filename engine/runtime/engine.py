@@ -109,7 +109,7 @@ class PipelineEngine:
             sharded=self.sharded,
             dp_group=self.mesh.dp_group if self.fsdp is not None else None,
         )
-        self.scaler = LossScaler() if self.options.precision == "fp16" else None
+        self.scaler = LossScaler.of(self.options)
         self.skipped_steps = 0
 
     def _build_stages(

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import PRECISIONS
+from engine.config import PRECISIONS, EngineOptions
 
 __all__ = ["LossScaler", "autocast", "compute_dtype", "step_casts"]
 
@@ -67,30 +67,77 @@ def step_casts(precision: str, device: torch.device) -> Iterator[None]:
 
 @dataclass
 class LossScaler:
-    """Dynamic loss scale for fp16 (mutable: it grows and backs off), as in AMP's GradScaler."""
+    """fp16's loss scale (mutable: it grows and backs off), with DeepSpeed's semantics
+    (`DynamicLossScaler`): an overflow skips the step and, once `hysteresis` overflows have
+    been absorbed, halves the scale (never below `min_scale`); the scale doubles when the
+    steps since the last overflow reach a multiple of `window`. A static scale never moves.
+    Where DeepSpeed's ZeRO optimizers stop the run on an overflow at the minimum scale,
+    meshpipe keeps skipping (each counted in the run's skipped steps), as DeepSpeed's fp16
+    optimizer without ZeRO does."""
 
     scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    window: int = 2000
     min_scale: float = 1.0
-    _good_steps: int = 0
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    dynamic: bool = True
+    _iteration: int = 0
+    _last_overflow: int = -1
+    _hysteresis_left: int = field(default=-1)
+
+    def __post_init__(self) -> None:
+        if self._hysteresis_left < 0:
+            self._hysteresis_left = self.hysteresis
+
+    @staticmethod
+    def of(options: EngineOptions) -> LossScaler | None:
+        """The scaler `options` ask for: None unless fp16."""
+        if options.precision != "fp16":
+            return None
+        if options.loss_scale > 0:
+            return LossScaler(scale=options.loss_scale, dynamic=False)
+        return LossScaler(
+            scale=2.0**options.initial_scale_power,
+            window=options.loss_scale_window,
+            min_scale=options.min_loss_scale,
+            hysteresis=options.hysteresis,
+            consecutive_hysteresis=options.consecutive_hysteresis,
+        )
 
     def state_dict(self) -> dict[str, float]:
         """What a resumed run needs to scale and grow exactly as this one would have."""
-        return {"scale": self.scale, "good_steps": self._good_steps}
+        return {
+            "scale": self.scale,
+            "iteration": self._iteration,
+            "last_overflow": self._last_overflow,
+            "hysteresis_left": self._hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        """A state of `state_dict`, or of the older form ({scale, good_steps})."""
         self.scale = float(state["scale"])
-        self._good_steps = int(state["good_steps"])
+        if "good_steps" in state:
+            self._iteration, self._last_overflow = int(state["good_steps"]), -1
+            self._hysteresis_left = self.hysteresis
+            return
+        self._iteration = int(state["iteration"])
+        self._last_overflow = int(state["last_overflow"])
+        self._hysteresis_left = int(state["hysteresis_left"])
 
     def update(self, finite: bool) -> None:
-        """After a step: back off on overflow (the step was skipped), grow after a good run."""
-        if not finite:
-            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
-            self._good_steps = 0
-            return
-        self._good_steps += 1
-        if self._good_steps >= self.growth_interval:
-            self.scale *= self.growth_factor
-            self._good_steps = 0
+        """After a step: absorb or back off on overflow (the step was skipped), grow after a
+        window of good steps."""
+        if self.dynamic and not finite:
+            if self.hysteresis == 1 or self._hysteresis_left == 1:
+                self.scale = max(self.scale / 2.0, self.min_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._last_overflow = self._iteration
+        elif self.dynamic:
+            if self.consecutive_hysteresis:
+                self._hysteresis_left = self.hysteresis
+            stable = self._iteration - self._last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
+                self._hysteresis_left = self.hysteresis
+                self.scale *= 2.0
+        self._iteration += 1

@@ -42,6 +42,18 @@ class StepStats:
     )
     """Resolves (bubble, grad norm) from every pipeline rank's figures."""
 
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent per phase of the step: each compute kind (F, B, I, W)
+        summed over micro-batches, p2p waits together, then each phase outside the schedule
+        (what DeepSpeed's wall_clock_breakdown reports as forward, backward, step)."""
+        seconds: dict[str, float] = {}
+        for timing in self.timings:
+            kind = timing.action.kind.value if timing.action.is_compute else "p2p"
+            seconds[kind] = seconds.get(kind, 0.0) + timing.end - timing.start
+        for name, start, end in self.phases:
+            seconds[name] = seconds.get(name, 0.0) + end - start
+        return seconds
+
     @property
     def bubble(self) -> float:
         """Pipeline bubble over this replica's ranks: 1 - sum(busy) / (P * slowest step)."""

@@ -8,6 +8,7 @@ from flat names, as the CLI, DeepSpeed configs and checkpoints spell them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.config import (
     EngineOptions,
     LRSchedule,
     ModelChoice,
+    MonitorConfig,
     OptimizerSpec,
     ParallelConfig,
     PartitionConfig,
@@ -25,11 +27,13 @@ from engine.config import (
     ScheduleConfig,
     check_layout,
     check_zero_optimizer,
+    flat_fields,
     from_flat,
     require,
     to_flat,
 )
 from engine.training.deepspeed_config import (
+    check_agreement,
     deepspeed_defaults,
     deepspeed_overrides,
     read_deepspeed_config,
@@ -55,6 +59,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         check_layout(
@@ -97,16 +102,28 @@ class TrainConfig:
         return to_flat(self)
 
     @staticmethod
-    def from_deepspeed(path: str, **fields: Any) -> TrainConfig:
-        """A config whose batch, optimizer, schedule, precision, clipping, ZeRO, partition,
-        recompute and seed come from a DeepSpeed JSON; `fields` (flat names) give the rest
-        (model, pp, dp…) and must not contradict the JSON. A setting the JSON omits takes
-        DeepSpeed's default (`deepspeed_defaults`: clipping at 1.0, its optimizer's betas, eps
-        and weight decay, a constant lr) unless `fields` give it, so a DeepSpeed config
-        trains alike."""
+    def from_deepspeed(path: str | Mapping[str, Any], **fields: Any) -> TrainConfig:
+        """A config whose batch, optimizer, schedule, precision and loss scaling, clipping,
+        ZeRO, pipeline, logging and monitors come from a DeepSpeed JSON (a path or a parsed
+        dict); `fields` (flat names, the flags given) give the rest (model, pp, dp…), fill
+        its "auto" values, and must not contradict it (refused naming both). A setting the
+        JSON omits takes DeepSpeed's default (`deepspeed_defaults`) unless `fields` give it,
+        so a DeepSpeed config trains alike."""
         json_config = read_deepspeed_config(path)
-        overrides = deepspeed_overrides(json_config, dp=int(fields.get("dp", 1)))
-        for name, value in deepspeed_defaults(json_config).items():
-            if name not in overrides and name not in fields:
-                overrides[name] = value
-        return TrainConfig.of(**{**fields, **overrides})
+        source = "the DeepSpeed config" if isinstance(path, Mapping) else str(path)
+        flags = {**TrainConfig.of().flat(), **fields}
+        overrides = deepspeed_overrides(json_config, dp=int(flags["dp"]), flags=flags)
+        check_agreement(fields, overrides, source, _normalise)
+        chosen = {**fields, **overrides}
+        precision = chosen.get("precision", flags["precision"])
+        for name, value in deepspeed_defaults(json_config, precision=precision).items():
+            chosen.setdefault(name, value)
+        return TrainConfig.of(**chosen)
+
+
+def _normalise(name: str, value: Any) -> Any:
+    """A flat setting in its field's form, so "0.9,0.95" and (0.9, 0.95) compare equal."""
+    for flat_field in flat_fields(TrainConfig):
+        if flat_field.name == name:
+            return flat_field.field_value(value)
+    return value

@@ -1,72 +1,159 @@
-"""DeepSpeed JSON configs: the keys that apply to meshpipe, checked the way DeepSpeed checks them.
+"""DeepSpeed JSON configs read as DeepSpeed runs them: every top-level key DeepSpeed accepts
+is honoured with its meaning or refused naming the key and why.
 
 A training script written for DeepSpeed's launcher passes `--deepspeed_config ds.json`;
-`from_deepspeed` turns the file into `TrainConfig` fields. Keys meshpipe does not support are
-rejected by name instead of silently ignored.
+`deepspeed_overrides` turns the file into flat `TrainConfig` settings and
+`deepspeed_defaults` gives DeepSpeed's defaults for what it omits. `TOP_LEVEL_KEYS` is the
+one table of every top-level key and its fate (docs/DEEPSPEED.md shows it); the sections are
+read by `engine.training.deepspeed_sections`, "auto" values by
+`engine.training.deepspeed_auto`. A key DeepSpeed does not know is refused by name.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.config.engine_options import ZERO_LEVELS
-from engine.config.optimizer import check_scheduler_params, no_auto
+from engine.config import LOSS_SCALE_FIELDS, require
+from engine.config.optimizer import no_auto
+from engine.training.deepspeed_auto import resolve_auto
+from engine.training.deepspeed_sections import (
+    SECTION_HANDLERS,
+    Refusals,
+    precision,
+    zero_stage,
+)
 
 __all__ = [
+    "DEEPSPEED_DEFAULT_CLIPPING",
+    "TOP_LEVEL_KEYS",
+    "check_agreement",
     "deepspeed_defaults",
     "deepspeed_overrides",
     "read_deepspeed_config",
 ]
 
-_IGNORED = {"wall_clock_breakdown", "steps_per_print", "prescale_gradients"}
-_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
-_OPTIMIZER_PARAMS = {
-    "adamw": ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"),
-    "sgd": ("lr", "momentum", "weight_decay"),
-}
-"""The DeepSpeed optimizer params meshpipe honours (torch_adam only picks DeepSpeed's kernel)."""
-_OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "adamw": {"lr": 1e-3, "betas": "0.9,0.999", "adam_eps": 1e-8, "weight_decay": 0.0},
-    "sgd": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0},
-}
-"""What DeepSpeed's optimizers use for a param the config omits: its Adam kernels' (FusedAdam,
-DeepSpeedCPUAdam) defaults, and torch.optim.SGD's."""
-_TORCH_ADAMW_WEIGHT_DECAY = 0.01
-"""torch.optim.AdamW's default weight decay, which `torch_adam: true` makes DeepSpeed build."""
-
-
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 """DeepSpeed's GRADIENT_CLIPPING_DEFAULT: what it clips at when a config says nothing."""
+DEEPSPEED_STEPS_PER_PRINT = 10
+"""DeepSpeed's STEPS_PER_PRINT_DEFAULT: it logs every 10 steps unless told otherwise."""
+_DEEPSPEED_LOSS_SCALING = {"initial_scale_power": 16, "loss_scale_window": 1000}
+"""DeepSpeed's dynamic loss scale where a config enables fp16 through a flag only."""
 
-
-def _number(value: Any, key: str, kind: type[float] | type[int] = float) -> Any:
-    """`value` as a float (or int), or an error naming the key."""
-    no_auto(value, key)
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or isinstance(value, bool) or (kind is int and number != value):
-        noun = "a whole number" if kind is int else "a number"
-        raise ValueError(f"{key}={value!r}: give {noun}")
-    return number
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_OFF = object()
+"""A section DeepSpeed leaves off unless its `enabled` is true."""
+_REFUSED: Refusals = {
+    "amp": (_OFF, "NVIDIA Apex AMP is not supported: use bf16 or fp16 (autocast)"),
+    "flops_profiler": (_OFF, "meshpipe has no FLOPs profiler: use --trace for per-action times"),
+    "comms_logger": (_OFF, "meshpipe has no per-collective log: --trace FILE records every "
+                           "p2p and all-reduce on the timeline"),
+    "comet": (_OFF, "Comet logging is not implemented: use tensorboard, csv_monitor or wandb"),
+    "elasticity": (_OFF, "elastic batch sizes are not implemented"),
+    "autotuning": (_OFF, "use `meshpipe plan` to search layouts"),
+    "curriculum_learning": (_OFF, "curriculum learning changes the data order"),
+    "data_efficiency": (_OFF, "data sampling and routing change the data order"),
+    "eigenvalue": (_OFF, "not implemented"),
+    "progressive_layer_drop": (_OFF, "dropping layers changes the numbers"),
+    "hybrid_engine": (_OFF, "the RLHF hybrid engine is not implemented"),
+    "torch_autocast": (_OFF, "use bf16 or fp16, which autocast in meshpipe"),
+    "nebula": (_OFF, "meshpipe writes its own checkpoints"),
+    "quantize_training": (_OFF, "quantised training changes the numbers"),
+    "datastates_ckpt": (_OFF, "meshpipe writes its own checkpoints"),
+    "compression_training": ({}, "compression changes the numbers"),
+    "sparse_attention": ({}, "sparse attention changes the numbers"),
+    "weight_quantization": ({}, "quantised weights change the numbers"),
+    "compile": ({}, "use --compile (torch.compile per layer)"),
+    "tensor_parallel": ({}, "use --tp"),
+    "expert_parallel": ({}, "meshpipe's models have no experts"),
+    "aio": ({}, "async I/O only serves NVMe offload, which is not implemented"),
+    "timers": ({}, "DeepSpeed's timer switches: use --log-phases or --trace"),
+    "sequence_parallel_size": (1, "sequence parallelism is not implemented"),
+    "gradient_predivide_factor": (1.0, "meshpipe averages gradients without a pre-divide"),
+    "gradient_allreduce_op": ("mean", "meshpipe averages gradients over replicas"),
+    "communication_data_type": (None, "meshpipe reduces gradients in fp32"),
+    "seq_parallel_communication_data_type": ("fp32", "sequence parallelism is not implemented"),
+    "sparse_gradients": (False, "meshpipe's gradients are dense"),
+    "disable_allgather": (False, "ZeRO's all-gather is how the shards come back"),
+    "dump_state": (False, "use --trace or meshpipe memory"),
+    "memory_breakdown": (False, "use `meshpipe memory` for per-stage memory"),
+    "dataloader_drop_last": (False, "meshpipe's data loader is its own"),
+    "managed_gradient_accumulation": (True, "meshpipe accumulates over its micro-batches"),
+    "use_data_before_expert_parallelism": (False, "meshpipe's models have no experts"),
+    "graph_harvesting": (False, "removed from DeepSpeed"),
+    "bfloat16": (_OFF, "the old name of bf16: write bf16"),
+}  # fmt: skip
+"""Top-level keys refused unless at DeepSpeed's off value (or a section not enabled)."""
+_ACCEPTED = {
+    "prescale_gradients": "the order of the data-parallel mean; meshpipe reduces in fp32",
+    "zero_allow_untested_optimizer": "a permission: meshpipe's optimizers all run under ZeRO",
+    "zero_force_ds_cpu_optimizer": "only applies with offload, which is refused",
+    "log_level": "DeepSpeed's own logging",
+    "disable_python_gc": "garbage-collection timing only",
+    "vocabulary_size": "only read by DeepSpeed's data-efficiency library",
+}
+"""Top-level keys accepted with any value: nothing meshpipe computes depends on them."""
+_HONOURED = {
+    "train_batch_size": "--global-batch",
+    "train_micro_batch_size_per_gpu": "--global-batch / (--dp × --micro-batches)",
+    "gradient_accumulation_steps": "--micro-batches",
+    "optimizer": "--optimizer, --lr, --betas, --adam-eps, --weight-decay, --momentum",
+    "scheduler": "--lr-schedule deepspeed:<type>, --lr-schedule-args",
+    "gradient_clipping": "--clip-grad-norm",
+    "fp16": "--precision fp16 and its loss-scale flags",
+    "bf16": "--precision bf16; check_grad_overflow: --no-nonfinite-guard",
+    "zero_optimization": "--zero (communication keys accepted, offload refused)",
+    "activation_checkpointing": "nothing (it recomputes nothing by itself)",
+    "pipeline": "--partition (partition_method), --recompute every:N "
+                "(activation_checkpoint_interval)",
+    "seed": "--seed",
+    "steps_per_print": "--log-every",
+    "wall_clock_breakdown": "--log-phases",
+    "tensorboard": "--tensorboard-dir (output_path/job_name)",
+    "csv_monitor": "--csv-dir (output_path/job_name)",
+    "wandb": "--wandb-project, --wandb-group (offline)",
+    "data_types": "grad_accum_dtype fp32 only",
+    "checkpoint": "tag_validation accepted; other keys refused",
+}  # fmt: skip
+TOP_LEVEL_KEYS: dict[str, str] = {
+    **{key: f"honoured: {fate}" for key, fate in _HONOURED.items()},
+    **{key: f"accepted: {why}" for key, why in _ACCEPTED.items()},
+    **{
+        key: ("off only" if off is _OFF else f"{json.dumps(off)} only") + f": {why}"
+        for key, (off, why) in _REFUSED.items()
+    },
+}
+"""Every top-level key DeepSpeed reads, and what meshpipe does with it."""
+_SOURCES = {
+    "global_batch": "train_batch_size", "micro_batches": "gradient_accumulation_steps",
+    "optimizer": "optimizer.type", "lr": "optimizer.params.lr",
+    "weight_decay": "optimizer.params.weight_decay", "betas": "optimizer.params.betas",
+    "adam_eps": "optimizer.params.eps", "momentum": "optimizer.params.momentum",
+    "lr_schedule": "scheduler.type", "lr_schedule_args": "scheduler.params",
+    "precision": "fp16/bf16 enabled", "no_nonfinite_guard": "bf16.check_grad_overflow",
+    "clip_grad_norm": "gradient_clipping", "seed": "seed", "zero": "zero_optimization.stage",
+    "partition": "pipeline.partition_method",
+    "recompute": "pipeline.activation_checkpoint_interval", "log_every": "steps_per_print",
+    "log_phases": "wall_clock_breakdown", "tensorboard_dir": "tensorboard",
+    "csv_dir": "csv_monitor", "wandb_project": "wandb.project", "wandb_group": "wandb.group",
+    **{name: f"fp16.{name}" for name in LOSS_SCALE_FIELDS},
+}  # fmt: skip
+"""The JSON key each flat setting comes from, to name both sides of a contradiction."""
 
 
 def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
     """train_batch_size = micro × accumulation × dp, completed the way DeepSpeed's
     `_set_batch_related_parameters` does: any two determine the third, and one batch size
     alone means no gradient accumulation."""
-    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    for name in names:
+    for name in _BATCH_KEYS:
         no_auto(cfg.get(name), name)
         if name in cfg and not (isinstance(cfg[name], int) and cfg[name] >= 1):
             raise ValueError(f"{name}={cfg[name]!r}: give a whole number of at least 1")
-    total: int | None = cfg.get(names[0])
-    micro: int | None = cfg.get(names[1])
-    accumulation: int | None = cfg.get(names[2])
+    total: int | None = cfg.get(_BATCH_KEYS[0])
+    micro: int | None = cfg.get(_BATCH_KEYS[1])
+    accumulation: int | None = cfg.get(_BATCH_KEYS[2])
     if total is not None and micro is not None:
         accumulation = total // (micro * dp) if accumulation is None else accumulation
     elif total is not None:
@@ -80,86 +167,13 @@ def _batch_fields(cfg: Mapping[str, Any], dp: int) -> dict[str, int]:
             "the DeepSpeed config sets neither train_batch_size nor "
             "train_micro_batch_size_per_gpu: add at least one of them"
         )
-    if total != micro * accumulation * dp:
-        raise ValueError(
-            f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
-            f"gradient_accumulation_steps {accumulation} × data-parallel size {dp}: "
-            "make them consistent, as DeepSpeed requires"
-        )
+    require(
+        total == micro * accumulation * dp,
+        f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × "
+        f"gradient_accumulation_steps {accumulation} × data-parallel size {dp}: "
+        "make them consistent, as DeepSpeed requires",
+    )
     return {"global_batch": total, "micro_batches": accumulation}
-
-
-def _optimizer_fields(section: Mapping[str, Any]) -> dict[str, Any]:
-    """Optimizer fields; a param meshpipe's optimizer would not honour is rejected by name."""
-    kind = str(section.get("type", "")).lower()
-    if kind not in _OPTIMIZERS:
-        raise ValueError(
-            f"optimizer type {section.get('type')!r} is not supported: use Adam, AdamW or SGD"
-        )
-    params = dict(section.get("params", {}))
-    accepted = _OPTIMIZER_PARAMS[_OPTIMIZERS[kind]]
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"optimizer {section['type']} params {unknown} are not supported by meshpipe: "
-            f"remove them (supported: {', '.join(accepted)})"
-        )
-    if kind == "adam" and not params.get("adam_w_mode", True):
-        raise ValueError(
-            "optimizer Adam with adam_w_mode false (Adam with L2 regularisation) is not "
-            "supported: meshpipe's Adam is AdamW, decoupled weight decay; remove adam_w_mode "
-            "(the same update when weight_decay is 0) or use type AdamW"
-        )
-    fields: dict[str, Any] = {"optimizer": _OPTIMIZERS[kind]}
-    if "lr" in params:
-        fields["lr"] = _number(params["lr"], "optimizer.params.lr")
-    if "weight_decay" in params:
-        fields["weight_decay"] = _number(params["weight_decay"], "optimizer.params.weight_decay")
-    if "betas" in params:
-        fields["betas"] = _betas(params["betas"])
-    if "eps" in params:
-        fields["adam_eps"] = _number(params["eps"], "optimizer.params.eps")
-    if "momentum" in params:
-        fields["momentum"] = _number(params["momentum"], "optimizer.params.momentum")
-    return fields
-
-
-def _betas(value: Any) -> tuple[float, float]:
-    no_auto(value, "optimizer.params.betas")
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise ValueError(f"optimizer.params.betas={value!r}: give two numbers, e.g. [0.9, 0.999]")
-    first, second = (_number(b, "optimizer.params.betas") for b in value)
-    return first, second
-
-
-def _scheduler_fields(section: Mapping[str, Any]) -> dict[str, Any]:
-    kind = section.get("type")
-    params = dict(section.get("params", {}))
-    check_scheduler_params(str(kind), params)
-    return {"lr_schedule": f"deepspeed:{kind}", "lr_schedule_args": json.dumps(params)}
-
-
-def _precision_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A config naming neither bf16 nor fp16 leaves --precision; one naming either decides
-    (fp32 when neither is enabled), as DeepSpeed would run it."""
-    if "bf16" not in cfg and "fp16" not in cfg:
-        return {}
-    bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
-    fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
-    if bf16 and fp16:
-        raise ValueError("the DeepSpeed config enables both bf16 and fp16: choose one")
-    return {"precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
-
-
-def _recompute_fields(section: Mapping[str, Any]) -> dict[str, Any]:
-    unsupported = [
-        k
-        for k in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-        if section.get(k)
-    ]
-    if unsupported:
-        raise ValueError(f"activation_checkpointing options {unsupported} are not supported")
-    return {"recompute": "every:1"}
 
 
 def read_deepspeed_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -180,61 +194,101 @@ def read_deepspeed_config(config: str | Path | Mapping[str, Any]) -> dict[str, A
     return parsed
 
 
-def deepspeed_defaults(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """`TrainConfig` fields DeepSpeed would use where the config says nothing: clipping at
-    1.0 and, when the config names an optimizer (so DeepSpeed builds it), that optimizer's own
-    defaults (betas 0.9,0.999 and no weight decay for Adam, not meshpipe's 0.9,0.95 and 0.1)
-    and, without a scheduler, its constant learning rate."""
+def _check_keys(cfg: Mapping[str, Any]) -> None:
+    """Unknown top-level keys, then keys set to what meshpipe cannot honour, by name."""
+    unknown = sorted(set(cfg) - set(TOP_LEVEL_KEYS))
+    require(
+        not unknown,
+        f"DeepSpeed config keys {unknown} are not supported by meshpipe (DeepSpeed 0.19 does "
+        "not read them either): remove them (docs/DEEPSPEED.md lists every key and its fate)",
+    )
+    for key, (off, why) in _REFUSED.items():
+        if key not in cfg:
+            continue
+        value = cfg[key]
+        if off is _OFF:
+            inert = isinstance(value, Mapping) and not value.get("enabled", False)
+        else:
+            inert = value == off
+        only = '{"enabled": false}' if off is _OFF else json.dumps(off)
+        require(
+            inert,
+            f"DeepSpeed config {key}={json.dumps(value)} is refused: {why} (meshpipe accepts "
+            f"{key} only as {only})",
+        )
+
+
+def deepspeed_overrides(
+    config: str | Path | Mapping[str, Any],
+    *,
+    dp: int,
+    flags: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Flat `TrainConfig` settings from the keys a DeepSpeed config (a path or a parsed
+    dict) has; `flags` (flat settings: the flags given over meshpipe's defaults) fill its
+    "auto" values. `deepspeed_defaults` gives what DeepSpeed uses for the keys it omits."""
+    cfg = resolve_auto(read_deepspeed_config(config), flags, dp=dp)
+    _check_keys(cfg)
+    fields: dict[str, Any] = _batch_fields(cfg, dp)
+    for key, handler in SECTION_HANDLERS.items():
+        if key in cfg:
+            fields.update(handler(cfg[key], cfg))
+    fields.update(precision(cfg))
+    return fields
+
+
+def deepspeed_defaults(
+    config: str | Path | Mapping[str, Any], *, precision: str = "fp32"
+) -> dict[str, Any]:
+    """Flat settings DeepSpeed would use where the config says nothing: clipping at 1.0, a log
+    line every 10 steps; when the config names an optimizer (so DeepSpeed builds it), that
+    optimizer's own defaults (betas 0.9,0.999 and no weight decay for Adam, not meshpipe's
+    0.9,0.95 and 0.1) and, without a scheduler, its constant learning rate; ZeRO-3's
+    per-tensor optimizer; and DeepSpeed's dynamic loss scale when the run's `precision` is
+    fp16 by a flag."""
     cfg = read_deepspeed_config(config)
-    defaults: dict[str, Any] = {"clip_grad_norm": DEEPSPEED_DEFAULT_CLIPPING}
+    defaults: dict[str, Any] = {
+        "clip_grad_norm": DEEPSPEED_DEFAULT_CLIPPING,
+        "log_every": DEEPSPEED_STEPS_PER_PRINT,
+    }
     if "optimizer" in cfg:
-        section = cfg["optimizer"]
-        name = _OPTIMIZERS.get(str(section.get("type", "")).lower(), "adamw")
-        defaults.update(_OPTIMIZER_DEFAULTS[name])
-        if name == "adamw" and section.get("params", {}).get("torch_adam", False):
-            defaults["weight_decay"] = _TORCH_ADAMW_WEIGHT_DECAY
-        if "scheduler" not in cfg:
-            defaults.update(lr_schedule="constant", warmup_steps=0)
+        defaults.update(_optimizer_defaults(cfg))
+    if "zero_optimization" in cfg and zero_stage(cfg) == 3:
+        defaults["optimizer_impl"] = "per_tensor"
+    if precision == "fp16" and not cfg.get("fp16", {}).get("enabled", False):
+        hysteresis = 2 if zero_stage(cfg) > 0 else 1
+        defaults.update(_DEEPSPEED_LOSS_SCALING, hysteresis=hysteresis)
     return defaults
 
 
-def deepspeed_overrides(config: str | Path | Mapping[str, Any], *, dp: int) -> dict[str, Any]:
-    """`TrainConfig` fields from the keys a DeepSpeed config (a path or a parsed dict) has;
-    `deepspeed_defaults` gives what DeepSpeed would use for the keys it omits."""
-    cfg = read_deepspeed_config(config)
-    fields: dict[str, Any] = _batch_fields(cfg, dp)
-    handlers = {
-        "optimizer": _optimizer_fields,
-        "scheduler": _scheduler_fields,
-        "activation_checkpointing": _recompute_fields,
-    }
-    for key, handler in handlers.items():
-        if key in cfg:
-            fields.update(handler(cfg[key]))
-    fields.update(_precision_fields(cfg))
-    if "gradient_clipping" in cfg:
-        fields["clip_grad_norm"] = _number(cfg["gradient_clipping"], "gradient_clipping")
-    if "seed" in cfg:
-        fields["seed"] = _number(cfg["seed"], "seed", int)
-    if "zero_optimization" in cfg:
-        stage = _number(cfg["zero_optimization"].get("stage", 0), "zero_optimization.stage", int)
-        if stage not in ZERO_LEVELS:
-            levels = ", ".join(map(str, ZERO_LEVELS))
+def _optimizer_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What DeepSpeed's optimizers use for a param the config omits: its Adam kernels'
+    (FusedAdam, DeepSpeedCPUAdam) defaults, torch.optim.AdamW's decay of 0.01 under
+    `torch_adam`, and torch.optim.SGD's."""
+    section = cfg["optimizer"]
+    if str(section.get("type", "")).lower() == "sgd":
+        defaults: dict[str, Any] = {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}
+    else:
+        defaults = {"lr": 1e-3, "betas": "0.9,0.999", "adam_eps": 1e-8, "weight_decay": 0.0}
+        if section.get("params", {}).get("torch_adam", False):
+            defaults["weight_decay"] = 0.01
+    if "scheduler" not in cfg:
+        defaults.update(lr_schedule="constant", warmup_steps=0)
+    return defaults
+
+
+def check_agreement(
+    given: Mapping[str, Any],
+    overrides: Mapping[str, Any],
+    source: str,
+    normalise: Callable[[str, Any], Any],
+) -> None:
+    """Refuse a flag given on the command line that the JSON sets otherwise, naming both;
+    `normalise(name, value)` puts a value in its field's form (betas "0.9,0.95" or a pair)."""
+    for name, value in overrides.items():
+        if name in given and normalise(name, given[name]) != normalise(name, value):
+            flag = "--" + name.replace("_", "-")
+            key = _SOURCES.get(name, name)
             raise ValueError(
-                f"zero_optimization.stage={stage}: meshpipe supports ZeRO stages {levels}"
+                f"{flag} {given[name]} contradicts {key} {json.dumps(value)} in {source}: drop one"
             )
-        fields["zero"] = stage
-    if "partition_method" in cfg.get("pipeline", {}):
-        fields["partition"] = str(cfg["pipeline"]["partition_method"])
-    known = {
-        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-        "optimizer", "scheduler", "gradient_clipping", "bf16", "fp16", "zero_optimization",
-        "pipeline", "activation_checkpointing", "seed", *_IGNORED,
-    }  # fmt: skip
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ValueError(
-            f"DeepSpeed config keys {unknown} are not supported by meshpipe: remove them "
-            f"(supported: {', '.join(sorted(known))})"
-        )
-    return fields

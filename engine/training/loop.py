@@ -43,6 +43,7 @@ from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens
 from engine.training.metrics import MetricsLog
+from engine.training.monitors import Monitors
 from engine.training.preflight import check_before_loading, check_outputs, stage_partition
 from engine.training.resume_check import (
     check_resumable,
@@ -205,12 +206,23 @@ class _Run:
         return 0
 
 
-def _log_line(record: dict[str, Any], skipped: int) -> str:
-    return (
+def _log_line(record: dict[str, Any], skipped: int, phases: dict[str, float] | None) -> str:
+    line = (
         f"step {record['step'] + 1}: loss {record['loss']:.4f}, "
         f"{record['tokens_per_s']:,.0f} tokens/s, bubble {record['bubble']:.1%}, "
         f"grad norm {record['grad_norm']:.3g}, lr {record['lr']:.3g}, skipped {skipped}"
     )
+    if phases is None:
+        return line
+    return line + "; ms " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items())
+
+
+def _monitor_values(config: TrainConfig, result: StepStats, lr: float) -> dict[str, float]:
+    """The values DeepSpeed's monitors receive each step: train loss, lr, fp16's scale."""
+    values = {"train_loss": result.loss, "lr": lr}
+    if config.engine.precision == "fp16":
+        values["loss_scale"] = result.loss_scale
+    return values
 
 
 def _say(mesh: Mesh, message: str) -> None:
@@ -284,7 +296,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     show = progress and mesh.rank == 0
     kept = _kept_records(path, first)
     trace = TraceRecorder() if config.run.trace else None
-    with MetricsLog(total_steps=config.run.steps, path=path, progress=show, kept=kept) as log:
+    monitors = Monitors(config.monitor, enabled=mesh.rank == 0)
+    with (
+        MetricsLog(total_steps=config.run.steps, path=path, progress=show, kept=kept) as log,
+        monitors,
+    ):
 
         def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
             record = {
@@ -298,9 +314,13 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 "skipped": result.skipped,
             }
             log.record(**record)
+            samples = (step + 1) * config.batch.global_batch
+            monitors.write(samples, _monitor_values(config, result, lr))
             due = config.run.log_every and (step + 1) % config.run.log_every == 0
             if due and mesh.rank == 0:
-                log.say(f"meshpipe: {_log_line(record, run.engine.skipped_steps)}")
+                phases = result.phase_seconds() if config.monitor.log_phases else None
+                line = _log_line(record, run.engine.skipped_steps, phases)
+                log.say(f"meshpipe: {line}")
 
         # A step is logged once the next one ran: its bubble and grad norm need every pipeline
         # rank's figures, which have arrived by then without holding any rank back.

@@ -25,6 +25,7 @@ from engine.checkpoint.files import (
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
+from engine.training.monitors import check_monitors
 from engine.training.resume_check import check_resumable
 from models import LayerSpec
 from partitioners import Partition, partition_model
@@ -88,9 +89,9 @@ def writable_folder(folder: Path, flag: str, given: str) -> None:
 
 
 def check_outputs(config: TrainConfig) -> None:
-    """Every path the run writes (checkpoints, metrics, trace) can be written, and a new run
-    does not write over another run's checkpoints (same-named steps would be replaced and
-    --keep would delete the rest)."""
+    """Every path the run writes (checkpoints, metrics, trace, monitors) can be written, each
+    monitor's package is installed, and a new run does not write over another run's
+    checkpoints (same-named steps would be replaced and --keep would delete the rest)."""
     root = config.checkpoint.checkpoint_dir
     if root is not None:
         _not_a_checkpoint(Path(root))
@@ -108,6 +109,13 @@ def check_outputs(config: TrainConfig) -> None:
         if Path(path).is_dir():
             raise ValueError(f"{flag} {path} is a folder: give a file name")
         writable_folder(Path(path).parent, flag, path)
+    check_monitors(config.monitor)
+    for flag, folder in (
+        ("--tensorboard-dir", config.monitor.tensorboard_dir),
+        ("--csv-dir", config.monitor.csv_dir),
+    ):
+        if folder is not None:
+            writable_folder(Path(folder), flag, folder)
 
 
 def _not_a_checkpoint(root: Path) -> None:

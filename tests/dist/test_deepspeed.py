@@ -195,7 +195,8 @@ def test_missing_batch_size_is_derived_from_the_other_two() -> None:
     ("key", "value", "message"),
     [
         ("zero_optimization", {"stage": 4}, "ZeRO stages 0, 1, 2"),
-        ("amp", {"enabled": True}, r"keys \['amp'\] are not supported"),
+        ("amp", {"enabled": True}, r"amp=\{\"enabled\": true\} is refused: NVIDIA Apex AMP"),
+        ("ampp", {"enabled": True}, r"keys \['ampp'\] are not supported"),
         ("optimizer", {"type": "Lamb"}, "optimizer type 'Lamb' is not supported"),
         ("scheduler", {"type": "OneCycle"}, "scheduler type 'OneCycle' is not supported"),
         ("activation_checkpointing", {"cpu_checkpointing": True}, "cpu_checkpointing"),
@@ -372,3 +373,26 @@ def test_flags_not_given_take_deepspeeds_defaults(tmp_path: Path) -> None:
         1.0,
         "constant",
     )
+
+
+def _train_losses(rank: int, world_size: int, config: TrainConfig) -> tuple[float, ...]:
+    from engine.training.loop import train
+
+    return train(config, progress=False).losses
+
+
+def test_a_csv_monitor_is_written_once_by_rank_0_with_the_runs_losses(tmp_path: Path) -> None:
+    ds_config = {
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"},
+    }
+    config = TrainConfig.from_deepspeed(ds_config, pp=2, steps=2, seq_len=16)
+    losses = run_ranks(_train_losses, 2, config, timeout_s=300)[1]
+    rows = (tmp_path / "job" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert rows[0] == "step,train_loss"
+    assert [(int(s), float(v)) for s, v in (r.split(",") for r in rows[1:])] == [
+        (4, pytest.approx(losses[0], rel=1e-6)),
+        (8, pytest.approx(losses[1], rel=1e-6)),
+    ]
+

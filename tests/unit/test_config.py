@@ -50,6 +50,17 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "recompute_stages",
         "tp",
         "zero_reshard",
+        "loss_scale",
+        "initial_scale_power",
+        "loss_scale_window",
+        "hysteresis",
+        "consecutive_hysteresis",
+        "min_loss_scale",
+        "tensorboard_dir",
+        "csv_dir",
+        "wandb_project",
+        "wandb_group",
+        "log_phases",
     }
 
 
