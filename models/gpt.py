@@ -12,11 +12,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.layers import GELUMLP, CausalSelfAttention, LayerSpec, block_flops
+from models.layers import GELUMLP, TIE_KEY, CausalSelfAttention, LayerSpec, block_flops
 
 __all__ = ["GPTBlock", "GPTConfig", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "gpt_layers"]
-
-TIE_KEY = "token_embedding"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "GELUMLP",
+    "TIE_KEY",
     "CausalSelfAttention",
     "LayerSpec",
     "SwiGLUMLP",
@@ -28,9 +29,13 @@ __all__ = [
     "init_layer",
     "param_seed",
     "rotary_embedding",
+    "sliding_window_mask",
 ]
 
 INIT_STD = 0.02
+
+TIE_KEY = "token_embedding"
+"""The tie group of a token embedding shared with the LM head (GPT-2, tied Llamas)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,16 +177,24 @@ class CausalSelfAttention(nn.Module):
         n_kv_head: int,
         *,
         bias: bool,
+        out_bias: bool | None = None,
         rope_theta: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """`bias` on the q, k, v projections and, unless `out_bias` says otherwise, on the
+        output one (Qwen2 has the first three only); `sliding_window` lets a query see only
+        itself and the `sliding_window - 1` positions before it (Mistral)."""
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = d_model // n_head
         self.rope_theta = rope_theta
+        self.sliding_window = sliding_window
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
+        self.o_proj = nn.Linear(
+            n_head * self.head_dim, d_model, bias=bias if out_bias is None else out_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Head counts come from the projections' outputs, not from the config: under tensor
@@ -194,8 +207,21 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rotary_embedding(seq, self.head_dim, self.rope_theta, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = k.shape[1] != q.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        window = self.sliding_window
+        if window is None or seq <= window:  # the window reaches back to the start
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            mask = sliding_window_mask(seq, window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq_len, seq_len) booleans: query i sees keys i - window < j <= i (Mistral's and
+    Hugging Face's sliding window)."""
+    positions = torch.arange(seq_len, device=device)
+    back = positions[:, None] - positions[None, :]
+    return (back >= 0) & (back < window)
 
 
 class GELUMLP(nn.Module):
@@ -213,11 +239,11 @@ class GELUMLP(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama's feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
+        self.up_proj = nn.Linear(d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,7 +1,9 @@
 """Llama style decoder as a layer list.
 
 Layers: token embedding, `n_layer` blocks (RMSNorm, rotary grouped-query attention, RMSNorm,
-SwiGLU MLP), final RMSNorm, untied LM head. Parameter names follow Hugging Face's
+SwiGLU MLP), final RMSNorm, LM head (untied unless `tie_embeddings`). The fields past the
+shape cover the Llama-architecture families on the Hub: biases (Qwen2's on q, k, v), a sliding
+attention window (Mistral), tied embeddings (small Llamas). Parameter names follow Hugging Face's
 `LlamaForCausalLM` inside each block so that export is a rename of the prefix only.
 """
 
@@ -13,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.layers import CausalSelfAttention, LayerSpec, SwiGLUMLP, block_flops
+from models.layers import TIE_KEY, CausalSelfAttention, LayerSpec, SwiGLUMLP, block_flops
 
 __all__ = [
     "LlamaBlock",
@@ -47,12 +49,28 @@ class LlamaConfig:
     """Base of the rotary frequencies."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2; Llama's `attention_bias`)."""
+    o_bias: bool = False
+    """A bias on the attention's output projection (Llama's `attention_bias`)."""
+    mlp_bias: bool = False
+    """Biases on the three MLP projections (Llama's `mlp_bias`)."""
+    sliding_window: int | None = None
+    """Each position attends to itself and the `sliding_window - 1` before it (Mistral);
+    None attends to every earlier position."""
+    tie_embeddings: bool = False
+    """Share the LM head's weight with the token embedding."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(
                 f"d_model={self.d_model}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
                 "d_model must be a multiple of n_head and n_head a multiple of n_kv_head"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"sliding_window={self.sliding_window} leaves no position to attend to: give "
+                "a window of at least 1, or None for full causal attention"
             )
 
     def layer_specs(self) -> list[LayerSpec]:
@@ -104,11 +122,13 @@ class LlamaBlock(nn.Module):
             config.d_model,
             config.n_head,
             config.n_kv_head,
-            bias=False,
+            bias=config.qkv_bias,
+            out_bias=config.o_bias,
             rope_theta=config.rope_theta,
+            sliding_window=config.sliding_window,
         )
         self.post_attention_layernorm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLUMLP(config.d_model, config.ffn_hidden)
+        self.mlp = SwiGLUMLP(config.d_model, config.ffn_hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -135,7 +155,7 @@ class LlamaFinalNorm(nn.Module):
 
 
 class LlamaHead(nn.Module):
-    """Untied projection onto the vocabulary."""
+    """Projection onto the vocabulary (tied to the token embedding if `tie_embeddings`)."""
 
     residual_params: tuple[str, ...] = ()
     tp_plan: ClassVar[dict[str, str]] = {"lm_head": "vocab_head"}
@@ -153,12 +173,26 @@ class LlamaHead(nn.Module):
 
 def llama_layers(config: LlamaConfig) -> list[LayerSpec]:
     """The layer list: embedding, blocks, final norm, head."""
+    tie_key = TIE_KEY if config.tie_embeddings else None
     return [
-        LayerSpec(name="embedding", module_cls=LlamaEmbedding, config=config, input_kind="tokens"),
+        LayerSpec(
+            name="embedding",
+            module_cls=LlamaEmbedding,
+            config=config,
+            input_kind="tokens",
+            tie_key=tie_key,
+            tied_param="embed_tokens.weight" if tie_key else None,
+        ),
         *(
             LayerSpec(name="block", module_cls=LlamaBlock, config=config)
             for _ in range(config.n_layer)
         ),
         LayerSpec(name="final_norm", module_cls=LlamaFinalNorm, config=config),
-        LayerSpec(name="lm_head", module_cls=LlamaHead, config=config),
+        LayerSpec(
+            name="lm_head",
+            module_cls=LlamaHead,
+            config=config,
+            tie_key=tie_key,
+            tied_param="lm_head.weight" if tie_key else None,
+        ),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from models import MODEL_CONFIGS, build_layers, get_config, layer_specs, lm_loss
 from models.gpt import GPTConfig
+from models.layers import sliding_window_mask
 from models.llama import LlamaConfig
 
 torch.set_num_threads(1)
@@ -175,6 +177,43 @@ def test_tied_layers_built_apart_start_equal() -> None:
     head = build_layers(specs, [6], seed=5).layers["6"].weight
     embedding = build_layers(specs, [0], seed=5).layers["0"].wte.weight
     assert torch.equal(head, embedding)
+
+
+def test_a_tied_llama_head_shares_the_token_embedding() -> None:
+    config = replace(get_config("llama-tiny"), tie_embeddings=True)
+    stack = build_layers(layer_specs(config), seed=0)
+    assert stack.layers["6"].lm_head.weight is stack.layers["0"].embed_tokens.weight
+
+
+def test_a_sliding_window_lets_each_position_see_itself_and_window_minus_one_before() -> None:
+    assert sliding_window_mask(5, 2, torch.device("cpu")).int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+
+
+def test_a_window_as_long_as_the_sequence_is_plain_causal_attention() -> None:
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    plain = build_layers(layer_specs("llama-tiny"), seed=0)
+    windowed = replace(get_config("llama-tiny"), sliding_window=16)
+    assert torch.equal(build_layers(layer_specs(windowed), seed=0)(tokens), plain(tokens))
+
+
+def test_a_window_shorter_than_the_sequence_changes_the_logits() -> None:
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    plain = build_layers(layer_specs("llama-tiny"), seed=0)
+    windowed = replace(get_config("llama-tiny"), sliding_window=8)
+    out = build_layers(layer_specs(windowed), seed=0)(tokens)
+    assert torch.equal(out[:, :8], plain(tokens)[:, :8])
+    assert not torch.allclose(out[:, 8:], plain(tokens)[:, 8:])
+
+
+def test_a_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window=0 leaves no position"):
+        replace(get_config("llama-tiny"), sliding_window=0)
 
 
 def test_specs_describe_their_layers() -> None:

@@ -1,0 +1,178 @@
+"""Every Hugging Face config field that changes what a model computes is honoured (the imported
+model's logits equal `transformers`' within 1e-5) or refused with an error naming the field;
+Llama's tied embeddings, Mistral and Qwen2 import and export back as they were."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_interop import export_hf, import_hf
+from engine.training.generate import generate, load_model
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+torch.set_num_threads(1)
+
+NO_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+GPT2_SHAPE = {"vocab_size": 256, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4}
+LLAMA_SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=64)  # fmt: skip
+SHAPES = {"gpt2": GPT2_SHAPE, "llama": LLAMA_SHAPE, "mistral": LLAMA_SHAPE, "qwen2": LLAMA_SHAPE}
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=16)  # fmt: skip
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_model(family: str, fields: dict[str, Any]) -> Any:
+    """A tiny HF model of `family` with every parameter drawn at random (biases and norms too,
+    so that a dropped bias or a wrong epsilon shows in the logits)."""
+    config = transformers.AutoConfig.for_model(family, **SHAPES[family], **NO_TOKENS, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model.eval()
+
+
+def _saved(tmp_path: Path, family: str, fields: dict[str, Any]) -> tuple[Any, Path]:
+    model = _hf_model(family, fields)
+    model.save_pretrained(tmp_path / "hf")
+    return model, tmp_path / "hf"
+
+
+def _assert_same_logits(ours_at: Path, theirs: Any, tokens: torch.Tensor = TOKENS) -> None:
+    ours, _ = load_model(ours_at)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+HONOURED = [
+    ("gpt2", {}),
+    ("gpt2", {"activation_function": "gelu_pytorch_tanh"}),
+    ("gpt2", {"reorder_and_upcast_attn": True}),
+    ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
+    ("gpt2", {"tie_word_embeddings": False}),
+    ("llama", {}),
+    ("llama", {"attention_bias": True}),
+    ("llama", {"mlp_bias": True}),
+    ("llama", {"rms_norm_eps": 1e-3}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"pretraining_tp": 2}),
+    ("llama", {"attention_dropout": 0.1}),
+    ("mistral", {"sliding_window": None}),
+    ("mistral", {"sliding_window": 5}),
+    ("mistral", {"sliding_window": 64}),
+    ("qwen2", {}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
+    ("qwen2", {"tie_word_embeddings": True}),
+]
+
+REFUSED = [
+    ("gpt2", {"scale_attn_weights": False}, "scale_attn_weights"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    ("gpt2", {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
+    ("gpt2", {"n_inner": 64}, "n_inner"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"head_dim": 16}, "head_dim"),
+    ("llama", {"rope_parameters": LLAMA3_ROPE}, "rope_parameters"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+     "use_sliding_window"),
+]  # fmt: skip
+
+
+def _case_id(case: tuple[Any, ...]) -> str:
+    return case[0] + "".join(f"-{k}={v}" for k, v in case[1].items())
+
+
+@pytest.mark.parametrize(("family", "fields"), HONOURED, ids=map(_case_id, HONOURED))
+def test_a_field_meshpipe_honours_imports_with_transformers_logits(
+    tmp_path: Path, family: str, fields: dict[str, Any]
+) -> None:
+    theirs, folder = _saved(tmp_path, family, fields)
+    import_hf(folder, tmp_path / "ck")
+    _assert_same_logits(tmp_path / "ck", theirs)
+
+
+@pytest.mark.parametrize(("family", "fields", "field"), REFUSED, ids=map(_case_id, REFUSED))
+def test_a_field_meshpipe_cannot_compute_is_refused_by_name(
+    tmp_path: Path, family: str, fields: dict[str, Any], field: str
+) -> None:
+    _, folder = _saved(tmp_path, family, fields)
+    with pytest.raises(CheckpointError, match=rf"config.json: {field}=.*refuses it rather"):
+        import_hf(folder, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_tied_llama_stays_tied_in_meshpipe(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path, "llama", {"tie_word_embeddings": True})
+    model, config = load_model(folder)
+    head, embedding = model.layers["4"].lm_head.weight, model.layers["0"].embed_tokens.weight
+    assert config.tie_embeddings and head is embedding
+
+
+def test_a_tied_llama_exports_tied_and_without_a_separate_head(tmp_path: Path) -> None:
+    theirs, folder = _saved(tmp_path, "llama", {"tie_word_embeddings": True})
+    import_hf(folder, tmp_path / "ck")
+    export_hf(tmp_path / "ck", tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"]
+    assert "lm_head.weight" not in load_file(tmp_path / "out" / "model.safetensors")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, theirs(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+ROUND_TRIPS = [
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("mistral", {"sliding_window": 5}),
+    ("qwen2", {}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
+]
+
+
+@pytest.mark.parametrize(("family", "fields"), ROUND_TRIPS, ids=map(_case_id, ROUND_TRIPS))
+def test_an_import_exports_back_to_its_own_architecture(
+    tmp_path: Path, family: str, fields: dict[str, Any]
+) -> None:
+    theirs, folder = _saved(tmp_path, family, fields)
+    import_hf(folder, tmp_path / "ck")
+    export_hf(tmp_path / "ck", tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["model_type"], exported["architectures"]) == (
+        family,
+        theirs.config.architectures,
+    )
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(TOKENS).logits, theirs(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "fields"),
+    [("mistral", {"sliding_window": 5}), ("qwen2", {})],
+    ids=["mistral-window-5", "qwen2"],
+)
+def test_greedy_generation_equals_transformers(
+    tmp_path: Path, family: str, fields: dict[str, Any]
+) -> None:
+    """Past the window too: the prompt and continuation are longer than 5 tokens."""
+    theirs, folder = _saved(tmp_path, family, fields)
+    prompt = TOKENS[0, :8]
+    ours, _ = load_model(folder)
+    mine = generate(ours, prompt, max_new_tokens=12, context=64)
+    expected = theirs.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
+    assert torch.equal(mine, expected)
