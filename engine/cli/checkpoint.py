@@ -38,7 +38,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=5 << 30,
         help="start a new shard past this many bytes (default 5 GiB)",
     )
-    imp = commands.add_parser("import", help="turn a Hugging Face GPT-2/Llama/Mistral/Qwen2 into a checkpoint")
+    imp = commands.add_parser(
+        "import", help="turn a Hugging Face GPT-2/Llama/Mistral/Qwen2 into a checkpoint"
+    )
     imp.add_argument("source", help="folder with config.json and model.safetensors")
     imp.add_argument("--out", required=True, help="checkpoint directory to create")
     gen = commands.add_parser("generate", help="continue a prompt with a trained model")
