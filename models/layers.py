@@ -23,6 +23,7 @@ __all__ = [
     "TIE_KEY",
     "CausalSelfAttention",
     "LayerSpec",
+    "RopeScaling",
     "SwiGLUMLP",
     "apply_rotary",
     "block_flops",
@@ -150,11 +151,33 @@ def block_flops(module: nn.Module, d_model: int, batch_size: int, seq_len: int) 
     return 2 * tokens * matmul + attention
 
 
+RopeScaling = tuple[float, float, float, int]
+"""Llama 3.1's rope scaling: (factor, low_freq_factor, high_freq_factor, the original context)."""
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Wavelengths longer than context/low_freq_factor stretched by `factor`, those shorter
+    than context/high_freq_factor kept, those between blended (Llama 3.1, as HF computes it)."""
+    factor, low, high, context = scaling
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, stretched)
+
+
 def rotary_embedding(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (seq_len, head_dim // 2) in fp32; cheap, so recomputed per call."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is not None:
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -179,6 +202,7 @@ class CausalSelfAttention(nn.Module):
         bias: bool,
         out_bias: bool | None = None,
         rope_theta: float | None = None,
+        rope_scaling: RopeScaling | None = None,
         sliding_window: int | None = None,
     ) -> None:
         """`bias` on the q, k, v projections and, unless `out_bias` says otherwise, on the
@@ -187,7 +211,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = d_model // n_head
-        self.rope_theta = rope_theta
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.sliding_window = sliding_window
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
@@ -204,7 +228,9 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
-            cos, sin = rotary_embedding(seq, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rotary_embedding(
+                seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling
+            )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = k.shape[1] != q.shape[1]
         window = self.sliding_window

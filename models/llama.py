@@ -9,13 +9,21 @@ attention window (Mistral), tied embeddings (small Llamas). Parameter names foll
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from models.layers import TIE_KEY, CausalSelfAttention, LayerSpec, SwiGLUMLP, block_flops
+from models.layers import (
+    TIE_KEY,
+    CausalSelfAttention,
+    LayerSpec,
+    RopeScaling,
+    SwiGLUMLP,
+    block_flops,
+)
 
 __all__ = [
     "LlamaBlock",
@@ -47,6 +55,9 @@ class LlamaConfig:
     """Longest sequence the model is meant for (rotary positions work beyond it)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's rope scaling (factor, low_freq_factor, high_freq_factor, original context
+    length); None leaves the frequencies as `rope_theta` gives them."""
     norm_eps: float = 1e-5
     """Epsilon of RMSNorm."""
     qkv_bias: bool = False
@@ -67,6 +78,8 @@ class LlamaConfig:
                 f"d_model={self.d_model}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
                 "d_model must be a multiple of n_head and n_head a multiple of n_kv_head"
             )
+        if self.rope_scaling is not None:  # a list once read back from JSON
+            object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(
                 f"sliding_window={self.sliding_window} leaves no position to attend to: give "
@@ -75,6 +88,16 @@ class LlamaConfig:
 
     def layer_specs(self) -> list[LayerSpec]:
         return llama_layers(self)
+
+
+def _rope_scaling(value: Sequence[float]) -> RopeScaling:
+    factor, low, high, context = value
+    if not (factor >= 1 and 0 < low < high and context >= 1):
+        raise ValueError(
+            f"rope_scaling={tuple(value)} is not Llama 3.1's (factor >= 1, 0 < low_freq_factor "
+            "< high_freq_factor, original context >= 1): e.g. (8.0, 1.0, 4.0, 8192)"
+        )
+    return float(factor), float(low), float(high), int(context)
 
 
 class LlamaEmbedding(nn.Module):
@@ -125,6 +148,7 @@ class LlamaBlock(nn.Module):
             bias=config.qkv_bias,
             out_bias=config.o_bias,
             rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
             sliding_window=config.sliding_window,
         )
         self.post_attention_layernorm = nn.RMSNorm(config.d_model, eps=config.norm_eps)

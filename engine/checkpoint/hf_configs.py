@@ -10,6 +10,8 @@ without a model field, and why:
 - `reorder_and_upcast_attn` (GPT-2): the same attention, computed in fp32 by HF; in fp32 the
   logits are equal (tested), and in bf16 the attention kernels accumulate in fp32 too.
 - `pretraining_tp` (Llama): HF 4 computed the same products in slices, HF 5 ignores it.
+- Llama 3.1's rope scaling (`rope_type: llama3`, Llama 3.1 and 3.2): honoured
+  (`LlamaConfig.rope_scaling`); the other rope types are refused.
 - the layers of a Mistral or Qwen2 past their sliding window: honoured (`sliding_window`), so
   any sequence length computes what HF computes; only a Qwen2 mixing window and full layers is
   refused, as our blocks share one config.
@@ -23,6 +25,7 @@ from typing import Any
 
 from engine.checkpoint.files import CheckpointError
 from models import GPTConfig, LlamaConfig, ModelConfig
+from models.layers import RopeScaling
 
 __all__ = ["LLAMA_FAMILIES", "hf_config", "llama_family", "model_config_from_hf"]
 
@@ -101,6 +104,20 @@ def _family_fields(config: LlamaConfig, family: str) -> dict[str, Any]:
     }
 
 
+def _rope_parameters(config: LlamaConfig) -> dict[str, Any]:
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    factor, low, high, context = config.rope_scaling
+    return {
+        "rope_type": "llama3",
+        "rope_theta": config.rope_theta,
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": context,
+    }
+
+
 def _llama_config(config: LlamaConfig) -> dict[str, Any]:
     family = llama_family(config)
     return {
@@ -116,7 +133,7 @@ def _llama_config(config: LlamaConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "hidden_act": "silu",
         **_family_fields(config, family),
         "tie_word_embeddings": config.tie_embeddings,
@@ -205,12 +222,31 @@ def _llama_extras(hf: Mapping[str, Any], where: Path, family: str) -> dict[str, 
     }
 
 
+def _rope(hf: Mapping[str, Any], where: Path) -> Mapping[str, Any]:
+    """The rotary settings (`rope_parameters`, or `rope_scaling` before transformers 5):
+    plain or Llama 3.1's, over the whole head."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(field) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    ours = kind in ("default", "llama3")
+    _refuse_unless(ours, where, field, rope, "rescales positions other than Llama 3.1's way")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _refuse_unless(
+        partial == 1.0, where, "partial_rotary_factor", partial, "rotates part of a head"
+    )
+    return dict(rope)
+
+
+def _llama3_scaling(rope: Mapping[str, Any], context: int) -> RopeScaling | None:
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    original = rope.get("original_max_position_embeddings") or context
+    return (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], original)
+
+
 def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConfig:
     d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    rope_field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = hf.get(rope_field) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    _refuse_unless(kind == "default", where, rope_field, rope, "rescales the rotary positions")
+    rope = _rope(hf, where)
     act = hf.get("hidden_act", "silu")
     _refuse_unless(act == "silu", where, "hidden_act", act, "is not SiLU")
     head_dim = hf.get("head_dim") or d // heads
@@ -224,6 +260,7 @@ def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConf
         ffn_hidden=int(hf["intermediate_size"]),
         max_seq_len=int(hf["max_position_embeddings"]),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=_llama3_scaling(rope, int(hf["max_position_embeddings"])),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **_llama_extras(hf, where, family),

@@ -26,8 +26,11 @@ LLAMA_SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hid
                    num_attention_heads=4, num_key_value_heads=2,
                    max_position_embeddings=64)  # fmt: skip
 SHAPES = {"gpt2": GPT2_SHAPE, "llama": LLAMA_SHAPE, "mistral": LLAMA_SHAPE, "qwen2": LLAMA_SHAPE}
+# head_dim 8: wavelengths 6.3, 63, 628 and 6283 positions, so with an original context of 64 one
+# is kept (< 64/4), one blended and two stretched (> 64/1).
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                   high_freq_factor=4.0, original_max_position_embeddings=16)  # fmt: skip
+                   high_freq_factor=4.0, original_max_position_embeddings=64)  # fmt: skip
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
@@ -68,6 +71,8 @@ HONOURED = [
     ("llama", {"tie_word_embeddings": True}),
     ("llama", {"pretraining_tp": 2}),
     ("llama", {"attention_dropout": 0.1}),
+    ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),  # Llama 3.2 1B
     ("mistral", {"sliding_window": None}),
     ("mistral", {"sliding_window": 5}),
     ("mistral", {"sliding_window": 64}),
@@ -86,7 +91,9 @@ REFUSED = [
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"head_dim": 16}, "head_dim"),
-    ("llama", {"rope_parameters": LLAMA3_ROPE}, "rope_parameters"),
+    ("llama", {"rope_parameters": LINEAR_ROPE}, "rope_parameters"),
+    ("llama", {"rope_parameters": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
      "use_sliding_window"),
 ]  # fmt: skip
@@ -136,6 +143,7 @@ def test_a_tied_llama_exports_tied_and_without_a_separate_head(tmp_path: Path) -
 
 ROUND_TRIPS = [
     ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
     ("mistral", {"sliding_window": 5}),
     ("qwen2", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
