@@ -140,14 +140,15 @@ def init_layer(
                 write(param, values)
 
 
-def block_flops(module: nn.Module, d_model: int, batch_size: int, seq_len: int) -> int:
+def block_flops(module: nn.Module, width: int, batch_size: int, seq_len: int) -> int:
     """Forward FLOPs of a transformer block: 2 per weight per token, plus causal attention.
 
-    Causal attention does half of QK^T and AV: 2 * 2 * B * T^2 * d / 2.
+    Causal attention does half of QK^T and AV: 2 * 2 * B * T^2 * d / 2, where d is the
+    attention's width, n_head · head_dim (d_model unless a Llama sets its own head_dim).
     """
     tokens = batch_size * seq_len
     matmul = sum(p.numel() for p in module.parameters() if p.dim() == 2)
-    attention = 2 * batch_size * seq_len * seq_len * d_model
+    attention = 2 * batch_size * seq_len * seq_len * width
     return 2 * tokens * matmul + attention
 
 
@@ -204,13 +205,15 @@ class CausalSelfAttention(nn.Module):
         rope_theta: float | None = None,
         rope_scaling: RopeScaling | None = None,
         sliding_window: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
         """`bias` on the q, k, v projections and, unless `out_bias` says otherwise, on the
         output one (Qwen2 has the first three only); `sliding_window` lets a query see only
-        itself and the `sliding_window - 1` positions before it (Mistral)."""
+        itself and the `sliding_window - 1` positions before it (Mistral); `head_dim` defaults
+        to d_model / n_head."""
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
-        self.head_dim = d_model // n_head
+        self.head_dim = head_dim or d_model // n_head
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.sliding_window = sliding_window
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)

@@ -71,12 +71,20 @@ class LlamaConfig:
     None attends to every earlier position."""
     tie_embeddings: bool = False
     """Share the LM head's weight with the token embedding."""
+    head_dim: int | None = None
+    """Width of each attention head; None: d_model / n_head (Qwen3 and Mistral Nemo differ)."""
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+        if (self.head_dim is None and self.d_model % self.n_head) or self.n_head % self.n_kv_head:
             raise ValueError(
                 f"d_model={self.d_model}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
-                "d_model must be a multiple of n_head and n_head a multiple of n_kv_head"
+                "d_model must be a multiple of n_head (or head_dim given) and n_head a "
+                "multiple of n_kv_head"
+            )
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            raise ValueError(
+                f"head_dim={self.head_dim}: rotary positions rotate pairs of channels, so give "
+                "an even head_dim of at least 2, or None for d_model / n_head"
             )
         if self.rope_scaling is not None:  # a list once read back from JSON
             object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling))
@@ -150,6 +158,7 @@ class LlamaBlock(nn.Module):
             rope_theta=config.rope_theta,
             rope_scaling=config.rope_scaling,
             sliding_window=config.sliding_window,
+            head_dim=config.head_dim,
         )
         self.post_attention_layernorm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLUMLP(config.d_model, config.ffn_hidden, bias=config.mlp_bias)
@@ -159,7 +168,8 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_flops(self, batch_size: int, seq_len: int) -> int:
-        return block_flops(self, self.d_model, batch_size, seq_len)
+        width = self.self_attn.n_head * self.self_attn.head_dim
+        return block_flops(self, width, batch_size, seq_len)
 
 
 class LlamaFinalNorm(nn.Module):

@@ -129,7 +129,7 @@ def _llama_config(config: LlamaConfig) -> dict[str, Any]:
         "num_hidden_layers": config.n_layer,
         "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head,
-        "head_dim": config.d_model // config.n_head,
+        "head_dim": config.head_dim or config.d_model // config.n_head,
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
@@ -250,7 +250,6 @@ def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConf
     act = hf.get("hidden_act", "silu")
     _refuse_unless(act == "silu", where, "hidden_act", act, "is not SiLU")
     head_dim = hf.get("head_dim") or d // heads
-    _refuse_unless(head_dim == d // heads, where, "head_dim", head_dim, f"is not {d}/{heads}")
     return LlamaConfig(
         vocab_size=int(hf["vocab_size"]),
         n_layer=int(hf["num_hidden_layers"]),
@@ -263,6 +262,7 @@ def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConf
         rope_scaling=_llama3_scaling(rope, int(hf["max_position_embeddings"])),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=None if head_dim * heads == d else int(head_dim),
         **_llama_extras(hf, where, family),
     )
 

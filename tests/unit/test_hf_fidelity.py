@@ -71,11 +71,13 @@ HONOURED = [
     ("llama", {"tie_word_embeddings": True}),
     ("llama", {"pretraining_tp": 2}),
     ("llama", {"attention_dropout": 0.1}),
+    ("llama", {"head_dim": 16}),  # 4 heads of 16 in a width of 32, as Qwen3 and Mistral Nemo
     ("llama", {"rope_parameters": LLAMA3_ROPE}),
     ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),  # Llama 3.2 1B
     ("mistral", {"sliding_window": None}),
     ("mistral", {"sliding_window": 5}),
     ("mistral", {"sliding_window": 64}),
+    ("mistral", {"sliding_window": None, "head_dim": 16}),
     ("qwen2", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
@@ -90,7 +92,6 @@ REFUSED = [
     ("gpt2", {"n_inner": 64}, "n_inner"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
-    ("llama", {"head_dim": 16}, "head_dim"),
     ("llama", {"rope_parameters": LINEAR_ROPE}, "rope_parameters"),
     ("llama", {"rope_parameters": {**LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
@@ -122,6 +123,14 @@ def test_a_field_meshpipe_cannot_compute_is_refused_by_name(
     assert not (tmp_path / "ck").exists()
 
 
+def test_a_mistral_without_a_window_exports_as_the_llama_it_is(tmp_path: Path) -> None:
+    _, folder = _saved(tmp_path, "mistral", {"sliding_window": None})
+    import_hf(folder, tmp_path / "ck")
+    export_hf(tmp_path / "ck", tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_a_tied_llama_stays_tied_in_meshpipe(tmp_path: Path) -> None:
     _, folder = _saved(tmp_path, "llama", {"tie_word_embeddings": True})
     model, config = load_model(folder)
@@ -145,6 +154,7 @@ ROUND_TRIPS = [
     ("llama", {"attention_bias": True, "mlp_bias": True}),
     ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
     ("mistral", {"sliding_window": 5}),
+    ("llama", {"head_dim": 16}),
     ("qwen2", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
 ]
@@ -158,10 +168,8 @@ def test_an_import_exports_back_to_its_own_architecture(
     import_hf(folder, tmp_path / "ck")
     export_hf(tmp_path / "ck", tmp_path / "out")
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (exported["model_type"], exported["architectures"]) == (
-        family,
-        theirs.config.architectures,
-    )
+    assert exported["model_type"] == family
+    assert exported["architectures"] == theirs.config.architectures
     back = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager"
     ).eval()
