@@ -27,7 +27,17 @@ from engine.checkpoint.files import CheckpointError
 from models import GPTConfig, LlamaConfig, ModelConfig
 from models.layers import RopeScaling
 
-__all__ = ["LLAMA_FAMILIES", "hf_config", "llama_family", "model_config_from_hf"]
+__all__ = [
+    "DROPOUT_FIELDS",
+    "LLAMA_FAMILIES",
+    "dropout_note",
+    "hf_config",
+    "llama_family",
+    "model_config_from_hf",
+]
+
+DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout")
+"""HF's dropout rates: read, not applied (see above); `dropout_note` says so."""
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2")
 """The `model_type`s read as our Llama: one architecture with or without biases and window."""
@@ -264,6 +274,18 @@ def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConf
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         head_dim=None if head_dim * heads == d else int(head_dim),
         **_llama_extras(hf, where, family),
+    )
+
+
+def dropout_note(hf: Mapping[str, Any]) -> str | None:
+    """What an import says of a `config.json`'s non-zero dropout rates, or None."""
+    rates = {k: hf[k] for k in DROPOUT_FIELDS if isinstance(hf.get(k), int | float) and hf[k]}
+    if not rates:
+        return None
+    listed = ", ".join(f"{k}={v}" for k, v in rates.items())
+    return (
+        f"note: {listed} not applied: the logits are the same (dropout is off at inference), "
+        "but meshpipe trains without dropout, so a fine-tune here is one without it"
     )
 
 

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -54,6 +56,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run one of `COMMANDS`; bad input raises ValueError (the CLI prints it)."""
+    from engine.checkpoint.files import read_json
+    from engine.checkpoint.hf_configs import dropout_note
     from engine.checkpoint.hf_interop import export_hf, import_hf
     from engine.training.generate import generate_text
 
@@ -62,6 +66,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"wrote a Hugging Face model to {out}")
     elif args.command == "import":
         print(f"wrote checkpoint {import_hf(args.source, args.out)}")
+        note = dropout_note(read_json(Path(args.source) / "config.json"))
+        if note:
+            print(note, file=sys.stderr)
     else:
         text = generate_text(
             args.checkpoint,

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_interop import export_hf, import_hf
+from engine.cli.main import main
 from engine.training.generate import generate, load_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -121,6 +122,16 @@ def test_a_field_meshpipe_cannot_compute_is_refused_by_name(
     with pytest.raises(CheckpointError, match=rf"config.json: {field}=.*refuses it rather"):
         import_hf(folder, tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+def test_importing_a_model_with_dropout_says_meshpipe_trains_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, folder = _saved(tmp_path, "gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.0, "embd_pdrop": 0.0})
+    assert main(["import", str(folder), "--out", str(tmp_path / "ck")]) == 0
+    err = capsys.readouterr().err
+    assert "note: resid_pdrop=0.1 not applied" in err and "trains without dropout" in err
+    assert "attn_pdrop" not in err
 
 
 def test_a_mistral_without_a_window_exports_as_the_llama_it_is(tmp_path: Path) -> None:
