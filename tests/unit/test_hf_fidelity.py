@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_configs import model_config_from_hf
 from engine.checkpoint.hf_interop import export_hf, import_hf
 from engine.cli.main import main
 from engine.training.generate import generate, load_model
@@ -203,3 +204,43 @@ def test_greedy_generation_equals_transformers(
     mine = generate(ours, prompt, max_new_tokens=12, context=64)
     expected = theirs.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
     assert torch.equal(mine, expected)
+
+
+# config.json as the Hub ships them (transformers 4 wrote `rope_scaling`, not `rope_parameters`).
+
+HUB_SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+             "hidden_act": "silu"}  # fmt: skip
+HUB_CONFIGS = {
+    "llama-3.2": {**HUB_SHAPE, "model_type": "llama", "tie_word_embeddings": True,
+                  "head_dim": 16, "attention_bias": False, "mlp_bias": False,
+                  "pretraining_tp": 1, "rope_theta": 500000.0,
+                  "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                                   "low_freq_factor": 1.0, "rope_type": "llama3",
+                                   "original_max_position_embeddings": 8192}},
+    "mistral-7b-v0.1": {**HUB_SHAPE, "model_type": "mistral", "sliding_window": 4096,
+                        "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen2.5": {**HUB_SHAPE, "model_type": "qwen2", "use_sliding_window": False,
+                "sliding_window": 32768, "max_window_layers": 21, "rope_scaling": None,
+                "tie_word_embeddings": True, "rope_theta": 1000000.0, "attention_dropout": 0.0},
+}  # fmt: skip
+HUB_EXPECTED = {
+    "llama-3.2": {"tie_embeddings": True, "rope_scaling": (32.0, 1.0, 4.0, 8192),
+                  "rope_theta": 500000.0, "head_dim": None},
+    "mistral-7b-v0.1": {"sliding_window": 4096, "qkv_bias": False},
+    "qwen2.5": {"qkv_bias": True, "o_bias": False, "sliding_window": None,
+                "tie_embeddings": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HUB_CONFIGS)
+def test_hub_configs_of_transformers_4_read_as_their_models(name: str) -> None:
+    config = model_config_from_hf(HUB_CONFIGS[name], Path("config.json"))
+    assert {k: getattr(config, k) for k in HUB_EXPECTED[name]} == HUB_EXPECTED[name]
+
+
+def test_a_transformers_4_rope_scaling_of_another_type_is_refused_by_name() -> None:
+    linear = {**HUB_CONFIGS["llama-3.2"], "rope_scaling": {"type": "linear", "factor": 2.0}}
+    with pytest.raises(CheckpointError, match=r"config.json: rope_scaling=\{'type': 'linear'"):
+        model_config_from_hf(linear, Path("config.json"))
