@@ -65,9 +65,9 @@ def _gpt2_config(config: GPTConfig) -> dict[str, Any]:
         "n_embd": config.d_model,
         "n_layer": config.n_layer,
         "n_head": config.n_head,
-        "n_inner": None,
+        "n_inner": config.ffn_hidden,
         "activation_function": "gelu_new",
-        "layer_norm_epsilon": 1e-5,
+        "layer_norm_epsilon": config.norm_eps,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
@@ -168,17 +168,14 @@ def _refuse_unless(ok: bool, where: Path, field: str, value: Any, why: str) -> N
         )
 
 
-def _gpt2_checks(hf: Mapping[str, Any], d: int) -> list[tuple[str, Any, bool, str]]:
+def _gpt2_checks(hf: Mapping[str, Any]) -> list[tuple[str, Any, bool, str]]:
     """(field, its value, whether we compute it, why not) for GPT-2's fields off our model."""
     get = hf.get
-    inner, act = get("n_inner"), get("activation_function", "gelu_new")
-    eps, scaled = get("layer_norm_epsilon", 1e-5), get("scale_attn_weights", True)
+    act, scaled = get("activation_function", "gelu_new"), get("scale_attn_weights", True)
     by_layer, cross = get("scale_attn_by_inverse_layer_idx", False), get("add_cross_attention")
     tanh = act in ("gelu_new", "gelu_pytorch_tanh")
     return [
-        ("n_inner", inner, inner in (None, 4 * d), "is not 4·n_embd"),
         ("activation_function", act, tanh, "is not the tanh GELU"),
-        ("layer_norm_epsilon", eps, eps == 1e-5, "is not 1e-5"),
         ("scale_attn_weights", scaled, bool(scaled), "drops the 1/√head_dim scaling"),
         ("scale_attn_by_inverse_layer_idx", by_layer, not by_layer, "scales by 1/(layer+1)"),
         ("add_cross_attention", cross, not cross, "makes it the decoder of an encoder"),
@@ -187,8 +184,9 @@ def _gpt2_checks(hf: Mapping[str, Any], d: int) -> list[tuple[str, Any, bool, st
 
 def _gpt_from_hf(hf: Mapping[str, Any], where: Path) -> GPTConfig:
     d = int(hf["n_embd"])
-    for field, value, ok, why in _gpt2_checks(hf, d):
+    for field, value, ok, why in _gpt2_checks(hf):
         _refuse_unless(ok, where, field, value, why)
+    inner = hf.get("n_inner")
     return GPTConfig(
         vocab_size=int(hf["vocab_size"]),
         n_layer=int(hf["n_layer"]),
@@ -196,6 +194,8 @@ def _gpt_from_hf(hf: Mapping[str, Any], where: Path) -> GPTConfig:
         d_model=d,
         max_seq_len=int(hf["n_positions"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        ffn_hidden=None if inner in (None, 4 * d) else int(inner),
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
     )
 
 

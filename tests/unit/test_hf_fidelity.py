@@ -66,6 +66,8 @@ HONOURED = [
     ("gpt2", {"reorder_and_upcast_attn": True}),
     ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}),
     ("gpt2", {"tie_word_embeddings": False}),
+    ("gpt2", {"layer_norm_epsilon": 1e-3}),
+    ("gpt2", {"n_inner": 48}),
     ("llama", {}),
     ("llama", {"attention_bias": True}),
     ("llama", {"mlp_bias": True}),
@@ -90,8 +92,6 @@ REFUSED = [
     ("gpt2", {"scale_attn_weights": False}, "scale_attn_weights"),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ("gpt2", {"activation_function": "relu"}, "activation_function"),
-    ("gpt2", {"layer_norm_epsilon": 1e-6}, "layer_norm_epsilon"),
-    ("gpt2", {"n_inner": 64}, "n_inner"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"rope_parameters": LINEAR_ROPE}, "rope_parameters"),
@@ -163,6 +163,7 @@ def test_a_tied_llama_exports_tied_and_without_a_separate_head(tmp_path: Path) -
 
 
 ROUND_TRIPS = [
+    ("gpt2", {"n_inner": 48, "layer_norm_epsilon": 1e-3}),
     ("llama", {"attention_bias": True, "mlp_bias": True}),
     ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True}),
     ("mistral", {"sliding_window": 5}),
