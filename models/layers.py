@@ -140,15 +140,21 @@ def init_layer(
                 write(param, values)
 
 
-def block_flops(module: nn.Module, width: int, batch_size: int, seq_len: int) -> int:
+def block_flops(
+    module: nn.Module, width: int, batch_size: int, seq_len: int, window: int | None = None
+) -> int:
     """Forward FLOPs of a transformer block: 2 per weight per token, plus causal attention.
 
     Causal attention does half of QK^T and AV: 2 * 2 * B * T^2 * d / 2, where d is the
-    attention's width, n_head · head_dim (d_model unless a Llama sets its own head_dim).
+    attention's width, n_head · head_dim (d_model unless a Llama sets its own head_dim). A
+    sliding window w < T leaves T·w - w²/2 of the T²/2 query-key pairs.
     """
     tokens = batch_size * seq_len
     matmul = sum(p.numel() for p in module.parameters() if p.dim() == 2)
-    attention = 2 * batch_size * seq_len * seq_len * width
+    pairs_twice = seq_len * seq_len
+    if window is not None and window < seq_len:
+        pairs_twice = 2 * seq_len * window - window * window
+    attention = 2 * batch_size * pairs_twice * width
     return 2 * tokens * matmul + attention
 
 

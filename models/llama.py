@@ -168,8 +168,9 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_flops(self, batch_size: int, seq_len: int) -> int:
-        width = self.self_attn.n_head * self.self_attn.head_dim
-        return block_flops(self, width, batch_size, seq_len)
+        attn = self.self_attn
+        width = attn.n_head * attn.head_dim
+        return block_flops(self, width, batch_size, seq_len, attn.sliding_window)
 
 
 class LlamaFinalNorm(nn.Module):

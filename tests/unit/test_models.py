@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import MODEL_CONFIGS, build_layers, get_config, layer_specs, lm_loss
+from models import MODEL_CONFIGS, LayerSpec, build_layers, get_config, layer_specs, lm_loss
 from models.gpt import GPTConfig
 from models.layers import sliding_window_mask
 from models.llama import LlamaConfig
@@ -209,6 +209,16 @@ def test_a_window_shorter_than_the_sequence_changes_the_logits() -> None:
     out = build_layers(layer_specs(windowed), seed=0)(tokens)
     assert torch.equal(out[:, :8], plain(tokens)[:, :8])
     assert not torch.allclose(out[:, 8:], plain(tokens)[:, 8:])
+
+
+def test_a_window_counts_only_the_attention_flops_it_computes() -> None:
+    """seq 16, window 4: 16·4 - 4²/2 = 56 query-key pairs of the causal 16²/2 = 128."""
+    def block(window: int | None) -> LayerSpec:
+        return layer_specs(replace(get_config("llama-tiny"), sliding_window=window))[1]
+
+    matmuls = block(None).forward_flops(1, 16) - 4 * 128 * 64
+    assert block(4).forward_flops(1, 16) == matmuls + 4 * 56 * 64
+    assert block(16).forward_flops(1, 16) == block(None).forward_flops(1, 16)
 
 
 def test_a_window_below_one_is_refused() -> None:
