@@ -213,6 +213,7 @@ def test_a_window_shorter_than_the_sequence_changes_the_logits() -> None:
 
 def test_a_window_counts_only_the_attention_flops_it_computes() -> None:
     """seq 16, window 4: 16·4 - 4²/2 = 56 query-key pairs of the causal 16²/2 = 128."""
+
     def block(window: int | None) -> LayerSpec:
         return layer_specs(replace(get_config("llama-tiny"), sliding_window=window))[1]
 
