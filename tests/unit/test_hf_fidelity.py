@@ -28,10 +28,10 @@ LLAMA_SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hid
                    num_attention_heads=4, num_key_value_heads=2,
                    max_position_embeddings=64)  # fmt: skip
 SHAPES = {"gpt2": GPT2_SHAPE, "llama": LLAMA_SHAPE, "mistral": LLAMA_SHAPE, "qwen2": LLAMA_SHAPE}
-# head_dim 8: wavelengths 6.3, 63, 628 and 6283 positions, so with an original context of 64 one
-# is kept (< 64/4), one blended and two stretched (> 64/1).
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                   high_freq_factor=4.0, original_max_position_embeddings=64)  # fmt: skip
+# head_dim 8 and theta 100: wavelengths 6.3, 20, 63 and 199 positions, so with an original
+# context of 32 one is kept (< 32/4), one blended and two stretched (> 32/1).
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=100.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=32)  # fmt: skip
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 
