@@ -12,11 +12,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.layers import GELUMLP, CausalSelfAttention, LayerSpec, block_flops
+from models.layers import GELUMLP, TIE_KEY, CausalSelfAttention, LayerSpec, block_flops
 
 __all__ = ["GPTBlock", "GPTConfig", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "gpt_layers"]
-
-TIE_KEY = "token_embedding"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +35,10 @@ class GPTConfig:
     """Biases in Linear and LayerNorm layers, as GPT-2 has."""
     tie_embeddings: bool = True
     """Share the LM head's weight with the token embedding."""
+    ffn_hidden: int | None = None
+    """Inner size of the MLP; None: 4 · d_model, as GPT-2 (HF's `n_inner`)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the LayerNorms (HF's `layer_norm_epsilon`)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -93,12 +95,13 @@ class GPTBlock(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.d_model = config.d_model
-        self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(
             config.d_model, config.n_head, config.n_head, bias=config.bias
         )
-        self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.mlp = GELUMLP(config.d_model, 4 * config.d_model, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+        hidden = config.ffn_hidden or 4 * config.d_model
+        self.mlp = GELUMLP(config.d_model, hidden, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -115,7 +118,7 @@ class GPTFinalNorm(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)

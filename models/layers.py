@@ -20,17 +20,23 @@ from torch import nn
 
 __all__ = [
     "GELUMLP",
+    "TIE_KEY",
     "CausalSelfAttention",
     "LayerSpec",
+    "RopeScaling",
     "SwiGLUMLP",
     "apply_rotary",
     "block_flops",
     "init_layer",
     "param_seed",
     "rotary_embedding",
+    "sliding_window_mask",
 ]
 
 INIT_STD = 0.02
+
+TIE_KEY = "token_embedding"
+"""The tie group of a token embedding shared with the LM head (GPT-2, tied Llamas)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,22 +140,51 @@ def init_layer(
                 write(param, values)
 
 
-def block_flops(module: nn.Module, d_model: int, batch_size: int, seq_len: int) -> int:
+def block_flops(
+    module: nn.Module, width: int, batch_size: int, seq_len: int, window: int | None = None
+) -> int:
     """Forward FLOPs of a transformer block: 2 per weight per token, plus causal attention.
 
-    Causal attention does half of QK^T and AV: 2 * 2 * B * T^2 * d / 2.
+    Causal attention does half of QK^T and AV: 2 * 2 * B * T^2 * d / 2, where d is the
+    attention's width, n_head · head_dim (d_model unless a Llama sets its own head_dim). A
+    sliding window w < T leaves T·w - w²/2 of the T²/2 query-key pairs.
     """
     tokens = batch_size * seq_len
     matmul = sum(p.numel() for p in module.parameters() if p.dim() == 2)
-    attention = 2 * batch_size * seq_len * seq_len * d_model
+    pairs_twice = seq_len * seq_len
+    if window is not None and window < seq_len:
+        pairs_twice = 2 * seq_len * window - window * window
+    attention = 2 * batch_size * pairs_twice * width
     return 2 * tokens * matmul + attention
 
 
+RopeScaling = tuple[float, float, float, int]
+"""Llama 3.1's rope scaling: (factor, low_freq_factor, high_freq_factor, the original context)."""
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Wavelengths longer than context/low_freq_factor stretched by `factor`, those shorter
+    than context/high_freq_factor kept, those between blended (Llama 3.1, as HF computes it)."""
+    factor, low, high, context = scaling
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    medium = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(medium, blended, stretched)
+
+
 def rotary_embedding(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (seq_len, head_dim // 2) in fp32; cheap, so recomputed per call."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is not None:
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -172,16 +207,27 @@ class CausalSelfAttention(nn.Module):
         n_kv_head: int,
         *,
         bias: bool,
+        out_bias: bool | None = None,
         rope_theta: float | None = None,
+        rope_scaling: RopeScaling | None = None,
+        sliding_window: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
+        """`bias` on the q, k, v projections and, unless `out_bias` says otherwise, on the
+        output one (Qwen2 has the first three only); `sliding_window` lets a query see only
+        itself and the `sliding_window - 1` positions before it (Mistral); `head_dim` defaults
+        to d_model / n_head."""
         super().__init__()
         self.n_head, self.n_kv_head = n_head, n_kv_head
-        self.head_dim = d_model // n_head
-        self.rope_theta = rope_theta
+        self.head_dim = head_dim or d_model // n_head
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.sliding_window = sliding_window
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
+        self.o_proj = nn.Linear(
+            n_head * self.head_dim, d_model, bias=bias if out_bias is None else out_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Head counts come from the projections' outputs, not from the config: under tensor
@@ -191,11 +237,26 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta is not None:
-            cos, sin = rotary_embedding(seq, self.head_dim, self.rope_theta, x.device)
+            cos, sin = rotary_embedding(
+                seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling
+            )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = k.shape[1] != q.shape[1]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        window = self.sliding_window
+        if window is None or seq <= window:  # the window reaches back to the start
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            mask = sliding_window_mask(seq, window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq_len, seq_len) booleans: query i sees keys i - window < j <= i (Mistral's and
+    Hugging Face's sliding window)."""
+    positions = torch.arange(seq_len, device=device)
+    back = positions[:, None] - positions[None, :]
+    return (back >= 0) & (back < window)
 
 
 class GELUMLP(nn.Module):
@@ -213,11 +274,11 @@ class GELUMLP(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama's feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, *, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
+        self.up_proj = nn.Linear(d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,6 +1,6 @@
-"""Hugging Face interchange: read an HF GPT-2 or Llama folder as a tensor source under our
-global names, export a checkpoint as one, import one as a checkpoint. The names and
-`config.json` each side understands are `engine.hf_names`'.
+"""Hugging Face interchange: read an HF GPT-2, Llama, Mistral or Qwen2 folder as a tensor
+source under our global names, export a checkpoint as one, import one as a checkpoint. The
+names each side understands are `hf_names`', the `config.json` `hf_configs`'.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from engine.checkpoint.files import (
     write_index,
     write_shard,
 )
-from engine.checkpoint.hf_names import HFRule, hf_config, hf_rules, model_config_from_hf
+from engine.checkpoint.hf_configs import hf_config, model_config_from_hf
+from engine.checkpoint.hf_names import hf_rules
 from engine.checkpoint.weights import TensorSource, check_names
-from models import GPTConfig, LlamaConfig, ModelConfig
+from models import GPTConfig, ModelConfig
 
 __all__ = ["HFSource", "export_hf", "import_hf", "open_model", "open_weights"]
 
@@ -95,13 +96,6 @@ class HFSource:
         prefix = "transformer." if isinstance(self.config, GPTConfig) else "model."
         self._files = _hf_files(self.folder, prefix)
         rules = hf_rules(self.config)
-        if isinstance(self.config, LlamaConfig) and hf.get("tie_word_embeddings"):
-            rules = [
-                HFRule(hf="model.embed_tokens.weight", ours=r.ours, transpose=False)
-                if r.hf == "lm_head.weight"
-                else r
-                for r in rules
-            ]
         self._rule = {ours: (rule, j) for rule in rules for j, ours in enumerate(rule.ours)}
         self._names = frozenset(n for n, (r, _) in self._rule.items() if r.hf in self._files)
         self._cache: tuple[str, torch.Tensor] | None = None

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -38,7 +40,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=5 << 30,
         help="start a new shard past this many bytes (default 5 GiB)",
     )
-    imp = commands.add_parser("import", help="turn a Hugging Face GPT-2/Llama into a checkpoint")
+    imp = commands.add_parser(
+        "import", help="turn a Hugging Face GPT-2/Llama/Mistral/Qwen2 into a checkpoint"
+    )
     imp.add_argument("source", help="folder with config.json and model.safetensors")
     imp.add_argument("--out", required=True, help="checkpoint directory to create")
     gen = commands.add_parser("generate", help="continue a prompt with a trained model")
@@ -52,6 +56,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run one of `COMMANDS`; bad input raises ValueError (the CLI prints it)."""
+    from engine.checkpoint.files import read_json
+    from engine.checkpoint.hf_configs import dropout_note
     from engine.checkpoint.hf_interop import export_hf, import_hf
     from engine.training.generate import generate_text
 
@@ -60,6 +66,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"wrote a Hugging Face model to {out}")
     elif args.command == "import":
         print(f"wrote checkpoint {import_hf(args.source, args.out)}")
+        note = dropout_note(read_json(Path(args.source) / "config.json"))
+        if note:
+            print(note, file=sys.stderr)
     else:
         text = generate_text(
             args.checkpoint,

@@ -27,9 +27,6 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_config_flags(train, TrainConfig)
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     train.add_argument(
-        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
-    )
-    train.add_argument(
         "--deepspeed_config",
         "--deepspeed-config",
         default=None,

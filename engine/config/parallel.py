@@ -69,7 +69,7 @@ def check_tensor_parallel_shape(model: str, config: Any, tp: int) -> None:
         "attention heads (n_head)": config.n_head,
         "key/value heads (n_kv_head)": getattr(config, "n_kv_head", config.n_head),
         "hidden size (d_model)": config.d_model,
-        "MLP size": getattr(config, "ffn_hidden", 4 * config.d_model),
+        "MLP size": getattr(config, "ffn_hidden", None) or 4 * config.d_model,
         "vocabulary (vocab_size)": config.vocab_size,
     }
     for what, size in sizes.items():

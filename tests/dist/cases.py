@@ -21,7 +21,7 @@ from engine.parallel import full_tensor, local_tensor
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
-from models import GPTConfig, LayerSpec, build_layers, layer_specs, lm_loss
+from models import GPTConfig, LayerSpec, build_layers, get_config, layer_specs, lm_loss
 from partitioners import partition_model
 
 GPT_UNTIED = GPTConfig(
@@ -30,8 +30,12 @@ GPT_UNTIED = GPTConfig(
 GPT_DEEP = GPTConfig(
     vocab_size=256, n_layer=7, n_head=4, d_model=32, max_seq_len=64, tie_embeddings=False
 )
+LLAMA_BIASED = replace(  # Qwen2's q, k, v biases, Mistral's window (shorter than SEQ_LEN), a tie
+    get_config("llama-tiny"), qkv_bias=True, sliding_window=5, tie_embeddings=True
+)
 MODELS: dict[str, Any] = {
     "gpt-untied": GPT_UNTIED,
+    "llama-biased": LLAMA_BIASED,
     "gpt-deep": GPT_DEEP,
     "gpt-tiny": "gpt-tiny",
     "llama": "llama-tiny",

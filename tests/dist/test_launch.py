@@ -19,7 +19,7 @@ from engine.cli.main import main
 from engine.training.config import TrainConfig
 from engine.training.data import prepare
 from engine.training.loop import train
-from tests.dist.harness import run_ranks
+from tests.dist.harness import free_port, run_ranks
 
 ARGS = ["--model", "llama-tiny", "--steps", "3", "--global-batch", "8", "--micro-batches", "2",
         "--seq-len", "32", "--threads", "1", "--no-progress"]
@@ -54,12 +54,24 @@ def test_plain_start_with_pp2_launches_its_own_ranks(
 
 
 def _deepspeed_style_rank(rank: int, world_size: int, data: str) -> int:
-    """What the deepspeed launcher does: the env of torchrun plus --local_rank=N."""
-    return main(["train", f"--local_rank={rank}", *ARGS, "--data", data, "--pp", "2"])
+    """What the deepspeed launcher does: the env of torchrun plus --local_rank=N, put before
+    the subcommand."""
+    return main([f"--local_rank={rank}", "train", *ARGS, "--data", data, "--pp", "2"])
 
 
 def test_deepspeed_launcher_arguments_are_accepted(tokens: str) -> None:
     assert run_ranks(_deepspeed_style_rank, 2, tokens) == [0, 0]
+
+
+def test_the_deepspeed_launcher_runs_meshpipe_train_as_one_process_would(tokens: str) -> None:
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install .[deepspeed])")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"}
+    argv = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+            "engine.cli", "train", *ARGS, "--data", tokens, "--pp", "2"]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert _final_loss(run.stdout) == pytest.approx(_single_process_losses(tokens)[-1], abs=1e-4)
 
 
 def test_launcher_world_size_must_match_pp_times_dp(

@@ -156,6 +156,20 @@ def test_the_split_backward_defers_weight_gradients_under_tensor_parallelism(
     assert any(peak[1] > 0 for rank in runs[str(case)] for peak in rank["pending_w"] if 1 in peak)
 
 
+def test_q_k_v_biases_a_sliding_window_and_a_tied_llama_head_split_as_the_reference() -> None:
+    """The biases sit inside the column-wise q, k, v projections the Llama plan names, so they
+    are split with them; the window masks each tp rank's own heads."""
+    case = _tp2("llama-biased", 2, 1)
+    reference = reference_run(case)
+    for rank in run_ranks(run_cases, 4, [case]):
+        assert rank[str(case)]["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
+        for name, value in rank[str(case)]["params"].items():
+            torch.testing.assert_close(
+                value, reference["params"][name], rtol=PARAM_RTOL, atol=PARAM_ATOL
+            )
+    assert "layers.1.self_attn.q_proj.bias" in reference["params"]
+
+
 LLAMA_SLICES = {  # llama-tiny: d_model 64, 4 heads, 2 kv heads of 16, MLP 176, vocabulary 256
     "layers.0.embed_tokens.weight": (128, 64),
     "layers.1.self_attn.q_proj.weight": (32, 64),

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import MODEL_CONFIGS, build_layers, get_config, layer_specs, lm_loss
+from models import MODEL_CONFIGS, LayerSpec, build_layers, get_config, layer_specs, lm_loss
 from models.gpt import GPTConfig
+from models.layers import sliding_window_mask
 from models.llama import LlamaConfig
 
 torch.set_num_threads(1)
@@ -175,6 +177,54 @@ def test_tied_layers_built_apart_start_equal() -> None:
     head = build_layers(specs, [6], seed=5).layers["6"].weight
     embedding = build_layers(specs, [0], seed=5).layers["0"].wte.weight
     assert torch.equal(head, embedding)
+
+
+def test_a_tied_llama_head_shares_the_token_embedding() -> None:
+    config = replace(get_config("llama-tiny"), tie_embeddings=True)
+    stack = build_layers(layer_specs(config), seed=0)
+    assert stack.layers["6"].lm_head.weight is stack.layers["0"].embed_tokens.weight
+
+
+def test_a_sliding_window_lets_each_position_see_itself_and_window_minus_one_before() -> None:
+    assert sliding_window_mask(5, 2, torch.device("cpu")).int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+
+
+def test_a_window_as_long_as_the_sequence_is_plain_causal_attention() -> None:
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    plain = build_layers(layer_specs("llama-tiny"), seed=0)
+    windowed = replace(get_config("llama-tiny"), sliding_window=16)
+    assert torch.equal(build_layers(layer_specs(windowed), seed=0)(tokens), plain(tokens))
+
+
+def test_a_window_shorter_than_the_sequence_changes_the_logits() -> None:
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    plain = build_layers(layer_specs("llama-tiny"), seed=0)
+    windowed = replace(get_config("llama-tiny"), sliding_window=8)
+    out = build_layers(layer_specs(windowed), seed=0)(tokens)
+    assert torch.equal(out[:, :8], plain(tokens)[:, :8])
+    assert not torch.allclose(out[:, 8:], plain(tokens)[:, 8:])
+
+
+def test_a_window_counts_only_the_attention_flops_it_computes() -> None:
+    """seq 16, window 4: 16·4 - 4²/2 = 56 query-key pairs of the causal 16²/2 = 128."""
+
+    def block(window: int | None) -> LayerSpec:
+        return layer_specs(replace(get_config("llama-tiny"), sliding_window=window))[1]
+
+    matmuls = block(None).forward_flops(1, 16) - 4 * 128 * 64
+    assert block(4).forward_flops(1, 16) == matmuls + 4 * 56 * 64
+    assert block(16).forward_flops(1, 16) == block(None).forward_flops(1, 16)
+
+
+def test_a_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window=0 leaves no position"):
+        replace(get_config("llama-tiny"), sliding_window=0)
 
 
 def test_specs_describe_their_layers() -> None:

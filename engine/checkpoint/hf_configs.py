@@ -1,0 +1,312 @@
+"""Hugging Face `config.json` both ways: ours for GPT-2, Llama, Mistral and Qwen2, and our
+model config from theirs.
+
+Every field of theirs that changes what the model computes is either honoured or refused by
+name, so an imported model never computes other logits than `transformers` does. Accepted
+without a model field, and why:
+- dropout rates (`resid_pdrop`, `embd_pdrop`, `attn_pdrop`, `attention_dropout`): they change
+  nothing at inference, and meshpipe trains without dropout, as Llama-style pretraining does;
+  refusing them would refuse GPT-2 itself (0.1). A fine-tune here is one without dropout.
+- `reorder_and_upcast_attn` (GPT-2): the same attention, computed in fp32 by HF; in fp32 the
+  logits are equal (tested), and in bf16 the attention kernels accumulate in fp32 too.
+- `pretraining_tp` (Llama): HF 4 computed the same products in slices, HF 5 ignores it.
+- Llama 3.1's rope scaling (`rope_type: llama3`, Llama 3.1 and 3.2): honoured
+  (`LlamaConfig.rope_scaling`); the other rope types are refused.
+- the layers of a Mistral or Qwen2 past their sliding window: honoured (`sliding_window`), so
+  any sequence length computes what HF computes; only a Qwen2 mixing window and full layers is
+  refused, as our blocks share one config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint.files import CheckpointError
+from models import GPTConfig, LlamaConfig, ModelConfig
+from models.layers import RopeScaling
+
+__all__ = [
+    "DROPOUT_FIELDS",
+    "LLAMA_FAMILIES",
+    "dropout_note",
+    "hf_config",
+    "llama_family",
+    "model_config_from_hf",
+]
+
+DROPOUT_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout")
+"""HF's dropout rates: read, not applied (see above); `dropout_note` says so."""
+
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2")
+"""The `model_type`s read as our Llama: one architecture with or without biases and window."""
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+_NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+"""The byte tokenizer (`engine.data`) has no begin/end-of-text or padding token: its 256 ids
+are the 256 byte values, and files are joined by a plain newline byte. Left out, HF would
+fill in GPT-2's 50256 (outside our vocabulary) or Llama's 1 and 2 (real bytes, not markers)."""
+
+
+def _gpt2_config(config: GPTConfig) -> dict[str, Any]:
+    if not config.bias:
+        raise CheckpointError("HF GPT-2 has biases; a model with bias=False cannot export")
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.max_seq_len,
+        "n_embd": config.d_model,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": config.ffn_hidden,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.norm_eps,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": "float32",
+        **_NO_SPECIAL_TOKENS,
+    }
+
+
+def llama_family(config: LlamaConfig) -> str:
+    """The HF architecture that holds `config`'s model: Qwen2 for biases on q, k, v only,
+    Mistral for a window without biases, else Llama (or a CheckpointError naming the field)."""
+    if config.qkv_bias and not (config.o_bias or config.mlp_bias):
+        return "qwen2"
+    if config.sliding_window is not None:
+        if config.o_bias or config.mlp_bias:
+            raise CheckpointError(
+                f"sliding_window={config.sliding_window} with o_bias={config.o_bias}, "
+                f"mlp_bias={config.mlp_bias}: no HF architecture has both (Mistral has no "
+                "biases, Qwen2 only on q, k, v); this model cannot export"
+            )
+        return "mistral"
+    if config.qkv_bias != config.o_bias:
+        raise CheckpointError(
+            f"o_bias={config.o_bias} with qkv_bias={config.qkv_bias}: HF Llama's "
+            "attention_bias covers all four projections; this model cannot export"
+        )
+    return "llama"
+
+
+def _family_fields(config: LlamaConfig, family: str) -> dict[str, Any]:
+    window = config.sliding_window
+    if family == "llama":
+        return {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    if family == "mistral":
+        return {"sliding_window": window}
+    return {  # qwen2: every layer from max_window_layers = 0 on slides when a window is set
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0 if window is not None else config.n_layer,
+    }
+
+
+def _rope_parameters(config: LlamaConfig) -> dict[str, Any]:
+    if config.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    factor, low, high, context = config.rope_scaling
+    return {
+        "rope_type": "llama3",
+        "rope_theta": config.rope_theta,
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": context,
+    }
+
+
+def _llama_config(config: LlamaConfig) -> dict[str, Any]:
+    family = llama_family(config)
+    return {
+        "architectures": [_ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim or config.d_model // config.n_head,
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": _rope_parameters(config),
+        "hidden_act": "silu",
+        **_family_fields(config, family),
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": "float32",
+        **_NO_SPECIAL_TOKENS,
+    }
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """`config.json` for HF's GPT2LMHeadModel, or LlamaForCausalLM, MistralForCausalLM or
+    Qwen2ForCausalLM, whichever holds the model as it is."""
+    if isinstance(config, GPTConfig):
+        return _gpt2_config(config)
+    return _llama_config(config)
+
+
+def _refuse_unless(ok: bool, where: Path, field: str, value: Any, why: str) -> None:
+    if not ok:
+        raise CheckpointError(
+            f"{where}: {field}={value!r} {why}; meshpipe cannot represent this model, so it "
+            "refuses it rather than compute other logits"
+        )
+
+
+def _gpt2_checks(hf: Mapping[str, Any]) -> list[tuple[str, Any, bool, str]]:
+    """(field, its value, whether we compute it, why not) for GPT-2's fields off our model."""
+    get = hf.get
+    act, scaled = get("activation_function", "gelu_new"), get("scale_attn_weights", True)
+    by_layer, cross = get("scale_attn_by_inverse_layer_idx", False), get("add_cross_attention")
+    tanh = act in ("gelu_new", "gelu_pytorch_tanh")
+    return [
+        ("activation_function", act, tanh, "is not the tanh GELU"),
+        ("scale_attn_weights", scaled, bool(scaled), "drops the 1/√head_dim scaling"),
+        ("scale_attn_by_inverse_layer_idx", by_layer, not by_layer, "scales by 1/(layer+1)"),
+        ("add_cross_attention", cross, not cross, "makes it the decoder of an encoder"),
+    ]
+
+
+def _gpt_from_hf(hf: Mapping[str, Any], where: Path) -> GPTConfig:
+    d = int(hf["n_embd"])
+    for field, value, ok, why in _gpt2_checks(hf):
+        _refuse_unless(ok, where, field, value, why)
+    inner = hf.get("n_inner")
+    return GPTConfig(
+        vocab_size=int(hf["vocab_size"]),
+        n_layer=int(hf["n_layer"]),
+        n_head=int(hf["n_head"]),
+        d_model=d,
+        max_seq_len=int(hf["n_positions"]),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        ffn_hidden=None if inner in (None, 4 * d) else int(inner),
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
+def _qwen2_window(hf: Mapping[str, Any], where: Path) -> int | None:
+    """Qwen2's window: with `use_sliding_window`, on the layers `layer_types` marks (by
+    default those from `max_window_layers` on); HF's defaults when left out: off, 4096, 28."""
+    window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+    if window is None:
+        return None
+    first, layers = int(hf.get("max_window_layers", 28)), int(hf["num_hidden_layers"])
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    kinds = sorted(set(hf.get("layer_types") or default))
+    if kinds == ["full_attention"]:
+        return None
+    _refuse_unless(
+        kinds == ["sliding_attention"], where, "use_sliding_window", True,
+        f"with max_window_layers={first} of {layers} layers mixes windowed and full attention",
+    )  # fmt: skip
+    return int(window)
+
+
+def _llama_extras(hf: Mapping[str, Any], where: Path, family: str) -> dict[str, Any]:
+    """The fields of our LlamaConfig beyond the shape: biases and the attention window."""
+    if family == "qwen2":
+        return {"qkv_bias": True, "sliding_window": _qwen2_window(hf, where)}
+    if family == "mistral":
+        window = hf.get("sliding_window", 4096)
+        return {"sliding_window": None if window is None else int(window)}
+    attention_bias = bool(hf.get("attention_bias", False))
+    return {
+        "qkv_bias": attention_bias,
+        "o_bias": attention_bias,
+        "mlp_bias": bool(hf.get("mlp_bias", False)),
+    }
+
+
+def _rope(hf: Mapping[str, Any], where: Path) -> Mapping[str, Any]:
+    """The rotary settings (`rope_parameters`, or `rope_scaling` before transformers 5):
+    plain or Llama 3.1's, over the whole head."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(field) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    ours = kind in ("default", "llama3")
+    _refuse_unless(ours, where, field, rope, "rescales positions other than Llama 3.1's way")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    _refuse_unless(
+        partial == 1.0, where, "partial_rotary_factor", partial, "rotates part of a head"
+    )
+    return dict(rope)
+
+
+def _llama3_scaling(rope: Mapping[str, Any], context: int) -> RopeScaling | None:
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    original = rope.get("original_max_position_embeddings") or context
+    return (rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], original)
+
+
+def _llama_from_hf(hf: Mapping[str, Any], where: Path, family: str) -> LlamaConfig:
+    d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    rope = _rope(hf, where)
+    act = hf.get("hidden_act", "silu")
+    _refuse_unless(act == "silu", where, "hidden_act", act, "is not SiLU")
+    head_dim = hf.get("head_dim") or d // heads
+    return LlamaConfig(
+        vocab_size=int(hf["vocab_size"]),
+        n_layer=int(hf["num_hidden_layers"]),
+        n_head=heads,
+        n_kv_head=int(hf.get("num_key_value_heads") or heads),
+        d_model=d,
+        ffn_hidden=int(hf["intermediate_size"]),
+        max_seq_len=int(hf["max_position_embeddings"]),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_scaling=_llama3_scaling(rope, int(hf["max_position_embeddings"])),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=None if head_dim * heads == d else int(head_dim),
+        **_llama_extras(hf, where, family),
+    )
+
+
+def dropout_note(hf: Mapping[str, Any]) -> str | None:
+    """What an import says of a `config.json`'s non-zero dropout rates, or None."""
+    rates = {k: hf[k] for k in DROPOUT_FIELDS if isinstance(hf.get(k), int | float) and hf[k]}
+    if not rates:
+        return None
+    listed = ", ".join(f"{k}={v}" for k, v in rates.items())
+    return (
+        f"note: {listed} not applied: the logits are the same (dropout is off at inference), "
+        "but meshpipe trains without dropout, so a fine-tune here is one without it"
+    )
+
+
+def model_config_from_hf(hf: Mapping[str, Any], where: Path) -> ModelConfig:
+    """Our config for an HF `config.json` (GPT-2, Llama, Mistral or Qwen2), or a
+    CheckpointError saying why not."""
+    kind = hf.get("model_type")
+    try:
+        if kind == "gpt2":
+            return _gpt_from_hf(hf, where)
+        if kind in LLAMA_FAMILIES:
+            return _llama_from_hf(hf, where, str(kind))
+    except CheckpointError:
+        raise
+    except KeyError as missing:
+        raise CheckpointError(f"{where} lacks {missing}") from None
+    except (TypeError, ValueError, AttributeError) as error:  # a null, a string, a bad shape
+        raise CheckpointError(
+            f"{where} does not describe a model meshpipe can build ({error}): "
+            "fix the file or re-export the model"
+        ) from None
+    raise CheckpointError(
+        f"{where} has model_type {kind!r}; meshpipe reads 'gpt2', 'llama', 'mistral' and 'qwen2'"
+    )
