@@ -17,6 +17,7 @@ from engine.training.flops_report import (
     format_flops_report,
     recomputed_share,
 )
+from engine.training.loop import train
 from partitioners import Partition
 
 # gpt-tiny (d_model 64, 4 heads, ffn 256, vocab 256) on micro-batches of 2 x 32 tokens (64):
@@ -135,3 +136,17 @@ def test_an_unwritable_report_file_fails_before_the_run(
     with pytest.raises(SystemExit):
         main(argv)
     assert "--flops-profile-file" in capsys.readouterr().err
+
+
+def test_a_resumed_run_past_the_profiled_step_says_there_is_no_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = {"global_batch": 4, "micro_batches": 2, "seq_len": 32, "lr_schedule": "constant"}
+    train(TrainConfig.of(steps=2, checkpoint_dir=str(tmp_path), **settings), progress=False)
+    again = TrainConfig.of(
+        steps=3, checkpoint_dir=str(tmp_path), resume=True, flops_profile_step=1, **settings
+    )
+    train(again, progress=False)
+    err = capsys.readouterr().err
+    assert "no FLOPs report: step 1 ran before the resumed step 3" in err
+    assert "FLOPs report of step" not in err
