@@ -87,7 +87,8 @@ class TrainConfig:
         require(
             self.monitor.flops_profile_step <= self.run.steps,
             f"--flops-profile-step {self.monitor.flops_profile_step} is after the run's last "
-            f"step ({self.run.steps}): give a step from 1 to {self.run.steps}",
+            f"step ({self.run.steps}): give a step from 1 to {self.run.steps} (a DeepSpeed "
+            "config's flops_profiler.profile_step P is step P + 1)",
         )
         require(
             self.checkpoint.resume or self.run.max_restarts == 0,
