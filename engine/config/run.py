@@ -68,12 +68,37 @@ class MonitorConfig:
     log_phases: bool = False
     """Add rank 0's seconds per phase of the step (forward, backward, all-reduce, optimizer)
     to each --log-every line (DeepSpeed's wall_clock_breakdown)."""
+    flops_profile_step: int = 0
+    """Rank 0 prints a FLOPs report of step N (counted from 1, as log lines count): per stage
+    its layers, parameters, forward and training FLOPs, and the TFLOP/s the step achieved per
+    rank and over the mesh (DeepSpeed's flops_profiler); 0 prints none."""
+    flops_profile_file: str | None = None
+    """Also write the FLOPs report into this file (with --flops-profile-step)."""
+    device_peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one accelerator at the run's precision (989 for an H100 SXM in
+    bf16), so the FLOPs report shows MFU; 0 leaves MFU out."""
 
     def __post_init__(self) -> None:
         require(
             self.wandb_group is None or self.wandb_project is not None,
             f"--wandb-group {self.wandb_group} needs --wandb-project: add it",
         )
+        require(
+            self.flops_profile_step >= 0,
+            f"flops_profile_step={self.flops_profile_step} must be >= 0 (0: no FLOPs report)",
+        )
+        require(
+            self.device_peak_tflops >= 0,
+            f"device_peak_tflops={self.device_peak_tflops} must be >= 0 (0: no MFU)",
+        )
+        for flag, used in (
+            ("--flops-profile-file", self.flops_profile_file is not None),
+            ("--device-peak-tflops", self.device_peak_tflops > 0),
+        ):
+            require(
+                self.flops_profile_step > 0 or not used,
+                f"{flag} only applies to the FLOPs report: add --flops-profile-step N",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

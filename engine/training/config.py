@@ -85,6 +85,12 @@ class TrainConfig:
             "adamw, whose fused kernel can), or --tp 1",
         )
         require(
+            self.monitor.flops_profile_step <= self.run.steps,
+            f"--flops-profile-step {self.monitor.flops_profile_step} is after the run's last "
+            f"step ({self.run.steps}): give a step from 1 to {self.run.steps} (a DeepSpeed "
+            "config's flops_profiler.profile_step P is step P + 1)",
+        )
+        require(
             self.checkpoint.resume or self.run.max_restarts == 0,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",

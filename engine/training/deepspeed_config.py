@@ -22,6 +22,7 @@ from engine.training.deepspeed_auto import resolve_auto
 from engine.training.deepspeed_sections import (
     SECTION_HANDLERS,
     Refusals,
+    check_recompute_fwd_factor,
     precision,
     zero_stage,
 )
@@ -47,7 +48,6 @@ _OFF = object()
 """A section DeepSpeed leaves off unless its `enabled` is true."""
 _REFUSED: Refusals = {
     "amp": (_OFF, "NVIDIA Apex AMP is not supported: use bf16 or fp16 (autocast)"),
-    "flops_profiler": (_OFF, "meshpipe has no FLOPs profiler: use --trace for per-action times"),
     "comms_logger": (_OFF, "meshpipe has no per-collective log: --trace FILE records every "
                            "p2p and all-reduce on the timeline"),
     "comet": (_OFF, "Comet logging is not implemented: use tensorboard, csv_monitor or wandb"),
@@ -114,6 +114,8 @@ _HONOURED = {
     "tensorboard": "--tensorboard-dir (output_path/job_name)",
     "csv_monitor": "--csv-dir (output_path/job_name)",
     "wandb": "--wandb-project, --wandb-group (offline)",
+    "flops_profiler": "--flops-profile-step (profile_step + 1), --flops-profile-file "
+                      "(output_file); recompute_fwd_factor checked against --recompute",
     "data_types": "grad_accum_dtype fp32 only",
     "checkpoint": "tag_validation accepted; other keys refused",
 }  # fmt: skip
@@ -138,6 +140,8 @@ _SOURCES = {
     "recompute": "pipeline.activation_checkpoint_interval", "log_every": "steps_per_print",
     "log_phases": "wall_clock_breakdown", "tensorboard_dir": "tensorboard",
     "csv_dir": "csv_monitor", "wandb_project": "wandb.project", "wandb_group": "wandb.group",
+    "flops_profile_step": "flops_profiler.profile_step + 1 =",
+    "flops_profile_file": "flops_profiler.output_file",
     **{name: f"fp16.{name}" for name in LOSS_SCALE_FIELDS},
 }  # fmt: skip
 """The JSON key each flat setting comes from, to name both sides of a contradiction."""
@@ -234,6 +238,7 @@ def deepspeed_overrides(
         if key in cfg:
             fields.update(handler(cfg[key], cfg))
     fields.update(precision(cfg))
+    check_recompute_fwd_factor(cfg, {**(flags or {}), **fields})
     return fields
 
 

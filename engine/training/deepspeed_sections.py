@@ -16,11 +16,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.config import LOSS_SCALE_FIELDS, ZERO_LEVELS, require
+from engine.config.engine_options import parse_stages
 from engine.config.optimizer import check_scheduler_params, no_auto
 
 __all__ = [
     "SECTION_HANDLERS",
     "Refusals",
+    "check_recompute_fwd_factor",
     "number",
     "precision",
     "refuse_values",
@@ -344,6 +346,74 @@ def _wandb(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+_PROFILER_KEYS = ("enabled", "recompute_fwd_factor", "profile_step", "module_depth",
+                  "top_modules", "detailed", "output_file")  # fmt: skip
+_TREE = "meshpipe reports per stage and per layer, not DeepSpeed's tree of modules"
+_PROFILER_REFUSED: Refusals = {
+    "module_depth": (-1, f"{_TREE}: remove it (or give DeepSpeed's default, -1)"),
+    "top_modules": (1, f"{_TREE}: remove it (or give DeepSpeed's default, 1)"),
+    "detailed": (True, f"{_TREE}, always in full: remove it (or give true)"),
+}
+
+
+def _flops_profiler(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSpeed profiles the step that starts after `profile_step` optimizer steps (its
+    global_steps counts steps done, from 0): meshpipe's step profile_step + 1, counted from 1.
+    recompute_fwd_factor is checked against the run's recomputation by
+    `check_recompute_fwd_factor`."""
+    section = _section(value, "flops_profiler")
+    _known(section, _PROFILER_KEYS, "flops_profiler")
+    if not section.get("enabled", False):
+        return {}
+    refuse_values(section, _PROFILER_REFUSED, "flops_profiler")
+    key = "flops_profiler.profile_step"
+    step = number(section.get("profile_step", 1), key, int)
+    require(step >= 0, f"{key}={step}: give the number of steps done before the profiled one")
+    fields: dict[str, Any] = {"flops_profile_step": step + 1}
+    if section.get("output_file"):  # DeepSpeed prints to stdout for null and ""
+        fields["flops_profile_file"] = str(section["output_file"])
+    return fields
+
+
+def _recompute_share(settings: Mapping[str, Any]) -> tuple[float | None, str]:
+    """The share of the forward FLOPs the run recomputes, when it does not depend on the
+    partition (None when only some stages recompute), and how the settings say it."""
+    recompute = str(settings.get("recompute", "none"))
+    if recompute == "none":
+        return 0.0, "--recompute none"
+    num_stages = int(settings.get("pp", 1)) * int(settings.get("stages_per_rank", 1))
+    stages = settings.get("recompute_stages")
+    if stages is None or set(parse_stages(stages)) >= set(range(num_stages)):
+        return 1.0, f"--recompute {recompute} on every stage"
+    listed = ",".join(map(str, parse_stages(stages)))
+    return None, f"--recompute {recompute} on stages {listed} only"
+
+
+def check_recompute_fwd_factor(config: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    """An enabled profiler's recompute_fwd_factor (DeepSpeed's user-supplied share of the
+    forward recomputed) must be what the run's flat `settings` recompute: meshpipe counts each
+    recomputed layer exactly, so a different share is refused naming both."""
+    section = config.get("flops_profiler")
+    if not isinstance(section, Mapping) or not section.get("enabled", False):
+        return
+    if "recompute_fwd_factor" not in section:
+        return
+    key = "flops_profiler.recompute_fwd_factor"
+    given = number(section["recompute_fwd_factor"], key)
+    share, how = _recompute_share(settings)
+    require(
+        share is not None,
+        f"{key}={given:g} cannot describe {how}: the recomputed share of the forward then "
+        "depends on the partition, and meshpipe's FLOPs report counts each recomputed layer "
+        "exactly: remove recompute_fwd_factor",
+    )
+    require(
+        given == share,
+        f"{key}={given:g} contradicts the run's {how} (a share of {share:g} of the forward "
+        f"recomputed, which meshpipe's FLOPs report counts exactly): give {share:g} or remove it",
+    )
+
+
 def _data_types(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     section = _section(value, "data_types")
     _known(section, ("grad_accum_dtype",), "data_types")
@@ -391,6 +461,7 @@ SECTION_HANDLERS: dict[str, Handler] = {
     "tensorboard": _tensorboard,
     "csv_monitor": _csv_monitor,
     "wandb": _wandb,
+    "flops_profiler": _flops_profiler,
     "data_types": _data_types,
     "steps_per_print": _steps_per_print,
     "wall_clock_breakdown": _wall_clock_breakdown,

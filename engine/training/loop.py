@@ -42,6 +42,7 @@ from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens
+from engine.training.flops_report import flops_report, format_flops_report
 from engine.training.metrics import MetricsLog
 from engine.training.monitors import Monitors
 from engine.training.preflight import check_before_loading, check_outputs, stage_partition
@@ -53,6 +54,7 @@ from engine.training.resume_check import (
 from engine.training.shared_folder import check_shared_folder
 from engine.training.trace import TraceRecorder
 from models import LayerSpec
+from partitioners import Partition
 
 __all__ = [
     "KILL_AT_STEP_ENV",
@@ -113,11 +115,13 @@ def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def _build_engine(config: TrainConfig, mesh: Mesh, specs: list[LayerSpec]) -> PipelineEngine:
+def _build_engine(
+    config: TrainConfig, mesh: Mesh, specs: list[LayerSpec], partition: Partition
+) -> PipelineEngine:
     return PipelineEngine(
         specs,
         mesh,
-        partition=stage_partition(config, specs),
+        partition=partition,
         micro_batches=config.schedule.micro_batches,
         schedule=config.schedule.schedule,
         stages_per_rank=config.schedule.stages_per_rank,
@@ -135,6 +139,7 @@ class _Run:
     config: TrainConfig
     engine: PipelineEngine
     specs: list[LayerSpec]
+    partition: Partition
     loader: BatchLoader
     scheduler: LambdaLR
 
@@ -225,6 +230,23 @@ def _monitor_values(config: TrainConfig, result: StepStats, lr: float) -> dict[s
     return values
 
 
+def _report_flops(run: _Run, log: MetricsLog, step: int, seconds: float) -> None:
+    """Rank 0's FLOPs report of `step` (from 0), when --flops-profile-step names it."""
+    config = run.config
+    if run.engine.mesh.rank != 0 or config.monitor.flops_profile_step != step + 1:
+        return
+    placement = run.engine.schedule.placement
+    report = flops_report(
+        config, run.specs, run.partition, placement, step=step + 1, seconds=seconds
+    )
+    text = format_flops_report(report)
+    log.say(text)
+    path = config.monitor.flops_profile_file
+    if path is not None:
+        Path(path).write_text(text + "\n", encoding="utf-8")
+        log.say(f"meshpipe: wrote the FLOPs report to {path}")
+
+
 def _say(mesh: Mesh, message: str) -> None:
     if mesh.rank == 0:
         print(f"meshpipe: {message}", file=sys.stderr, flush=True)
@@ -267,12 +289,20 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
         dp_size=config.parallel.dp,
     )
     specs = config.model.specs()
-    engine = _build_engine(config, mesh, specs)
+    partition = stage_partition(config, specs)
+    engine = _build_engine(config, mesh, specs, partition)
     assert engine.optimizer is not None
     lr = config.optimizer.lr
     multiplier = lr_multiplier(config.learning_rate, total_steps=config.run.steps, lr=lr)
     scheduler = LambdaLR(engine.optimizer, multiplier)
-    return _Run(config=config, engine=engine, specs=specs, loader=loader, scheduler=scheduler)
+    return _Run(
+        config=config,
+        engine=engine,
+        specs=specs,
+        partition=partition,
+        loader=loader,
+        scheduler=scheduler,
+    )
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
@@ -289,6 +319,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     _set_threads(config, mesh)
     run = _open_run(config, mesh)
     first = run.restore()
+    profiled = config.monitor.flops_profile_step
+    if 0 < profiled <= first:
+        _say(mesh, f"no FLOPs report: step {profiled} ran before the resumed step {first + 1}")
     tokens_per_step = config.batch.global_batch * config.batch.seq_len
     stats: list[StepStats] = []
     wall: list[float] = []
@@ -329,6 +362,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             _test_fault(step, mesh)
             started = time.perf_counter()
             result, lr, seconds = run.step(step)
+            _report_flops(run, log, step, seconds)
             if trace is not None:
                 trace.record(step, started, result)
             wall.append(seconds)

@@ -89,8 +89,8 @@ def writable_folder(folder: Path, flag: str, given: str) -> None:
 
 
 def check_outputs(config: TrainConfig) -> None:
-    """Every path the run writes (checkpoints, metrics, trace, monitors) can be written, each
-    monitor's package is installed, and a new run does not write over another run's
+    """Every path the run writes (checkpoints, metrics, trace, FLOPs report, monitors) can be
+    written, each monitor's package is installed, and a new run does not write over another run's
     checkpoints (same-named steps would be replaced and --keep would delete the rest)."""
     root = config.checkpoint.checkpoint_dir
     if root is not None:
@@ -103,7 +103,11 @@ def check_outputs(config: TrainConfig) -> None:
                 f"--checkpoint-dir {root} already holds a run's checkpoints{held}: add --resume "
                 "to continue it, or give another --checkpoint-dir to start a new run"
             )
-    for flag, path in (("--metrics-file", config.run.metrics_file), ("--trace", config.run.trace)):
+    for flag, path in (
+        ("--metrics-file", config.run.metrics_file),
+        ("--trace", config.run.trace),
+        ("--flops-profile-file", config.monitor.flops_profile_file),
+    ):
         if path is None:
             continue
         if Path(path).is_dir():

@@ -61,6 +61,9 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "wandb_project",
         "wandb_group",
         "log_phases",
+        "flops_profile_step",
+        "flops_profile_file",
+        "device_peak_tflops",
     }
 
 

@@ -219,7 +219,6 @@ def test_harmless_settings_are_accepted(key: str, value: Any) -> None:
     ("key", "value", "message"),
     [
         ("comms_logger", {"enabled": True}, "comms_logger=.* --trace FILE"),
-        ("flops_profiler", {"enabled": True}, "flops_profiler=.* no FLOPs profiler"),
         ("data_types", {"grad_accum_dtype": "bf16"}, "data_types.grad_accum_dtype='bf16'"),
         ("wandb", {"enabled": True, "team": "t"}, "wandb.team='t'"),
         ("communication_data_type", "fp16", 'communication_data_type="fp16"'),
@@ -230,6 +229,73 @@ def test_enabled_sections_meshpipe_lacks_are_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         _fields(**{key: value})
+
+
+def test_the_flops_profiler_maps_to_the_report_of_the_same_step() -> None:
+    """DeepSpeed profiles the step run when `profile_step` steps are done: meshpipe's step
+    profile_step + 1, counted from 1."""
+    profiler = {"enabled": True, "profile_step": 3, "output_file": "flops.txt"}
+    fields = _fields(flops_profiler=profiler)
+    assert (fields["flops_profile_step"], fields["flops_profile_file"]) == (4, "flops.txt")
+
+
+def test_the_flops_profiler_at_deepspeeds_defaults_reports_the_second_step() -> None:
+    defaults = {"enabled": True, "module_depth": -1, "top_modules": 1, "detailed": True,
+                "output_file": None, "recompute_fwd_factor": 0.0}  # fmt: skip
+    fields = _fields(flops_profiler=defaults)
+    assert fields["flops_profile_step"] == 2
+    assert "flops_profile_file" not in fields
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("module_depth", 2), ("top_modules", 3), ("detailed", False)]
+)
+def test_the_profilers_module_tree_settings_are_refused_by_name(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"flops_profiler.{key}=.*per stage and per layer"):
+        _fields(flops_profiler={"enabled": True, key: value})
+
+
+@pytest.mark.parametrize(
+    ("factor", "flags"),
+    [(0.0, {}), (1.0, {"pp": 2, "recompute": "full"}), (1.0, {"recompute": "every:2"})],
+)
+def test_a_recompute_fwd_factor_equal_to_the_runs_recomputation_is_accepted(
+    factor: float, flags: dict[str, Any]
+) -> None:
+    profiler = {"enabled": True, "recompute_fwd_factor": factor}
+    config = TrainConfig.from_deepspeed({**BATCH, "flops_profiler": profiler}, **flags)
+    assert config.monitor.flops_profile_step == 2
+
+
+@pytest.mark.parametrize(
+    ("factor", "flags", "message"),
+    [
+        (0.5, {}, "recompute_fwd_factor=0.5 contradicts the run's --recompute none .* give 0"),
+        (0.0, {"recompute": "full"}, "=0 contradicts the run's --recompute full on every stage"),
+        (1.0, {"pp": 2, "recompute": "full", "recompute_stages": "1"},
+         "=1 cannot describe --recompute full on stages 1 only"),
+    ],
+)  # fmt: skip
+def test_a_recompute_fwd_factor_other_than_the_runs_is_refused_naming_both(
+    factor: float, flags: dict[str, Any], message: str
+) -> None:
+    profiler = {"enabled": True, "recompute_fwd_factor": factor}
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_deepspeed({**BATCH, "flops_profiler": profiler}, **flags)
+
+
+def test_a_recompute_fwd_factor_is_checked_against_the_jsons_own_recompute() -> None:
+    ds = {**BATCH, "pipeline": {"activation_checkpoint_interval": 1},
+          "flops_profiler": {"enabled": True, "recompute_fwd_factor": 0.0}}  # fmt: skip
+    with pytest.raises(ValueError, match="contradicts the run's --recompute every:1"):
+        TrainConfig.from_deepspeed(ds)
+
+
+def test_a_profile_step_flag_contradicting_the_json_is_refused(tmp_path: Path) -> None:
+    ds = {**BATCH, "flops_profiler": {"enabled": True, "profile_step": 1}}
+    message = "--flops-profile-step 5 contradicts flops_profiler.profile_step \\+ 1 = 2"
+    with pytest.raises(ValueError, match=message):
+        _from_command_line(tmp_path, ds, "--flops-profile-step", "5")
 
 
 HF_ZERO2 = {
