@@ -305,6 +305,69 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
     )
 
 
+@dataclass(frozen=True)
+class _StepLog:
+    """What a finished step emits: its metrics record, the monitors' scalars and, every
+    `--log-every` steps, a log line (rank 0 only, above the progress bar)."""
+
+    run: _Run
+    log: MetricsLog
+    monitors: Monitors
+    mesh: Mesh
+
+    def __call__(self, step: int, result: StepStats, lr: float, seconds: float) -> None:
+        config = self.run.config
+        tokens = config.batch.global_batch * config.batch.seq_len
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "lr": lr,
+            "step_s": seconds,
+            "tokens_per_s": tokens / seconds,
+            "bubble": result.bubble,
+            "grad_norm": result.grad_norm,
+            "skipped": result.skipped,
+        }
+        self.log.record(**record)
+        samples = (step + 1) * config.batch.global_batch
+        self.monitors.write(samples, _monitor_values(config, result, lr))
+        due = config.run.log_every and (step + 1) % config.run.log_every == 0
+        if due and self.mesh.rank == 0:
+            phases = result.phase_seconds() if config.monitor.log_phases else None
+            line = _log_line(record, self.run.engine.skipped_steps, phases)
+            self.log.say(f"meshpipe: {line}")
+
+
+def _run_steps(
+    run: _Run, first: int, emit: _StepLog, trace: TraceRecorder | None
+) -> tuple[list[StepStats], list[float]]:
+    """Steps `first` to the end, each emitted once the next one ran: its bubble and grad norm
+    need every pipeline rank's figures, which have arrived by then without holding any rank
+    back (a step about to be saved is emitted at once)."""
+    stats: list[StepStats] = []
+    wall: list[float] = []
+    pending: tuple[int, StepStats, float, float] | None = None
+    for step in range(first, run.config.run.steps):
+        _test_fault(step, emit.mesh)
+        started = time.perf_counter()
+        result, lr, seconds = run.step(step)
+        _report_flops(run, emit.log, step, seconds)
+        if trace is not None:
+            trace.record(step, started, result)
+        wall.append(seconds)
+        stats.append(result)
+        if pending is not None:
+            emit(*pending)
+        pending = (step, result, lr, seconds)
+        if run.saves_at(step + 1):
+            emit(*pending)
+            pending = None
+        run.save(step + 1)
+    if pending is not None:
+        emit(*pending)
+    return stats, wall
+
+
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Train `config.model.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
     check_outputs(config)
@@ -322,64 +385,22 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     profiled = config.monitor.flops_profile_step
     if 0 < profiled <= first:
         _say(mesh, f"no FLOPs report: step {profiled} ran before the resumed step {first + 1}")
-    tokens_per_step = config.batch.global_batch * config.batch.seq_len
-    stats: list[StepStats] = []
-    wall: list[float] = []
     path = config.run.metrics_file if mesh.rank == 0 else None
-    show = progress and mesh.rank == 0
     kept = _kept_records(path, first)
     trace = TraceRecorder() if config.run.trace else None
+    show = progress and mesh.rank == 0
     monitors = Monitors(config.monitor, enabled=mesh.rank == 0)
     with (
         MetricsLog(total_steps=config.run.steps, path=path, progress=show, kept=kept) as log,
         monitors,
     ):
-
-        def emit(step: int, result: StepStats, lr: float, seconds: float) -> None:
-            record = {
-                "step": step,
-                "loss": result.loss,
-                "lr": lr,
-                "step_s": seconds,
-                "tokens_per_s": tokens_per_step / seconds,
-                "bubble": result.bubble,
-                "grad_norm": result.grad_norm,
-                "skipped": result.skipped,
-            }
-            log.record(**record)
-            samples = (step + 1) * config.batch.global_batch
-            monitors.write(samples, _monitor_values(config, result, lr))
-            due = config.run.log_every and (step + 1) % config.run.log_every == 0
-            if due and mesh.rank == 0:
-                phases = result.phase_seconds() if config.monitor.log_phases else None
-                line = _log_line(record, run.engine.skipped_steps, phases)
-                log.say(f"meshpipe: {line}")
-
-        # A step is logged once the next one ran: its bubble and grad norm need every pipeline
-        # rank's figures, which have arrived by then without holding any rank back.
-        pending: tuple[int, StepStats, float, float] | None = None
-        for step in range(first, config.run.steps):
-            _test_fault(step, mesh)
-            started = time.perf_counter()
-            result, lr, seconds = run.step(step)
-            _report_flops(run, log, step, seconds)
-            if trace is not None:
-                trace.record(step, started, result)
-            wall.append(seconds)
-            stats.append(result)
-            if pending is not None:
-                emit(*pending)
-            pending = (step, result, lr, seconds)
-            if run.saves_at(step + 1):
-                emit(*pending)
-                pending = None
-            run.save(step + 1)
-        if pending is not None:
-            emit(*pending)
+        emit = _StepLog(run=run, log=log, monitors=monitors, mesh=mesh)
+        stats, wall = _run_steps(run, first, emit, trace)
     run.engine.close()
     if trace is not None and config.run.trace is not None:
         trace.write(config.run.trace, rank=mesh.rank, world_size=mesh.world_size)
         _say(mesh, f"wrote trace {config.run.trace}")
+    tokens_per_step = config.batch.global_batch * config.batch.seq_len
     timed = wall[1:] or wall
     steady = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     return TrainResult(

@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
+from engine.comm.mesh import init_mesh
+from engine.config import EngineOptions, OptimizerSpec
+from engine.parallel import full_tensor, local_tensor
 from engine.runtime.clipping import global_grad_norm, global_parameter_order
 from engine.runtime.engine import PipelineEngine
-from engine.comm.mesh import init_mesh
-from engine.config import OptimizerSpec
-from engine.config import EngineOptions
-from engine.parallel import full_tensor, local_tensor
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step

@@ -20,7 +20,7 @@ import torch
 
 from engine.comm.launch import free_port
 
-__all__ = ["free_port", "run_ranks", "RanksFailed"]
+__all__ = ["RanksFailed", "free_port", "run_ranks"]
 
 
 class RanksFailed(AssertionError):

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
 from engine.config import OptimizerSpec
+from engine.runtime.engine import PipelineEngine
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.cases import GPT_UNTIED

@@ -12,8 +12,8 @@ import torch
 
 from engine.cli.main import build_parser
 from engine.cli.train import train_config
-from engine.training.config import TrainConfig
 from engine.runtime.lr_schedules import deepspeed_lr, lr_multiplier
+from engine.training.config import TrainConfig
 from engine.training.deepspeed_config import deepspeed_overrides
 from tests.dist.harness import run_ranks
 
@@ -60,8 +60,8 @@ def _written(tmp_path: Path, ds_config: dict[str, Any]) -> str:
 def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
 
-    from scripts.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
     from models import layer_specs
+    from scripts.deepspeed_peer import deepspeed_pipeline, micro_batch_iterator
 
     deepspeed.init_distributed(dist_backend="gloo")
     module = deepspeed_pipeline(layer_specs("llama-tiny"), num_stages=2, seed=7)
@@ -74,8 +74,8 @@ def _deepspeed_run(rank: int, world_size: int, ds_config: dict[str, Any]) -> dic
 
 def _meshpipe_run(rank: int, world_size: int, ds_json: str) -> dict[str, Any]:
     """`meshpipe train --deepspeed_config ds_json`'s settings, stepped by hand."""
-    from engine.runtime.engine import PipelineEngine
     from engine.comm.mesh import init_mesh
+    from engine.runtime.engine import PipelineEngine
     from models import layer_specs
     from partitioners import partition_model
 
@@ -263,7 +263,8 @@ def _with_optimizer(kind: str, **params: Any) -> dict[str, Any]:
 def test_an_adam_eps_becomes_the_adam_eps_flag(tmp_path: Path) -> None:
     path = _written(tmp_path, _with_optimizer("Adam", eps=1e-5))
     config = TrainConfig.from_deepspeed(path, dp=2)
-    assert (config.flat()["optimizer"], config.flat()["adam_eps"], config.optimizer.eps) == ("adamw", 1e-5, 1e-5)
+    flat = config.flat()
+    assert (flat["optimizer"], flat["adam_eps"], config.optimizer.eps) == ("adamw", 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -284,13 +285,15 @@ def test_adam_params_the_json_omits_take_deepspeeds_defaults(
 def test_a_flag_given_for_an_omitted_param_wins_over_deepspeeds_default(tmp_path: Path) -> None:
     path = _written(tmp_path, _with_optimizer("AdamW", lr=0.01))
     config = TrainConfig.from_deepspeed(path, dp=2, weight_decay=0.05, betas="0.8,0.9")
-    assert (config.flat()["weight_decay"], config.flat()["betas"], config.flat()["adam_eps"]) == (0.05, "0.8,0.9", 1e-8)
+    flat = config.flat()
+    assert (flat["weight_decay"], flat["betas"], flat["adam_eps"]) == (0.05, "0.8,0.9", 1e-8)
 
 
 def test_a_json_without_an_optimizer_keeps_meshpipes_optimizer_defaults(tmp_path: Path) -> None:
     path = _written(tmp_path, BATCH_ONLY)
     config = TrainConfig.from_deepspeed(path, dp=2)
-    assert (config.flat()["weight_decay"], config.flat()["betas"]) == (TrainConfig.of().flat()["weight_decay"], TrainConfig.of().flat()["betas"])
+    flat, ours = config.flat(), TrainConfig.of().flat()
+    assert (flat["weight_decay"], flat["betas"]) == (ours["weight_decay"], ours["betas"])
 
 
 def test_adam_with_l2_regularisation_is_rejected_by_name() -> None:
@@ -363,12 +366,14 @@ def _from_command_line(tmp_path: Path, ds_config: dict[str, Any], *flags: str) -
 def test_a_flag_given_at_meshpipes_default_still_counts(tmp_path: Path) -> None:
     adam = _with_optimizer("AdamW", lr=0.01)
     config = _from_command_line(tmp_path, adam, "--weight-decay", "0.1", "--clip-grad-norm", "0")
-    assert (config.flat()["weight_decay"], config.flat()["clip_grad_norm"], config.flat()["betas"]) == (0.1, 0.0, "0.9,0.999")
+    flat = config.flat()
+    assert (flat["weight_decay"], flat["clip_grad_norm"], flat["betas"]) == (0.1, 0.0, "0.9,0.999")
 
 
 def test_flags_not_given_take_deepspeeds_defaults(tmp_path: Path) -> None:
     config = _from_command_line(tmp_path, _with_optimizer("AdamW", lr=0.01), "--no-progress")
-    assert (config.flat()["weight_decay"], config.flat()["clip_grad_norm"], config.flat()["lr_schedule"]) == (
+    flat = config.flat()
+    assert (flat["weight_decay"], flat["clip_grad_norm"], flat["lr_schedule"]) == (
         0.0,
         1.0,
         "constant",

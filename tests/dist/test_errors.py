@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from engine.runtime.engine import PipelineEngine
 from engine.comm.mesh import init_mesh
+from engine.runtime.engine import PipelineEngine
 from models import GPTConfig, layer_specs
 from models.gpt import gpt_layers
 from partitioners import Partition
@@ -44,7 +44,8 @@ def _peer_dies(rank: int, world_size: int) -> None:
 
 def test_stages_that_disagree_on_activation_shape_fail_on_the_first_step() -> None:
     start = time.monotonic()
-    with pytest.raises(RanksFailed, match=r"(?s)stage 1 .*first layer GPTBlock.*shapes \[\(2, 8, 64\)\]"):
+    expected = r"(?s)stage 1 .*first layer GPTBlock.*shapes \[\(2, 8, 64\)\]"
+    with pytest.raises(RanksFailed, match=expected):
         run_ranks(_mismatched_stages, 2, timeout_s=60)
     assert time.monotonic() - start < 45
 

@@ -28,7 +28,8 @@ ARGS = ["--model", "llama-tiny", "--steps", "3", "--global-batch", "8", "--micro
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("corpus")
-    (folder / "text.txt").write_text("pipelines move activations forward and gradients back\n" * 300)
+    text = "pipelines move activations forward and gradients back\n"
+    (folder / "text.txt").write_text(text * 300)
     return str(prepare(folder / "text.txt", folder / "tokens").bin_path)
 
 
@@ -97,7 +98,8 @@ def _train_pp2(rank: int, world_size: int, data: str) -> tuple[float, ...]:
 
 def test_metrics_are_written_by_rank_zero_only(tokens: str, tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    assert main(["train", *ARGS, "--data", tokens, "--pp", "2", "--metrics-file", str(metrics)]) == 0
+    flags = ["--data", tokens, "--pp", "2", "--metrics-file", str(metrics)]
+    assert main(["train", *ARGS, *flags]) == 0
     lines = metrics.read_text().splitlines()
     assert len(lines) == 3 and all('"bubble"' in line for line in lines)
 
@@ -113,7 +115,8 @@ def test_a_failing_rank_is_reported_in_one_line_with_its_own_error(
         main([*argv, "--resume"])
     err = capfd.readouterr().err
     assert exit_info.value.code == 2  # bad input, as in one process
-    assert re.search(r"^meshpipe: error: rank \d failed: CheckpointError: .*step-00000001", err, re.M)
+    failed = r"^meshpipe: error: rank \d failed: CheckpointError: .*step-00000001"
+    assert re.search(failed, err, re.M)
     assert "Traceback" not in err
 
 

@@ -5,9 +5,9 @@ and when a checkpoint of one order resumes in another."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +95,7 @@ def test_two_torchrun_nodes_with_a_non_default_order_equal_one_node(
              str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
              port, *train_args, str(tmp_path / "two.jsonl"), "--mesh-order", "dp,pp,tp"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        )
         for node in range(2)
     ]
     outs = [node.communicate(timeout=300) for node in nodes]

@@ -41,7 +41,7 @@ def test_ranks_with_folders_of_their_own_fail_together_before_the_first_step(
         run_ranks(_train_on_own_host, 2, tmp_path, tokens)
     message = str(failed.value)
     assert message.count("--checkpoint-dir ckpt is not one folder for every rank") == 2
-    assert f"rank 1 (host " in message and f"{tmp_path / 'host1' / 'ckpt'}) cannot see" in message
+    assert "rank 1 (host " in message and f"{tmp_path / 'host1' / 'ckpt'}) cannot see" in message
     assert f"wrote into {tmp_path / 'host0' / 'ckpt'}" in message
     assert "on a filesystem every host mounts" in message
     assert not (tmp_path / "host0" / "m.jsonl").exists()  # no step ran

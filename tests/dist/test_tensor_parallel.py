@@ -105,7 +105,8 @@ def test_bf16_and_fp16_tensor_parallel_runs_equal_the_reference_to_their_roundin
     for rank in runs[str(case)]:
         assert rank["losses"] == pytest.approx(reference["losses"], rel=LOW_LOSS_RTOL)
         for name, value in rank["params"].items():
-            torch.testing.assert_close(value, reference["params"][name], rtol=0, atol=LOW_PARAM_ATOL)
+            expected = reference["params"][name]
+            torch.testing.assert_close(value, expected, rtol=0, atol=LOW_PARAM_ATOL)
 
 
 @pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID, ids=str)
