@@ -1,5 +1,6 @@
-"""Bytes each rank holds per parameter and step time under --zero 0..3, PP 2 × DP 2, bf16,
-AdamW (per tensor: ZeRO-3's shards cannot run the fused kernel), after a few steps.
+"""Bytes each rank holds per parameter and step time under --zero 0..3 (ZeRO-3 also with
+--zero-reshard micro-batch), PP 2 × DP 2, bf16, AdamW (per tensor: ZeRO-3's shards cannot run
+the fused kernel), after a few steps.
 
 python scripts/bench_zero.py --model gpt-small
 """
@@ -60,7 +61,9 @@ def _held(engine: Any) -> dict[str, int]:
     }
 
 
-def _worker(rank: int, world: int, model: str, zero: int, steps: int) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, model: str, zero: int, reshard: str, steps: int
+) -> dict[str, Any]:
     import torch
 
     from engine.comm.mesh import init_mesh
@@ -76,7 +79,7 @@ def _worker(rank: int, world: int, model: str, zero: int, steps: int) -> dict[st
         partition=partition_model(specs, method="balanced", num_stages=2),
         micro_batches=4,
         optimizer=OptimizerSpec(lr=1e-3, impl="per_tensor"),
-        options=EngineOptions(zero=zero, precision="bf16"),
+        options=EngineOptions(zero=zero, zero_reshard=reshard, precision="bf16"),
         timeout_s=300,
     )
     tokens = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(rank // 2))
@@ -94,12 +97,14 @@ def main() -> None:
     args = parser.parse_args()
     print("| ZeRO | weights | gradients | masters | moments | total B/param | step s (median) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for zero in (0, 1, 2, 3):
-        ranks = run_ranks(_worker, 4, args.model, zero, args.steps, timeout_s=1200)
+    modes = [(0, "step"), (1, "step"), (2, "step"), (3, "step"), (3, "micro-batch")]
+    for zero, reshard in modes:
+        ranks = run_ranks(_worker, 4, args.model, zero, reshard, args.steps, timeout_s=1200)
         b = ranks[0]["bytes"]
         step = statistics.median(t for r in ranks for t in r["step_s"])
         cells = " | ".join(f"{b[k]:.2f}" for k in ("weights", "gradients", "masters", "moments"))
-        print(f"| {zero} | {cells} | {sum(b.values()):.2f} | {step:.3f} |")
+        label = f"{zero}, resharded per micro-batch" if reshard == "micro-batch" else str(zero)
+        print(f"| {label} | {cells} | {sum(b.values()):.2f} | {step:.3f} |")
 
 
 if __name__ == "__main__":
