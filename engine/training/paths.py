@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from engine.checkpoint.files import LATEST, TRAINER_FILE, has_checkpoint
 from engine.training.data import token_file_pair
@@ -33,6 +34,9 @@ _ROOT_OWNED = re.compile(rf"^(step-\d{{8}}|{LATEST}|\.tmp-.*|\.trash-.*)$")
 """What a checkpoint root's run owns inside it; other files there (a metrics file) are free."""
 
 
+Owns = Literal["file", "tree", "root", "adds"]
+
+
 @dataclass(frozen=True)
 class PathUse:
     """One path a command's flag names: what it covers and whether the command writes it."""
@@ -41,7 +45,7 @@ class PathUse:
     given: str
     paths: tuple[Path, ...]
     output: bool
-    owns: str = "file"
+    owns: Owns = "file"
     """file: the paths themselves; tree: also all under them; root: a checkpoint folder's
     step folders, `latest` and temporary folders under them; adds: a folder the command only
     adds its own new files to (two of these may share one)."""
@@ -65,7 +69,7 @@ def _same(a: Path, b: Path) -> bool:
     return a == b or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 
-def _use(flag: str, given: str | Path, paths: Sequence[Path], output: bool, owns: str) -> PathUse:
+def _use(flag: str, given: str | Path, paths: Sequence[Path], output: bool, owns: Owns) -> PathUse:
     resolved = tuple(Path(p).resolve() for p in paths)
     return PathUse(flag, str(given), resolved, output, owns)
 
@@ -129,7 +133,10 @@ def check_paths(uses: Sequence[PathUse]) -> None:
 
 
 def _overlap(a: PathUse, b: PathUse) -> bool:
-    if a.owns == b.owns == "adds":
+    """Two folders that only gain new files never clash, nor does such a folder with a folder of
+    checkpoints it is (its files are not named like steps)."""
+    kinds = {a.owns, b.owns}
+    if kinds == {"adds"} or (kinds == {"adds", "root"} and a.paths == b.paths):
         return False
     return any(b.covers(p) for p in a.paths) or any(a.covers(p) for p in b.paths)
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.files import LATEST, TRAINER_FILE
-from engine.training.config import TrainConfig
+from engine.cli.main import main
 from engine.training.data import prepare
 from engine.training.paths import check_paths, file_in, file_out
-from engine.training.preflight import check_outputs
 from tests.unit.cli_error import cli_error
 
 
@@ -75,12 +74,18 @@ def test_train_refuses_a_metrics_file_named_like_its_deepspeed_config(
     assert json.loads((at / "ds.json").read_text()) == {"train_batch_size": 8}
 
 
-def test_a_metrics_file_beside_the_checkpoints_is_not_a_collision(at: Path) -> None:
-    config = TrainConfig.of(
-        data="tok", checkpoint_dir="ck", resume=True, metrics_file="ck/m.jsonl", trace="t.json"
-    )
-    check_outputs(config)
-    assert (at / "ck").is_dir()
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--data", "tok", "--metrics-file", "ck/m.jsonl", "--trace", "tok.trace.json"],
+        ["--csv-dir", "ck", "--tensorboard-dir", "ck"],
+    ],
+)
+def test_train_starts_with_outputs_beside_its_checkpoints_and_inputs(
+    at: Path, argv: list[str]
+) -> None:
+    with pytest.raises(AssertionError, match="training started"):
+        main(["train", "--steps", "1", "--checkpoint-dir", "ck", "--resume", *argv])
 
 
 def test_schedule_refuses_to_write_into_a_checkpoint(
@@ -158,3 +163,16 @@ def test_distinct_paths_pass(tmp_path: Path) -> None:
     uses = [file_in("--load", tmp_path / "a"), file_out("--out", tmp_path / "b")]
     check_paths(uses)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "written"),
+    [
+        (["data", "prepare", "tok.json", "--out", "again"], "again.json"),
+        (["schedule", "--load", "s.txt", "--out", "s.csv"], "s.csv"),
+    ],
+)
+def test_commands_write_to_distinct_paths(at: Path, argv: list[str], written: str) -> None:
+    main(["schedule", "--pp", "2", "--micro-batches", "2", "--out", "s.txt"])
+    assert main(argv) == 0
+    assert (at / written).is_file()
