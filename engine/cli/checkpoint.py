@@ -60,11 +60,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from engine.checkpoint.hf_configs import dropout_note
     from engine.checkpoint.hf_interop import export_hf, import_hf
     from engine.training.generate import generate_text
+    from engine.training.paths import check_paths, checkpoint_in, tree_in, tree_out
 
     if args.command == "export":
+        check_paths([checkpoint_in("--checkpoint", args.checkpoint), tree_out("--out", args.out)])
         out = export_hf(args.checkpoint, args.out, max_shard_bytes=args.max_shard_bytes)
         print(f"wrote a Hugging Face model to {out}")
     elif args.command == "import":
+        check_paths([tree_in("SOURCE", args.source), tree_out("--out", args.out)])
         print(f"wrote checkpoint {import_hf(args.source, args.out)}")
         note = dropout_note(read_json(Path(args.source) / "config.json"))
         if note:

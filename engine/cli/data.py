@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.training.data import prepare, token_file_pair
+from engine.training.paths import check_paths, file_in, token_file
+from engine.training.preflight import writable_folder
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
@@ -23,10 +26,33 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     prep.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
 
 
+def _check_out(source: str, out: str) -> None:
+    """--out is neither the source nor a folder, and its folder can be written."""
+    reads = [file_in("SOURCE", source)] if Path(source).is_file() else []
+    check_paths([*reads, token_file("--out", out, output=True)])
+    for path in token_file_pair(out):
+        if path.is_dir():
+            raise ValueError(f"--out {out}: {path} is a folder: give another prefix")
+    writable_folder(token_file_pair(out)[0].parent, "--out", out)
+
+
+def _io_failure(error: OSError, source: str, out: str) -> str:
+    """The flag and the file of a failed read or write, with the system's reason."""
+    name = Path(str(error.filename or ""))
+    written = [p.name for p in token_file_pair(out)]
+    if any(name.name in (w, f".{w}") or name.name.startswith(f".{w}.") for w in written):
+        return f"--out {out}: cannot write {name} ({error.strerror}): give another --out"
+    return f"SOURCE {source}: cannot read {name} ({error.strerror})"
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    _check_out(args.source, args.out)
     bin_path, json_path = token_file_pair(args.out)
     if json_path.is_file():  # checkpoints trained on it refuse to resume on new tokens
         print(f"meshpipe: replacing the token file {bin_path}", file=sys.stderr)
-    info = prepare(args.source, args.out, max_bytes=args.max_bytes)
+    try:
+        info = prepare(args.source, args.out, max_bytes=args.max_bytes)
+    except OSError as error:
+        raise OSError(_io_failure(error, args.source, args.out)) from None
     print(f"wrote {info.num_tokens:,} tokens to {info.bin_path} (header {info.json_path})")
     return 0

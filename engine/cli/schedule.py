@@ -12,6 +12,7 @@ from engine.schedule.plots import TraceSlice, chrome_trace, plot_timeline
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, save_schedule
+from engine.training.paths import PathUse, check_paths, file_in, file_out
 from engine.training.preflight import writable_folder
 
 __all__ = ["COMMANDS", "add_parsers", "parse_costs", "run"]
@@ -130,7 +131,20 @@ def _schedule(args: argparse.Namespace) -> Schedule:
     )
 
 
+def _paths(args: argparse.Namespace) -> list[PathUse]:
+    """What the command reads (--load) and writes (matplotlib adds .png to a --plot without a
+    suffix)."""
+    plot = Path(args.plot) if args.plot else None
+    written = {"plot": plot if plot is None or plot.suffix else plot.with_suffix(".png")}
+    uses = [file_in("--load", args.load)] if args.load else []
+    for flag in ("plot", "trace", "out"):
+        if getattr(args, flag):
+            uses.append(file_out(f"--{flag}", getattr(args, flag), written.get(flag)))
+    return uses
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    check_paths(_paths(args))
     for flag in ("plot", "trace", "out"):  # before the report, not after it
         path = getattr(args, flag)
         if path:

@@ -13,7 +13,8 @@ from pathlib import Path
 from engine.checkpoint.files import step_dirs
 from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.training.config import TrainConfig
-from engine.training.metrics import plot_metrics
+from engine.training.metrics import plot_metrics, plot_target
+from engine.training.paths import check_paths, file_in, file_out
 from engine.training.resume_check import DECAYING_SCHEDULES
 
 __all__ = ["COMMANDS", "Interrupted", "add_parsers", "interrupt_advice", "run", "train_config"]
@@ -43,13 +44,26 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.command == "plot":
-        print(f"wrote {plot_metrics(args.metrics, args.out)}")
-        return 0
+        return _plot(args)
     config = train_config(args, argv)
     try:
         return _train(config, args)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted; {interrupt_advice(config)}") from None
+
+
+def _plot(args: argparse.Namespace) -> int:
+    """`meshpipe plot`: the PNG goes where it overwrites neither the metrics nor a folder."""
+    from engine.training.preflight import writable_folder
+
+    target = plot_target(args.metrics, args.out)
+    shown = args.out or str(target)
+    check_paths([file_in("METRICS", args.metrics), file_out("--out", shown, target)])
+    if target.is_dir():
+        raise ValueError(f"--out {shown}: {target} is a folder: give a file name")
+    writable_folder(target.parent, "--out", shown)
+    print(f"wrote {plot_metrics(args.metrics, args.out)}")
+    return 0
 
 
 def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
@@ -93,7 +107,7 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.training.preflight import preflight
 
     ranks = config.parallel.world_size
-    preflight(config)
+    preflight(config, args.deepspeed_config)
     if ranks > 1 and not is_launched():
         progress = not args.no_progress
         restarts = config.run.max_restarts

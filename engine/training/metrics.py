@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from engine.checkpoint.atomic import atomic_write_text
 
-__all__ = ["MetricsLog", "plot_metrics", "read_records"]
+__all__ = ["MetricsLog", "plot_metrics", "plot_target", "read_records"]
 
 
 class MetricsLog:
@@ -88,7 +88,15 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as error:
-        raise ValueError(f"cannot read metrics file {path}: {error}") from error
+        raise ValueError(
+            f"cannot read metrics file {path} ({error.strerror}): give a metrics file written "
+            "by meshpipe train --metrics-file"
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"metrics file {path} is not text (byte {error.start} is not UTF-8): give a "
+            "metrics file written by meshpipe train --metrics-file"
+        ) from None
     numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
     records = []
     for number, line in numbered:
@@ -131,12 +139,20 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path:
     ax.grid(alpha=0.3)
     ax.set_title(f"{Path(path).name}: final loss {records[-1]['loss']:.3f}")
     fig.tight_layout()
-    target = Path(path).with_suffix(".png") if out is None else Path(out)
-    target = target if target.suffix else target.with_suffix(".png")
+    target = plot_target(path, out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=120)
     except OSError as error:
-        raise ValueError(f"--out {target}: cannot create {target.parent} ({error})") from None
-    fig.savefig(target, dpi=120)
-    plt.close(fig)
+        raise ValueError(
+            f"--out {target}: cannot write it ({error.strerror}): give another --out"
+        ) from None
+    finally:
+        plt.close(fig)
     return target
+
+
+def plot_target(path: str | Path, out: str | Path | None = None) -> Path:
+    """Where `plot_metrics` writes the PNG of metrics file `path`."""
+    target = Path(path).with_suffix(".png") if out is None else Path(out)
+    return target if target.suffix else target.with_suffix(".png")

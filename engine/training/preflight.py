@@ -26,6 +26,16 @@ from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
 from engine.training.monitors import check_monitors
+from engine.training.paths import (
+    PathUse,
+    check_paths,
+    checkpoint_in,
+    checkpoint_root,
+    file_in,
+    file_out,
+    folder_out,
+    token_file,
+)
 from engine.training.resume_check import check_resumable
 from models import LayerSpec
 from partitioners import Partition, partition_model
@@ -34,6 +44,7 @@ __all__ = [
     "check_before_loading",
     "check_outputs",
     "preflight",
+    "run_paths",
     "stage_partition",
     "writable_folder",
 ]
@@ -88,10 +99,32 @@ def writable_folder(folder: Path, flag: str, given: str) -> None:
         raise ValueError(f"{flag} {given}: {folder} is not writable: pick another path")
 
 
-def check_outputs(config: TrainConfig) -> None:
+def run_paths(config: TrainConfig, deepspeed_config: str | None = None) -> list[PathUse]:
+    """Every path a run reads or writes, by the flag that names it."""
+    run, monitor, ckpt = config.run, config.monitor, config.checkpoint
+    named = [
+        ("--metrics-file", run.metrics_file, file_out),
+        ("--trace", run.trace, file_out),
+        ("--flops-profile-file", monitor.flops_profile_file, file_out),
+        ("--tensorboard-dir", monitor.tensorboard_dir, folder_out),
+        ("--csv-dir", monitor.csv_dir, folder_out),
+        ("--checkpoint-dir", ckpt.checkpoint_dir, checkpoint_root),
+        ("--data", config.data.data, token_file),
+        ("--init-from", ckpt.init_from, checkpoint_in),
+        ("--deepspeed_config", deepspeed_config, file_in),
+    ]
+    uses = [make(flag, given) for flag, given, make in named if given is not None]
+    if Path(config.schedule.schedule).is_file():
+        uses.append(file_in("--schedule", config.schedule.schedule))
+    return uses
+
+
+def check_outputs(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     """Every path the run writes (checkpoints, metrics, trace, FLOPs report, monitors) can be
-    written, each monitor's package is installed, and a new run does not write over another run's
-    checkpoints (same-named steps would be replaced and --keep would delete the rest)."""
+    written and is none of the paths it reads or another it writes, each monitor's package is
+    installed, and a new run does not write over another run's checkpoints (same-named steps
+    would be replaced and --keep would delete the rest)."""
+    check_paths(run_paths(config, deepspeed_config))
     root = config.checkpoint.checkpoint_dir
     if root is not None:
         _not_a_checkpoint(Path(root))
@@ -140,12 +173,12 @@ def _not_a_checkpoint(root: Path) -> None:
     )
 
 
-def preflight(config: TrainConfig) -> None:
+def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     """Everything a launcher checks before starting ranks; says when a new run replaces an
     existing metrics file."""
     check_device(config.run.device)
     stage_partition(config, config.model.specs())
-    check_outputs(config)
+    check_outputs(config, deepspeed_config)
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)

@@ -149,7 +149,7 @@ def test_plot_names_an_output_folder_it_cannot_create(
     metrics.write_text('{"step": 0, "loss": 1.0}\n')
     (tmp_path / "file").write_text("")
     code, err = cli_error(["plot", str(metrics), "--out", f"{tmp_path}/file/y.png"], capsys)
-    assert code == 2 and f"--out {tmp_path}/file/y.png: cannot create {tmp_path}/file" in err
+    assert code == 2 and f"--out {tmp_path}/file/y.png: {tmp_path}/file is a file, not a" in err
 
 
 @pytest.mark.parametrize(
@@ -186,3 +186,72 @@ def test_a_rank_failure_is_bad_input_when_the_rank_raised_a_value_error(
     kind: str, bad_input: bool
 ) -> None:
     assert names_a_value_error(kind) is bad_input
+
+
+def test_plot_names_a_metrics_file_that_is_not_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    binary = tmp_path / "m.jsonl"
+    binary.write_bytes(b"\x80\xff\x00binary")
+    code, err = cli_error(["plot", str(binary)], capsys)
+    assert code == 2
+    assert f"metrics file {binary} is not text (byte 0 is not UTF-8)" in err
+
+
+def test_plot_names_a_missing_metrics_file_without_an_errno(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "m.jsonl"
+    code, err = cli_error(["plot", str(missing)], capsys)
+    assert code == 2
+    assert f"cannot read metrics file {missing} (No such file or directory)" in err
+    assert "[Errno" not in err
+
+
+def test_plot_refuses_an_out_that_is_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0, "loss": 1.0}\n')
+    (tmp_path / "d.png").mkdir()
+    code, err = cli_error(["plot", str(metrics), "--out", f"{tmp_path}/d.png"], capsys)
+    assert code == 2 and f"--out {tmp_path}/d.png: {tmp_path}/d.png is a folder" in err
+
+
+@pytest.fixture
+def text(tmp_path: Path) -> Path:
+    path = tmp_path / "t.txt"
+    path.write_text("hello\n")
+    return path
+
+
+def test_data_prepare_names_an_out_under_a_file(
+    text: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    out = f"{tmp_path}/file/tok"
+    code, err = cli_error(["data", "prepare", str(text), "--out", out], capsys)
+    assert code == 2 and f"--out {out}: {tmp_path}/file is a file, not a folder" in err
+
+
+def test_data_prepare_names_an_out_that_is_a_folder(
+    text: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "tok.bin").mkdir()
+    out = f"{tmp_path}/tok"
+    code, err = cli_error(["data", "prepare", str(text), "--out", out], capsys)
+    assert code == 2 and f"--out {out}: {tmp_path}/tok.bin is a folder" in err
+
+
+def test_data_prepare_names_the_out_it_cannot_write(
+    text: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refused(path: Path, *_: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(sys.modules["engine.training.data"], "atomic_write", refused)
+    out = f"{tmp_path}/tok"
+    code, err = cli_error(["data", "prepare", str(text), "--out", out], capsys)
+    assert code == 1
+    assert f"--out {out}: cannot write {out}.bin (Permission denied)" in err
+    assert "[Errno" not in err
