@@ -33,6 +33,7 @@ from engine.checkpoint.files import (
     read_trainer,
     step_dirs,
 )
+from engine.checkpoint.manifest import verify_manifest
 from engine.checkpoint.rng_state import restore_rng
 from engine.checkpoint.weights import (
     TensorSource,
@@ -116,6 +117,7 @@ def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) 
 def _stage(
     engine: PipelineEngine, specs: Sequence[LayerSpec], directory: Path, weights_only: bool
 ) -> _Staged:
+    verify_manifest(directory, (TRAINER_FILE, MODEL_INDEX) if weights_only else None)
     trainer = read_trainer(directory)
     _check_model(trainer, specs, directory)
     reader = TensorReader(directory, MODEL_INDEX)
