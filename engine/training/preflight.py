@@ -23,6 +23,7 @@ from engine.checkpoint.files import (
     step_dirs,
 )
 from engine.checkpoint.manifest import unverified_note, verify_manifest
+from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
@@ -151,6 +152,8 @@ def preflight(config: TrainConfig) -> None:
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
     root = config.checkpoint.checkpoint_dir
+    if root is not None:
+        check_folder_free(root)
     if config.checkpoint.resume and root is not None and has_checkpoint(root):
         check_before_loading(root, config)
 
