@@ -122,6 +122,16 @@ class FolderLock:
             return f"took over {self.path.parent} from {previous}, which ended without releasing it"
         raise _refusal(self.path, previous, locked=False)
 
+    def check(self) -> None:
+        """Raise, naming the owner, when another run holds the folder; takes nothing."""
+        if not self.path.is_file():
+            return
+        fd, locked = self._open_locked()
+        try:
+            self._stale_note(_read(fd), locked)
+        finally:
+            os.close(fd)
+
     def acquire(self) -> str | None:
         """Take the folder; returns a note when a dead run's claim was taken over."""
         fd, locked = self._open_locked()
@@ -149,14 +159,7 @@ class FolderLock:
 def check_folder_free(root: str | Path) -> None:
     """The launcher's check before any rank starts: raise, naming the owner, when another
     run holds `root`; takes nothing."""
-    if not (Path(root) / OWNER_FILE).is_file():
-        return
-    probe = FolderLock(root)
-    fd, locked = probe._open_locked()
-    try:
-        probe._stale_note(_read(fd), locked)
-    finally:
-        os.close(fd)
+    FolderLock(root).check()
 
 
 @contextlib.contextmanager

@@ -297,6 +297,18 @@ def test_cli_resume_fallback_skips_an_edited_trainer_json_and_ends_bit_for_bit(
     assert all(torch.equal(full[k], again[k]) for k in full)
 
 
+def test_cli_resume_from_a_checkpoint_without_a_manifest_says_so_and_resumes(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _copy_step(runs["root"] / "full", 3, tmp_path)
+    (tmp_path / "step-00000003" / "manifest.json").unlink()
+    argv = [*_run_argv(tokens, tmp_path), "--resume", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "step-00000003 has no manifest.json (saved by an earlier meshpipe)" in err
+    assert "resumed from step 3" in err
+
+
 def test_a_run_into_a_folder_another_run_holds_is_refused_naming_it(
     tokens: str, tmp_path: Path
 ) -> None:
