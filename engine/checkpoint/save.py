@@ -44,7 +44,7 @@ from engine.checkpoint.files import (
     write_shard,
 )
 from engine.checkpoint.manifest import write_manifest
-from engine.checkpoint.rng_state import capture_rng
+from engine.checkpoint.rng_state import capture_rng, rng_file
 from engine.checkpoint.weights import (
     gathered,
     is_sharded,
@@ -62,7 +62,7 @@ __all__ = ["save_checkpoint", "save_weights"]
 def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -> dict[str, Any]:
     """This rank's files; returns what rank 0 needs for the indexes."""
     report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": []}
-    rng = tmp / f"rng-rank{engine.mesh.rank:05d}.json"
+    rng = tmp / rng_file(engine.mesh.rank)
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
     first_replica = engine.mesh.dp_rank == 0 and engine.mesh.tp_rank == 0
