@@ -79,15 +79,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _refusal(path: Path, owner: Owner, *, locked: bool) -> CheckpointError:
+def _refusal(path: Path, owner: Owner | None, *, locked: bool) -> CheckpointError:
     gone = (
         "or wait until it ends"
         if locked
         else f"or, if that run is gone, remove {path} and start again"
     )
     return CheckpointError(
-        f"--checkpoint-dir {path.parent} is in use by {owner}: two runs in one folder "
-        f"overwrite each other's checkpoints. Give this run another --checkpoint-dir, {gone}"
+        f"--checkpoint-dir {path.parent} is in use by {owner or 'a run just starting'}: two "
+        "runs in one folder overwrite each other's checkpoints. Give this run another "
+        f"--checkpoint-dir, {gone}"
     )
 
 
@@ -108,7 +109,7 @@ class FolderLock:
         except BlockingIOError:
             previous = _read(fd)
             os.close(fd)
-            raise _refusal(self.path, previous or self.owner, locked=True) from None
+            raise _refusal(self.path, previous, locked=True) from None
         except OSError:  # a filesystem without flock: the owner file alone decides
             return fd, False
         return fd, True
