@@ -1,5 +1,5 @@
-"""Checkpoints: collective save and load, on-disk files and indexes, atomic writes, RNG states,
-and Hugging Face names and folders.
+"""Checkpoints: collective save and load, on-disk files and indexes, the metadata manifest, the
+folder's owner lock, atomic writes, RNG states, and Hugging Face names and folders.
 """
 
 from engine.checkpoint.files import (
@@ -11,10 +11,13 @@ from engine.checkpoint.files import (
     step_dirs,
 )
 from engine.checkpoint.load import load_checkpoint, load_model_weights
+from engine.checkpoint.manifest import verify_manifest
+from engine.checkpoint.owner import FolderLock
 from engine.checkpoint.save import save_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "FolderLock",
     "TrainerState",
     "checkpoint_candidates",
     "has_checkpoint",
@@ -23,4 +26,5 @@ __all__ = [
     "read_trainer",
     "save_checkpoint",
     "step_dirs",
+    "verify_manifest",
 ]

@@ -56,7 +56,6 @@ __all__ = [
     "new_directory",
     "read_json",
     "read_trainer",
-    "save_weights",
     "step_dir_name",
     "step_dirs",
     "trash_owner",
@@ -364,25 +363,3 @@ def new_directory(out: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(out.parent)
-
-
-def save_weights(
-    out: str | Path, specs: Sequence[LayerSpec], tensors: dict[str, torch.Tensor]
-) -> Path:
-    """A weights-only checkpoint (one stage, step 0) in one process, e.g. an imported model.
-
-    `tensors` holds the stored names; the directory appears complete or not at all.
-    """
-    with new_directory(out) as tmp:
-        record = write_shard(tmp, "model-stage000.safetensors", tensors)
-        write_index(tmp / MODEL_INDEX, [record], {"step": 0, "partition": [0, len(specs)]})
-        trainer = {
-            "format": FORMAT,
-            "step": 0,
-            "model": model_config_dict(specs[0].config),
-            "partition": [0, len(specs)],
-            "layout": {"pp": 1, "dp": 1, "schedule": None},
-            "torch": torch.__version__,
-        }
-        atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
-    return Path(out)

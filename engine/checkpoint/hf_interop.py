@@ -25,12 +25,13 @@ from engine.checkpoint.files import (
     new_directory,
     read_json,
     read_trainer,
-    save_weights,
     write_index,
     write_shard,
 )
 from engine.checkpoint.hf_configs import hf_config, model_config_from_hf
 from engine.checkpoint.hf_names import hf_rules
+from engine.checkpoint.manifest import verify_manifest
+from engine.checkpoint.save import save_weights
 from engine.checkpoint.weights import TensorSource, check_names
 from models import GPTConfig, ModelConfig
 
@@ -156,6 +157,7 @@ def open_model(path: str | Path) -> tuple[ModelConfig, TensorSource]:
         source = HFSource(path)
         return source.config, source
     directory = checkpoint_candidates(path, fix=PASS_IT_FIX)[0]
+    verify_manifest(directory, (TRAINER_FILE, MODEL_INDEX))
     config = model_config_from_dict(read_trainer(directory).get("model", {}))
     return config, TensorReader(directory, MODEL_INDEX)
 

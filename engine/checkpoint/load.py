@@ -33,7 +33,8 @@ from engine.checkpoint.files import (
     read_trainer,
     step_dirs,
 )
-from engine.checkpoint.rng_state import restore_rng
+from engine.checkpoint.manifest import verify_manifest
+from engine.checkpoint.rng_state import restore_rng, rng_file
 from engine.checkpoint.weights import (
     TensorSource,
     check_names,
@@ -106,7 +107,7 @@ def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) 
     mesh = engine.mesh
     if saved != (mesh.pp, mesh.dp, mesh.tp, ",".join(mesh.order)):
         return None
-    name = f"rng-rank{engine.mesh.rank:05d}.json"
+    name = rng_file(engine.mesh.rank)
     want = trainer.get("rng", {}).get(name)
     if want is None or sha256_file(directory / name) != want:
         raise CheckpointError(f"{directory / name}: missing, or its sha256 differs from trainer")
@@ -116,6 +117,9 @@ def _read_rng(directory: Path, trainer: dict[str, Any], engine: PipelineEngine) 
 def _stage(
     engine: PipelineEngine, specs: Sequence[LayerSpec], directory: Path, weights_only: bool
 ) -> _Staged:
+    read = (TRAINER_FILE, MODEL_INDEX)  # and, to resume, this rank's share of the rest:
+    rest = (OPTIM_INDEX, rng_file(engine.mesh.rank))  # not every rank's RNG file on every rank
+    verify_manifest(directory, read if weights_only else (*read, *rest))
     trainer = read_trainer(directory)
     _check_model(trainer, specs, directory)
     reader = TensorReader(directory, MODEL_INDEX)

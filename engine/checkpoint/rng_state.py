@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+__all__ = ["capture_rng", "restore_rng", "rng_file"]
+
+
+def rng_file(rank: int) -> str:
+    """The file holding global rank `rank`'s generator states in a checkpoint."""
+    return f"rng-rank{rank:05d}.json"
 
 
 def _hex(state: torch.Tensor) -> str:

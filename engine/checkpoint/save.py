@@ -7,10 +7,10 @@ rank its `rng-rankRRRRR.json`. Under ZeRO-1/2 the replicas first gather their sh
 masters and optimizer state, and the first replica writes them per parameter exactly as a
 ZeRO-0 run would (fp32 weights, not the low-precision working copies), so every layout loads
 every other. (Checkpoints of the former ZeRO-1, `optim-stageSSS-dpDDD.safetensors` per
-replica, are read by name like any other.) When all ranks
-have reported (a gather that is also the barrier) global rank 0 writes the indexes and
-`trainer.json`, renames the directory into place, and only then moves the `latest` pointer;
-rotation deletes the oldest checkpoints after that.
+replica, are read by name like any other.) When all ranks have reported (a gather that is also
+the barrier) global rank 0 writes the indexes, `trainer.json` and last the manifest (the sha256
+of each of them and of the RNG states), renames the directory into place, and only then moves
+the `latest` pointer; rotation deletes the oldest checkpoints after that.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from engine.checkpoint.files import (
     ShardRecord,
     TrainerState,
     model_config_dict,
+    new_directory,
     step_dir_name,
     step_dirs,
     trash_owner,
     write_index,
     write_shard,
 )
-from engine.checkpoint.rng_state import capture_rng
+from engine.checkpoint.manifest import write_manifest
+from engine.checkpoint.rng_state import capture_rng, rng_file
 from engine.checkpoint.weights import (
     gathered,
     is_sharded,
@@ -54,13 +56,13 @@ from engine.checkpoint.weights import (
 from engine.runtime.engine import PipelineEngine
 from models import LayerSpec
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "save_weights"]
 
 
 def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -> dict[str, Any]:
     """This rank's files; returns what rank 0 needs for the indexes."""
     report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": []}
-    rng = tmp / f"rng-rank{engine.mesh.rank:05d}.json"
+    rng = tmp / rng_file(engine.mesh.rank)
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
     first_replica = engine.mesh.dp_rank == 0 and engine.mesh.tp_rank == 0
@@ -191,6 +193,7 @@ def _finish(
         "torch": torch.__version__,
     }
     atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
+    write_manifest(tmp)
     fsync_dir(tmp)
 
 
@@ -241,3 +244,26 @@ def save_checkpoint(
 
     everywhere(f"publishing {final}", finish)
     return final
+
+
+def save_weights(
+    out: str | Path, specs: Sequence[LayerSpec], tensors: dict[str, torch.Tensor]
+) -> Path:
+    """A weights-only checkpoint (one stage, step 0) in one process, e.g. an imported model.
+
+    `tensors` holds the stored names; the directory appears complete or not at all.
+    """
+    with new_directory(out) as tmp:
+        record = write_shard(tmp, "model-stage000.safetensors", tensors)
+        write_index(tmp / MODEL_INDEX, [record], {"step": 0, "partition": [0, len(specs)]})
+        trainer = {
+            "format": FORMAT,
+            "step": 0,
+            "model": model_config_dict(specs[0].config),
+            "partition": [0, len(specs)],
+            "layout": {"pp": 1, "dp": 1, "schedule": None},
+            "torch": torch.__version__,
+        }
+        atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
+        write_manifest(tmp)
+    return Path(out)

@@ -35,6 +35,7 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.checkpoint.hf_interop import open_weights
+from engine.checkpoint.owner import holding_folder
 from engine.comm.mesh import Mesh, init_mesh
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.lr_schedules import lr_multiplier
@@ -277,9 +278,6 @@ def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
 
 
 def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
-    root = config.checkpoint.checkpoint_dir
-    if root is not None:  # before anything is loaded from it or trained
-        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     loader = BatchLoader(
         open_dataset(config),
         seq_len=config.batch.seq_len,
@@ -380,6 +378,17 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         order=config.parallel.mesh_order,
     )
     _set_threads(config, mesh)
+    root = config.checkpoint.checkpoint_dir
+    if root is not None:  # before the owner file is written into it
+        check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
+    with holding_folder(root, mesh.rank) as note:
+        if note is not None:
+            _say(mesh, note)
+        return _train_on(config, mesh, progress=progress)
+
+
+def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult:
+    """`train` once the mesh is up and this run holds its checkpoint folder."""
     run = _open_run(config, mesh)
     first = run.restore()
     profiled = config.monitor.flops_profile_step

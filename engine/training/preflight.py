@@ -22,6 +22,8 @@ from engine.checkpoint.files import (
     read_trainer,
     step_dirs,
 )
+from engine.checkpoint.manifest import unverified_note, verify_manifest
+from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
@@ -183,6 +185,8 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
     root = config.checkpoint.checkpoint_dir
+    if root is not None:
+        check_folder_free(root)
     if config.checkpoint.resume and root is not None and has_checkpoint(root):
         check_before_loading(root, config)
 
@@ -192,7 +196,11 @@ def check_before_loading(root: str, config: TrainConfig) -> None:
     fails to load, which would hide the plain reason and its fix."""
     try:
         directory = checkpoint_candidates(root, fallback=config.checkpoint.resume_fallback)[0]
+        verify_manifest(directory, (TRAINER_FILE,))
         trainer = read_trainer(directory)
     except CheckpointError:
         return  # loading reports it, or falls back to an older checkpoint
+    note = unverified_note(directory)
+    if note is not None:
+        print(f"meshpipe: {note}", file=sys.stderr)
     check_resumable(trainer.get("config", {}), config, trainer.get("step", 0), str(directory))

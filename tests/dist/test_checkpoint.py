@@ -170,6 +170,17 @@ def test_a_corrupt_shard_fails_every_rank_with_its_name(tmp_path: Path) -> None:
     assert report.count("rank 1: ") >= 2 and "model-stage001.safetensors: sha256" in report
 
 
+def test_an_edited_rng_file_of_rank_1_fails_every_rank_with_its_name(tmp_path: Path) -> None:
+    run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "llama-tiny", "1f1b", 1)
+    rng = tmp_path / "step-00000001" / "rng-rank00001.json"
+    rng.write_text(rng.read_text().replace('"torch_cpu": "', '"torch_cpu": "00', 1))
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_load, 2, str(tmp_path), 2, "llama-tiny", timeout_s=60)
+    report = str(failed.value)
+    assert "--- rank 0 ---" in report and "--- rank 1 ---" in report
+    assert "rank 1: " in report and "rng-rank00001.json: sha256" in report
+
+
 def _uninterrupted(data: str, root: Path) -> tuple[float, ...]:
     """The reference in one process: llama's pp=2 steps equal pp=1 steps bit for bit."""
     config = TrainConfig.of(

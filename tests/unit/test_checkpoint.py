@@ -28,6 +28,7 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.checkpoint.files import MODEL_INDEX, OPTIM_INDEX, CheckpointError, TensorReader
+from engine.checkpoint.manifest import MANIFEST, unverified_note, write_manifest
 from engine.checkpoint.rng_state import capture_rng, restore_rng
 from engine.checkpoint.weights import read_module_weights, read_optimizer_state
 from engine.comm.mesh import Mesh
@@ -95,6 +96,7 @@ def test_a_checkpoint_is_a_step_directory_named_by_latest(tmp_path: Path) -> Non
     assert directory.name == "step-00000001"
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000001\n"
     assert sorted(p.name for p in directory.iterdir()) == [
+        MANIFEST,
         "model-stage000.safetensors",
         "model-stage001.safetensors",
         MODEL_INDEX,
@@ -243,10 +245,12 @@ def test_rng_states_round_trip() -> None:
 
 
 def _rewrite_index(directory: Path, edit: Any) -> None:
+    """An index that is wrong yet sealed by the manifest, as a buggy writer would leave it."""
     path = directory / MODEL_INDEX
     index = json.loads(path.read_text())
     edit(index)
     path.write_text(json.dumps(index))
+    write_manifest(directory)
 
 
 def test_a_corrupt_shard_is_named_by_its_checksum(tmp_path: Path) -> None:
@@ -424,3 +428,78 @@ def test_the_next_save_puts_a_cut_off_resaves_previous_copy_back(tmp_path: Path)
     _save(holder, tmp_path, step=3)
     assert (tmp_path / "step-00000002" / "trainer.json").is_file()
     assert not list(tmp_path.glob(".trash-*"))
+
+
+# The manifest: every metadata file a resume reads is checksummed like a shard.
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+_METADATA_EDITS = {
+    "trainer.json": ('"last_epoch": 4', '"last_epoch": 5'),
+    OPTIM_INDEX: ('"lr": 0.01', '"lr": 0.02'),
+    "rng-rank00000.json": ('"torch_cpu": "', '"torch_cpu": "00'),
+}
+
+
+def _two_checkpoints_latest_edited(tmp_path: Path, file: str) -> Any:
+    holder = _holder("llama-tiny", (0, 3, 7))
+    _save(holder, tmp_path, step=2)
+    _step(holder)
+    _save(holder, tmp_path, step=4)
+    _edit(tmp_path / "step-00000004" / file, *_METADATA_EDITS[file])
+    return holder
+
+
+@pytest.mark.parametrize("file", sorted(_METADATA_EDITS))
+def test_an_edited_metadata_file_fails_the_load_naming_it(tmp_path: Path, file: str) -> None:
+    holder = _two_checkpoints_latest_edited(tmp_path, file)
+    pattern = rf"step-00000004/{re.escape(file)}: sha256 .* does not match .*/manifest\.json"
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(holder, holder.specs, tmp_path)
+
+
+def test_an_edited_metadata_file_names_the_previous_checkpoint_and_the_fallback_flag(
+    tmp_path: Path,
+) -> None:
+    holder = _two_checkpoints_latest_edited(tmp_path, "trainer.json")
+    with pytest.raises(
+        CheckpointError,
+        match=r"previous complete checkpoint is .*step-00000002: pass --resume-fallback",
+    ):
+        load_checkpoint(holder, holder.specs, tmp_path)
+
+
+@pytest.mark.parametrize("file", sorted(_METADATA_EDITS))
+def test_fallback_skips_a_checkpoint_with_an_edited_metadata_file(
+    tmp_path: Path, file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = _two_checkpoints_latest_edited(tmp_path, file)
+    directory, state = load_checkpoint(holder, holder.specs, tmp_path, fallback=True)
+    assert (directory.name, state.step, state.scheduler) == ("step-00000002", 2, {"last_epoch": 2})
+    assert f"{file}: sha256" in capsys.readouterr().err
+
+
+def test_a_damaged_manifest_is_named_as_such(tmp_path: Path) -> None:
+    holder, directory = _trained_checkpoint(tmp_path)
+    _edit(directory / MANIFEST, '"trainer.json": "', '"trainer.json": "0')
+    with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable or fails its own"):
+        load_checkpoint(holder, holder.specs, directory)
+
+
+def test_a_checkpoint_without_a_manifest_loads_with_a_note(tmp_path: Path) -> None:
+    saved, directory = _trained_checkpoint(tmp_path)
+    (directory / MANIFEST).unlink()
+    loaded = _holder("llama-tiny", (0, 7), seed=99)
+    load_checkpoint(loaded, loaded.specs, directory)
+    assert all(torch.equal(t, _params(saved)[n]) for n, t in _params(loaded).items())
+    assert "no manifest.json (saved by an earlier meshpipe)" in str(unverified_note(directory))
+
+
+def test_a_checkpoint_with_its_manifest_has_no_note(tmp_path: Path) -> None:
+    _, directory = _trained_checkpoint(tmp_path)
+    assert unverified_note(directory) is None

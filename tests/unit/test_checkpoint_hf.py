@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint.files import CheckpointError, expected_names, save_weights
+from engine.checkpoint.files import CheckpointError, expected_names
 from engine.checkpoint.hf_interop import HFSource, export_hf, import_hf, open_model
+from engine.checkpoint.save import save_weights
 from engine.checkpoint.weights import stored_parameters
 from engine.cli.main import main
 from engine.training.config import TrainConfig

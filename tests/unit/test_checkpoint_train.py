@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.checkpoint.owner import OWNER_FILE, FolderLock, Owner
 from engine.cli.main import build_parser, main
 from engine.runtime.lr_schedules import lr_factor
 from engine.training.batches import BatchLoader
@@ -21,6 +23,7 @@ from engine.training.generate import load_model
 from engine.training.loop import TrainResult, train
 from engine.training.resume_check import check_resumable
 from models import lm_loss
+from tests.unit.cli_error import cli_error
 
 torch.set_num_threads(1)
 
@@ -258,6 +261,71 @@ def test_cli_resume_says_where_it_resumed_from(
     argv = [*_run_argv(tokens, tmp_path), "--resume", "--no-progress"]
     assert main(argv) == 0
     assert "resumed from step 3" in capsys.readouterr().err
+
+
+def _latest_trainer_edited(runs: dict[str, Any], root: Path) -> None:
+    """Steps 3 and 6 of the `runs` job, step 6's lr schedule moved on by one step by hand."""
+    _copy_step(runs["root"] / "full", 3, root)
+    _copy_step(runs["root"] / "full", 6, root)
+    trainer = root / "step-00000006" / "trainer.json"
+    text = trainer.read_text()
+    assert '"last_epoch": 6' in text
+    trainer.write_text(text.replace('"last_epoch": 6', '"last_epoch": 7'))
+
+
+def test_cli_resume_from_an_edited_trainer_json_fails_naming_it(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _latest_trainer_edited(runs, tmp_path)
+    argv = [*_run_argv(tokens, tmp_path, save_every=3), "--resume", "--no-progress"]
+    code, err = cli_error(argv, capsys)
+    assert code != 0
+    assert re.search(r"step-00000006/trainer\.json: sha256 .* does not match", err), err
+    assert "step-00000003: pass --resume-fallback" in err
+
+
+def test_cli_resume_fallback_skips_an_edited_trainer_json_and_ends_bit_for_bit(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _latest_trainer_edited(runs, tmp_path)
+    argv = [*_run_argv(tokens, tmp_path, save_every=3), "--resume", "--resume-fallback"]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "resumed from step 3" in capsys.readouterr().err
+    full = _tensors(runs["root"] / "full" / "step-00000006")
+    again = _tensors(tmp_path / "step-00000006")
+    assert full.keys() == again.keys()
+    assert all(torch.equal(full[k], again[k]) for k in full)
+
+
+def test_cli_resume_from_a_checkpoint_without_a_manifest_says_so_and_resumes(
+    runs: dict[str, Any], tokens: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _copy_step(runs["root"] / "full", 3, tmp_path)
+    (tmp_path / "step-00000003" / "manifest.json").unlink()
+    argv = [*_run_argv(tokens, tmp_path), "--resume", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "step-00000003 has no manifest.json (saved by an earlier meshpipe)" in err
+    assert "resumed from step 3" in err
+
+
+def test_a_run_into_a_folder_another_run_holds_is_refused_naming_it(
+    tokens: str, tmp_path: Path
+) -> None:
+    other = Owner(run="run-a", host=socket.gethostname(), pid=111, since="2026-11-24T10:00:00Z")
+    held = FolderLock(tmp_path, other)
+    held.acquire()
+    config = TrainConfig.of(**{**RUN, "steps": 1}, data=tokens, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"in use by run run-a \(pid 111 on host"):
+        train(config, progress=False)
+    held.release()
+    assert not list(tmp_path.glob("step-*"))
+
+
+def test_a_run_releases_its_folder_when_it_ends(tokens: str, tmp_path: Path) -> None:
+    config = TrainConfig.of(**{**RUN, "steps": 1}, data=tokens, checkpoint_dir=str(tmp_path))
+    train(config, progress=False)
+    assert (tmp_path / OWNER_FILE).read_text() == ""
 
 
 def _resume_changed(runs: dict[str, Any], tokens: str, root: Path, **changes: Any) -> TrainResult:

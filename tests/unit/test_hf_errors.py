@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint.files import CheckpointError, save_weights
+from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_interop import HFSource, export_hf, import_hf
+from engine.checkpoint.save import save_weights
 from engine.checkpoint.weights import stored_parameters
 from models import build_layers, layer_specs
 from tests.unit.cli_error import cli_error
