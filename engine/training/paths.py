@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from engine.checkpoint.files import LATEST, TRAINER_FILE, has_checkpoint
+from engine.checkpoint.owner import OWNER_FILE
 from engine.training.data import token_file_pair
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "tree_out",
 ]
 
-_ROOT_OWNED = re.compile(rf"^(step-\d{{8}}|{LATEST}|\.tmp-.*|\.trash-.*)$")
+_ROOT_OWNED = re.compile(rf"^(step-\d{{8}}|{LATEST}|\.tmp-.*|\.trash-.*|{re.escape(OWNER_FILE)})$")
 """What a checkpoint root's run owns inside it; other files there (a metrics file) are free."""
 
 

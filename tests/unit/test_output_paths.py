@@ -49,6 +49,10 @@ def _bytes(folder: Path) -> dict[str, bytes]:
         (["--metrics-file", "x", "--trace", "x"], ("--metrics-file x", "--trace x")),
         (["--csv-dir", "m", "--metrics-file", "m"], ("--csv-dir m", "--metrics-file m")),
         (["--checkpoint-dir", "new", "--trace", "new/latest"], ("--trace", "--checkpoint-dir")),
+        (
+            ["--checkpoint-dir", "new", "--metrics-file", "new/.meshpipe-owner"],
+            ("--metrics-file", "--checkpoint-dir"),
+        ),
         (["--init-from", "ck", "--metrics-file", "ck/latest"], ("--metrics-file", "--init-from")),
         (["--metrics-file", "ck/step-00000001/m.jsonl"], ("--metrics-file", "checkpoint")),
     ],
