@@ -47,6 +47,7 @@ __all__ = [
     "TrainerState",
     "atomic_write_text",
     "canonical_name",
+    "check_sha256",
     "checkpoint_candidates",
     "expected_names",
     "fsync_dir",
@@ -92,6 +93,17 @@ class TrainerState:
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+def check_sha256(path: Path, want: str, *, recorded_in: Path) -> None:
+    """`path`'s bytes against the digest `recorded_in` holds for it: a mismatch is a corrupt,
+    edited or replaced file, named with both."""
+    got = sha256_file(path)
+    if got != want:
+        raise CheckpointError(
+            f"{path}: sha256 {got[:12]}… does not match {want[:12]}… in {recorded_in}; "
+            "the file is corrupt, edited or replaced"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,12 +185,7 @@ class TensorReader:
         want = self._digests.get(file)
         if want is None:
             raise CheckpointError(f"{self.index_path} has no sha256 for {file}")
-        got = sha256_file(path)
-        if got != want:
-            raise CheckpointError(
-                f"{path}: sha256 {got[:12]}… does not match {want[:12]}… in {self.index_path}; "
-                "the file is corrupt or was replaced"
-            )
+        check_sha256(path, want, recorded_in=self.index_path)
         self.opened.add(file)
         return path
 

@@ -18,7 +18,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from engine.checkpoint.atomic import atomic_write_text, sha256_file
-from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.files import CheckpointError, check_sha256
 
 __all__ = ["MANIFEST", "unverified_note", "verify_manifest", "write_manifest"]
 
@@ -83,9 +83,4 @@ def verify_manifest(directory: Path, names: Collection[str] | None = None) -> No
             continue
         if not file.is_file():
             raise CheckpointError(f"{file} does not exist: the checkpoint is incomplete")
-        got = sha256_file(file)
-        if got != want:
-            raise CheckpointError(
-                f"{file}: sha256 {got[:12]}… does not match {want[:12]}… in {path}; "
-                "the file is corrupt or was edited"
-            )
+        check_sha256(file, want, recorded_in=path)
