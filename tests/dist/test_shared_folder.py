@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.checkpoint.owner import OWNER_FILE
 from engine.training.config import TrainConfig
 from engine.training.data import prepare
 from engine.training.loop import train
@@ -56,5 +57,6 @@ def _train_shared(rank: int, world_size: int, folder: str, data: str) -> tuple[f
 def test_a_shared_folder_passes_and_keeps_no_token(tmp_path: Path, tokens: str) -> None:
     folder = tmp_path / "shared"
     run_ranks(_train_shared, 2, str(folder), tokens)
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-00000001"]
+    expected = sorted([OWNER_FILE, "latest", "step-00000001"])  # the run's lock stays, emptied
+    assert sorted(p.name for p in folder.iterdir()) == expected
     assert not list(folder.glob(f"{TOKEN_PREFIX}*"))
