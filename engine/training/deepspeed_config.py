@@ -5,7 +5,8 @@ A training script written for DeepSpeed's launcher passes `--deepspeed_config ds
 `deepspeed_overrides` turns the file into flat `TrainConfig` settings and
 `deepspeed_defaults` gives DeepSpeed's defaults for what it omits. `TOP_LEVEL_KEYS` is the
 one table of every top-level key and its fate (docs/DEEPSPEED.md shows it); the sections are
-read by `engine.training.deepspeed_sections`, "auto" values by
+read by `engine.training.deepspeed_sections` (training) and
+`engine.training.deepspeed_monitors` (what a run reports), "auto" values by
 `engine.training.deepspeed_auto`. A key DeepSpeed does not know is refused by name.
 """
 
@@ -19,10 +20,10 @@ from typing import Any
 from engine.config import LOSS_SCALE_FIELDS, require
 from engine.config.optimizer import no_auto
 from engine.training.deepspeed_auto import resolve_auto
+from engine.training.deepspeed_monitors import MONITOR_HANDLERS, check_recompute_fwd_factor
 from engine.training.deepspeed_sections import (
     SECTION_HANDLERS,
     Refusals,
-    check_recompute_fwd_factor,
     precision,
     zero_stage,
 )
@@ -234,7 +235,7 @@ def deepspeed_overrides(
     cfg = resolve_auto(read_deepspeed_config(config), flags, dp=dp)
     _check_keys(cfg)
     fields: dict[str, Any] = _batch_fields(cfg, dp)
-    for key, handler in SECTION_HANDLERS.items():
+    for key, handler in {**SECTION_HANDLERS, **MONITOR_HANDLERS}.items():
         if key in cfg:
             fields.update(handler(cfg[key], cfg))
     fields.update(precision(cfg))

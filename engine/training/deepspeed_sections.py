@@ -11,21 +11,21 @@ cannot honour is refused with the reason, and a key that changes nothing meshpip
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.config import LOSS_SCALE_FIELDS, ZERO_LEVELS, require
-from engine.config.engine_options import parse_stages
 from engine.config.optimizer import check_scheduler_params, no_auto
 
 __all__ = [
     "SECTION_HANDLERS",
+    "Handler",
     "Refusals",
-    "check_recompute_fwd_factor",
+    "check_known",
     "number",
     "precision",
     "refuse_values",
+    "section_of",
     "zero_stage",
 ]
 
@@ -54,13 +54,13 @@ def number(value: Any, key: str, kind: type[float] | type[int] = float) -> Any:
     return result
 
 
-def _section(value: Any, key: str) -> Mapping[str, Any]:
+def section_of(value: Any, key: str) -> Mapping[str, Any]:
     require(isinstance(value, Mapping), f"DeepSpeed config {key}={value!r}: give an object")
     result: Mapping[str, Any] = value
     return result
 
 
-def _known(section: Mapping[str, Any], accepted: tuple[str, ...], key: str) -> None:
+def check_known(section: Mapping[str, Any], accepted: tuple[str, ...], key: str) -> None:
     unknown = sorted(set(section) - set(accepted))
     require(
         not unknown,
@@ -78,7 +78,7 @@ def refuse_values(section: Mapping[str, Any], refusals: Refusals, key: str) -> N
 
 def _optimizer(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     """Optimizer fields; a param meshpipe's optimizer would not honour is rejected by name."""
-    section = _section(value, "optimizer")
+    section = section_of(value, "optimizer")
     kind = str(section.get("type", "")).lower()
     require(
         kind in _OPTIMIZERS,
@@ -119,7 +119,7 @@ def _betas(value: Any) -> tuple[float, float]:
 
 
 def _scheduler(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    section = _section(value, "scheduler")
+    section = section_of(value, "scheduler")
     kind = section.get("type")
     params = dict(section.get("params", {}))
     check_scheduler_params(str(kind), params)
@@ -146,7 +146,7 @@ _FP16_REFUSED: Refusals = {
 
 def zero_stage(config: Mapping[str, Any]) -> int:
     """The ZeRO stage a config asks for (0 without a zero_optimization section)."""
-    section = _section(config.get("zero_optimization", {}), "zero_optimization")
+    section = section_of(config.get("zero_optimization", {}), "zero_optimization")
     stage: int = number(section.get("stage", 0), "zero_optimization.stage", int)
     return stage
 
@@ -155,8 +155,8 @@ def _fp16(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     """fp16's loss scaling as DeepSpeed runs it: its ZeRO optimizers honour the hysteresis,
     its fp16 optimizer without ZeRO ignores it (halving on every overflow). A disabled
     section is ignored, as DeepSpeed ignores it."""
-    section = _section(value, "fp16")
-    _known(section, _FP16_KEYS, "fp16")
+    section = section_of(value, "fp16")
+    check_known(section, _FP16_KEYS, "fp16")
     if not section.get("enabled", False):
         return {}
     refuse_values(section, _FP16_REFUSED, "fp16")
@@ -183,8 +183,8 @@ _BF16_REFUSED: Refusals = {
 
 def _bf16(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     """bf16: check_grad_overflow is meshpipe's non-finite guard (on by default in both)."""
-    section = _section(value, "bf16")
-    _known(section, _BF16_KEYS, "bf16")
+    section = section_of(value, "bf16")
+    check_known(section, _BF16_KEYS, "bf16")
     if not section.get("enabled", False):
         return {}
     refuse_values(section, _BF16_REFUSED, "bf16")
@@ -196,8 +196,8 @@ def precision(config: Mapping[str, Any]) -> dict[str, Any]:
     (fp32 when neither is enabled), as DeepSpeed would run it."""
     if "bf16" not in config and "fp16" not in config:
         return {}
-    bf16 = bool(_section(config.get("bf16", {}), "bf16").get("enabled", False))
-    fp16 = bool(_section(config.get("fp16", {}), "fp16").get("enabled", False))
+    bf16 = bool(section_of(config.get("bf16", {}), "bf16").get("enabled", False))
+    fp16 = bool(section_of(config.get("fp16", {}), "fp16").get("enabled", False))
     require(not (bf16 and fp16), "the DeepSpeed config enables both bf16 and fp16: choose one")
     fields = {"precision": "bf16" if bf16 else "fp16" if fp16 else "fp32"}
     fields.update(_fp16(config.get("fp16", {}), config))
@@ -253,8 +253,8 @@ def _offloads_nothing(key: str, value: Any) -> bool:
 def _zero(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     """ZeRO stages map to --zero; stage 3 needs the per-tensor optimizer (set by
     `deepspeed_defaults` unless a flag chose another, which is then refused)."""
-    section = _section(value, "zero_optimization")
-    _known(section, ("stage", *_ZERO_COMMUNICATION, *_ZERO_REFUSED), "zero_optimization")
+    section = section_of(value, "zero_optimization")
+    check_known(section, ("stage", *_ZERO_COMMUNICATION, *_ZERO_REFUSED), "zero_optimization")
     offloading = {k: v for k, v in section.items() if not _offloads_nothing(k, v)}
     refuse_values(offloading, _ZERO_REFUSED, "zero_optimization")
     stage = zero_stage(config)
@@ -281,8 +281,8 @@ _RECOMPUTE_REFUSED: Refusals = {
 def _activation_checkpointing(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSpeed's section only configures deepspeed.checkpointing; it recomputes nothing by
     itself (pipeline.activation_checkpoint_interval does), so it changes no setting."""
-    section = _section(value, "activation_checkpointing")
-    _known(section, ("number_checkpoints", *_RECOMPUTE_REFUSED), "activation_checkpointing")
+    section = section_of(value, "activation_checkpointing")
+    check_known(section, ("number_checkpoints", *_RECOMPUTE_REFUSED), "activation_checkpointing")
     refuse_values(section, _RECOMPUTE_REFUSED, "activation_checkpointing")
     return {}
 
@@ -299,9 +299,9 @@ _PIPELINE_REFUSED: Refusals = {
 
 
 def _pipeline(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    section = _section(value, "pipeline")
+    section = section_of(value, "pipeline")
     accepted = ("partition_method", "activation_checkpoint_interval", *_PIPELINE_ACCEPTED)
-    _known(section, (*accepted, *_PIPELINE_REFUSED), "pipeline")
+    check_known(section, (*accepted, *_PIPELINE_REFUSED), "pipeline")
     refuse_values(section, _PIPELINE_REFUSED, "pipeline")
     fields: dict[str, Any] = {}
     if "partition_method" in section:
@@ -314,132 +314,21 @@ def _pipeline(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _monitor_dir(value: Any, key: str) -> str | None:
-    """Where DeepSpeed's tensorboard / csv_monitor write: output_path/job_name."""
-    section = _section(value, key)
-    _known(section, ("enabled", "output_path", "job_name"), key)
-    if not section.get("enabled", False):
-        return None
-    return os.path.join(section.get("output_path", ""), section.get("job_name", "DeepSpeedJobName"))
-
-
-def _tensorboard(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    where = _monitor_dir(value, "tensorboard")
-    return {} if where is None else {"tensorboard_dir": where}
-
-
-def _csv_monitor(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    where = _monitor_dir(value, "csv_monitor")
-    return {} if where is None else {"csv_dir": where}
-
-
-def _wandb(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    section = _section(value, "wandb")
-    _known(section, ("enabled", "group", "team", "project"), "wandb")
-    if not section.get("enabled", False):
-        return {}
-    offline = "an offline run has no team: remove it (`wandb sync --entity TEAM` syncs)"
-    refuse_values(section, {"team": (None, offline)}, "wandb")
-    return {
-        "wandb_project": section.get("project", "deepspeed"),
-        "wandb_group": section.get("group"),
-    }
-
-
-_PROFILER_KEYS = ("enabled", "recompute_fwd_factor", "profile_step", "module_depth",
-                  "top_modules", "detailed", "output_file")  # fmt: skip
-_TREE = "meshpipe reports per stage and per layer, not DeepSpeed's tree of modules"
-_PROFILER_REFUSED: Refusals = {
-    "module_depth": (-1, f"{_TREE}: remove it (or give DeepSpeed's default, -1)"),
-    "top_modules": (1, f"{_TREE}: remove it (or give DeepSpeed's default, 1)"),
-    "detailed": (True, f"{_TREE}, always in full: remove it (or give true)"),
-}
-
-
-def _flops_profiler(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    """DeepSpeed profiles the step that starts after `profile_step` optimizer steps (its
-    global_steps counts steps done, from 0): meshpipe's step profile_step + 1, counted from 1.
-    recompute_fwd_factor is checked against the run's recomputation by
-    `check_recompute_fwd_factor`."""
-    section = _section(value, "flops_profiler")
-    _known(section, _PROFILER_KEYS, "flops_profiler")
-    if not section.get("enabled", False):
-        return {}
-    refuse_values(section, _PROFILER_REFUSED, "flops_profiler")
-    key = "flops_profiler.profile_step"
-    step = number(section.get("profile_step", 1), key, int)
-    require(step >= 0, f"{key}={step}: give the number of steps done before the profiled one")
-    fields: dict[str, Any] = {"flops_profile_step": step + 1}
-    if section.get("output_file"):  # DeepSpeed prints to stdout for null and ""
-        fields["flops_profile_file"] = str(section["output_file"])
-    return fields
-
-
-def _recompute_share(settings: Mapping[str, Any]) -> tuple[float | None, str]:
-    """The share of the forward FLOPs the run recomputes, when it does not depend on the
-    partition (None when only some stages recompute), and how the settings say it."""
-    recompute = str(settings.get("recompute", "none"))
-    if recompute == "none":
-        return 0.0, "--recompute none"
-    num_stages = int(settings.get("pp", 1)) * int(settings.get("stages_per_rank", 1))
-    stages = settings.get("recompute_stages")
-    if stages is None or set(parse_stages(stages)) >= set(range(num_stages)):
-        return 1.0, f"--recompute {recompute} on every stage"
-    listed = ",".join(map(str, parse_stages(stages)))
-    return None, f"--recompute {recompute} on stages {listed} only"
-
-
-def check_recompute_fwd_factor(config: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
-    """An enabled profiler's recompute_fwd_factor (DeepSpeed's user-supplied share of the
-    forward recomputed) must be what the run's flat `settings` recompute: meshpipe counts each
-    recomputed layer exactly, so a different share is refused naming both."""
-    section = config.get("flops_profiler")
-    if not isinstance(section, Mapping) or not section.get("enabled", False):
-        return
-    if "recompute_fwd_factor" not in section:
-        return
-    key = "flops_profiler.recompute_fwd_factor"
-    given = number(section["recompute_fwd_factor"], key)
-    share, how = _recompute_share(settings)
-    require(
-        share is not None,
-        f"{key}={given:g} cannot describe {how}: the recomputed share of the forward then "
-        "depends on the partition, and meshpipe's FLOPs report counts each recomputed layer "
-        "exactly: remove recompute_fwd_factor",
-    )
-    require(
-        given == share,
-        f"{key}={given:g} contradicts the run's {how} (a share of {share:g} of the forward "
-        f"recomputed, which meshpipe's FLOPs report counts exactly): give {share:g} or remove it",
-    )
-
-
 def _data_types(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    section = _section(value, "data_types")
-    _known(section, ("grad_accum_dtype",), "data_types")
+    section = section_of(value, "data_types")
+    check_known(section, ("grad_accum_dtype",), "data_types")
     reason = "meshpipe accumulates gradients in fp32: give fp32 or remove it"
     refuse_values(section, {"grad_accum_dtype": ("fp32", reason)}, "data_types")
     return {}
 
 
-def _steps_per_print(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    steps = number(value, "steps_per_print", int)
-    require(steps >= 1, f"steps_per_print={steps}: give a number of steps of at least 1")
-    return {"log_every": steps}
-
-
-def _wall_clock_breakdown(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    require(isinstance(value, bool), f"wall_clock_breakdown={value!r}: give true or false")
-    return {"log_phases": value}
-
-
 def _checkpoint(value: Any, config: Mapping[str, Any]) -> dict[str, Any]:
-    section = _section(value, "checkpoint")
+    section = section_of(value, "checkpoint")
     refusals: Refusals = {
         name: (False, "meshpipe writes its own checkpoints: remove it")
         for name in ("load_universal", "use_node_local_storage", "parallel_write")
     }
-    _known(section, ("tag_validation", *refusals), "checkpoint")
+    check_known(section, ("tag_validation", *refusals), "checkpoint")
     refuse_values(section, refusals, "checkpoint")
     return {}
 
@@ -458,16 +347,11 @@ SECTION_HANDLERS: dict[str, Handler] = {
     "zero_optimization": _zero,
     "activation_checkpointing": _activation_checkpointing,
     "pipeline": _pipeline,
-    "tensorboard": _tensorboard,
-    "csv_monitor": _csv_monitor,
-    "wandb": _wandb,
-    "flops_profiler": _flops_profiler,
     "data_types": _data_types,
-    "steps_per_print": _steps_per_print,
-    "wall_clock_breakdown": _wall_clock_breakdown,
     "checkpoint": _checkpoint,
     "gradient_clipping": _gradient_clipping,
     "seed": _seed,
 }
-"""The top-level keys honoured section by section (batch sizes and precision are read
-together, by `deepspeed_config`)."""
+"""The top-level keys that shape training, honoured section by section (batch sizes and
+precision are read together, by `deepspeed_config`; what a run reports:
+`deepspeed_monitors.MONITOR_HANDLERS`)."""
