@@ -33,7 +33,9 @@ def shard_layers(
     reshard: str = "step",
 ) -> FullyShardedLayers:
     """`fully_shard` each layer over `mesh` (1-D, the dp replicas): parameters gathered in
-    `dtype`, gradients reduced in fp32; each layer is its own FSDP root, since a stage runs
+    `dtype`, gradients summed over the replicas in fp32 (FSDP's default is the mean, but each
+    micro-batch loss is already divided by micro-batches × replicas, as the reference's is,
+    and the other ZeRO levels sum); each layer is its own FSDP root, since a stage runs
     its layers one by one and never the stack's own forward. `reshard` is when a layer gives
     its gathered weights back: after the step (`step`) or after each forward and backward
     (`micro-batch`, FSDP's own per-backward reduce-scatter)."""
@@ -50,6 +52,8 @@ def shard_layers(
         per_micro_batch = reshard == "micro-batch"
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
         assert isinstance(layer, FSDPModule)
+        layer.set_gradient_divide_factor(1.0)
+        layer.set_force_sum_reduction_for_comms(True)
         sharded.append(layer)
     return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
 

@@ -49,6 +49,10 @@ CASES = [
         "llama", 2, 2, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2,
         precision="fp16", zero=3, zero_reshard="micro-batch",
     ),
+    # Unclipped: clipping rescales a gradient that is off by a constant factor (such as FSDP's
+    # default average over dp instead of the sum) back to the same update.
+    Case("gpt-untied", 2, 2, "1f1b", 2, "uniform", "sgd", zero=3),
+    Case("llama", 2, 2, "1f1b", 2, "uniform", "sgd", zero=3, zero_reshard="micro-batch"),
 ]
 EXACT = [
     Case("gpt-untied", 2, 1, "zb_drain", 4, "uniform", clip=0.05, zero=2),
