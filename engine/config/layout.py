@@ -71,7 +71,8 @@ def _check_tensor_parallel_options(
         f"is a multiple of {tp}",
     )
     require(
-        not engine.zero,
-        f"--tp {tp} with --zero {engine.zero}: ZeRO does not shard tensor-parallel (DTensor) "
-        f"stages yet; drop --zero {engine.zero} or use --tp 1",
+        engine.zero in (0, 3),
+        f"--tp {tp} with --zero {engine.zero}: the flat buffers of ZeRO-1 and 2 hold plain "
+        "tensors, not tensor-parallel (DTensor) shards; use --zero 3 (FSDP2 over the (dp, tp) "
+        "mesh), drop --zero or use --tp 1",
     )

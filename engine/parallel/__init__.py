@@ -15,6 +15,7 @@ from engine.parallel.tensor_parallel import (
     shard_like,
     sharded_loss_scope,
     split_gradient_norms,
+    split_over_tp,
 )
 from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
 
@@ -37,4 +38,5 @@ __all__ = [
     "shard_like",
     "sharded_loss_scope",
     "split_gradient_norms",
+    "split_over_tp",
 ]

@@ -57,6 +57,7 @@ __all__ = [
     "shard_like",
     "sharded_loss_scope",
     "split_gradient_norms",
+    "split_over_tp",
 ]
 
 ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
@@ -184,8 +185,13 @@ def align_gradients(
     then()
 
 
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+def split_over_tp(tensor: torch.Tensor) -> bool:
+    """Whether the tp ranks hold different slices of `tensor` (its norm sums over them), on a
+    tp mesh or on ZeRO-3's (dp, tp) mesh, where every parameter is split over dp too."""
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    return "tp" in names and tensor.placements[names.index("tp")].is_shard()
 
 
 def split_gradient_norms(
@@ -202,7 +208,7 @@ def split_gradient_norms(
     group: dist.ProcessGroup | None = None
     for position, grad in grads:
         norm = torch.linalg.vector_norm(local_tensor(grad), 2.0).float()
-        if _is_sharded(grad):
+        if split_over_tp(grad):
             assert isinstance(grad, DTensor)
             squares[position] = norm * norm
             group = grad.device_mesh.get_group()

@@ -77,10 +77,11 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        if mesh.tp > 1 and self.options.zero:
+        if mesh.tp > 1 and self.options.zero in (1, 2):
             raise ValueError(
-                f"tp={mesh.tp} with ZeRO-{self.options.zero}: ZeRO does not shard tensor-"
-                "parallel (DTensor) stages yet; drop zero or use tp=1"
+                f"tp={mesh.tp} with ZeRO-{self.options.zero}: the flat buffers of ZeRO-1 and 2 "
+                "hold plain tensors, not tensor-parallel (DTensor) shards; use zero=3 (FSDP2 "
+                "over the (dp, tp) mesh), zero=0 or tp=1"
             )
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
@@ -108,6 +109,7 @@ class PipelineEngine:
             clip_grad_norm=self.options.clip_grad_norm,
             sharded=self.sharded,
             dp_group=self.mesh.dp_group if self.fsdp is not None else None,
+            tp_group=self.mesh.tp_group if self.fsdp is not None and mesh.tp > 1 else None,
         )
         self.scaler = LossScaler.of(self.options)
         self.skipped_steps = 0

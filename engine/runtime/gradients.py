@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engine.parallel import ShardedOptimizer
+from engine.parallel import ShardedOptimizer, split_over_tp
 from engine.runtime.clipping import (
     clip_gradients,
     global_grad_norm,
@@ -39,13 +39,15 @@ class StepGradients:
         clip_grad_norm: float,
         sharded: ShardedOptimizer | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`sharded`: under ZeRO-1/2 the gradients live in its fp32 buffers (or shards), and
         the norms, unscaling and clipping act there. `dp_group`: under ZeRO-3 each `.grad` is
-        this replica's shard (a DTensor), and norms are summed over the group."""
+        this replica's shard (a DTensor), and norms are summed over the group; `tp_group`: with
+        tensor parallelism too, where the tp-split shards' norms are summed over it as well."""
         self._module, self._group, self._clip = module, group, clip_grad_norm
         self._order = global_parameter_order(specs)
-        self._sharded, self._dp_group = sharded, dp_group
+        self._sharded, self._dp_group, self._tp_group = sharded, dp_group, tp_group
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
         """This rank's parameters under their global names (`layers.{i}.…`)."""
@@ -61,15 +63,19 @@ class StepGradients:
         return gradient_norms(self.named(), self._order)
 
     def _shard_norms(self) -> torch.Tensor:
-        """ZeRO-3: per-parameter norms from the local shards' squares, summed over dp."""
-        squares = torch.zeros(len(self._order), dtype=torch.float32)
+        """ZeRO-3: per-parameter norms from the local shards' squares, summed over dp, and
+        over tp for the parameters tensor parallelism splits (not those it replicates)."""
+        device = next(self._module.parameters()).device
+        squares = torch.zeros(2, len(self._order), dtype=torch.float32, device=device)
         for name, param in self.named():
             if name in self._order and param.grad is not None:
-                local = _local(param.grad)
-                squares[self._order[name]] = torch.linalg.vector_norm(local, 2.0).square()
-        squares = squares.to(next(self._module.parameters()).device)
-        dist.all_reduce(squares, group=self._dp_group)
-        return squares.sqrt()
+                square = torch.linalg.vector_norm(_local(param.grad), 2.0).square()
+                squares[int(split_over_tp(param.grad)), self._order[name]] = square
+        if self._tp_group is not None:
+            dist.all_reduce(squares[1], group=self._tp_group)
+        total = squares.sum(dim=0)
+        dist.all_reduce(total, group=self._dp_group)
+        return total.sqrt()
 
     def finish(self, loss: float, scaler: LossScaler | None) -> tuple[float, bool]:
         """Unscale (fp16), take the global norm, decide the skip, clip; the same on all ranks

@@ -19,11 +19,10 @@ import torch
 
 from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from engine.comm.mesh import init_mesh
-from engine.config import OptimizerSpec
+from engine.config import EngineOptions, OptimizerSpec
 from engine.parallel import full_tensor
 from engine.runtime.clipping import global_parameter_order
 from engine.runtime.engine import PipelineEngine
-from models import layer_specs
 from partitioners import partition_model
 from tests.dist.cases import SEQ_LEN, Case, model_specs, reference_run, run_cases
 from tests.dist.harness import run_ranks
@@ -72,27 +71,62 @@ PP2_LOW_PRECISION = [_tp2(model, 2, 1, precision="bf16") for model in ("gpt-tiny
 SPLIT += [_tp2("llama", 2, 1, "zb_drain", 4, guard=False, precision="bf16")]
 PP2_LOW_PRECISION += SPLIT[1:]
 NAN = [_tp2("gpt-untied", 2, 1, nan_at_step=1)]  # stage 0's output poisoned in step 1
+# ZeRO-3 over the (dp, tp) mesh: FSDP2 shards each tp shard over the replicas; clipping sums the
+# squares over both dims (tp only for the split weights), the tie crosses stages at pp 2.
+ZERO3 = [
+    _tp2("llama", 1, 2, clip=0.5, zero=3),
+    _tp2("gpt-tiny", 2, 2, clip=0.5, zero=3),
+    _tp2("gpt-untied", 1, 2, zero=3),  # unclipped: its published norm is the reference's
+]
+# FSDP casts every parameter (norms and embeddings too) where autocast leaves them fp32:
+# measured within 7e-5 (bf16) and 1e-6 (fp16) of the reference's parameters.
+ZERO3_LOW_PRECISION = [
+    _tp2("gpt-untied", 1, 2, precision="bf16", zero=3, zero_reshard="micro-batch"),
+    _tp2("llama", 1, 2, precision="fp16", zero=3, recompute="full"),
+    _tp2("llama", 2, 2, "zb_h1", 4, precision="bf16", zero=3),
+]
 WORLDS = ((2, TP2 + LOW_PRECISION), (4, PP2_TP2 + PP2_LOW_PRECISION + NAN), (8, GRID))
+ZERO3_WORLDS = (
+    (4, ZERO3[::2] + ZERO3_LOW_PRECISION[:2]),
+    (8, ZERO3[1:2] + ZERO3_LOW_PRECISION[2:]),
+)
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
+ZERO3_PARAM_ATOL = 5e-4
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict[str, Any]]]:
+def _run_worlds(worlds: tuple[tuple[int, list[Case]], ...]) -> dict[str, list[dict[str, Any]]]:
     by_case: dict[str, list[dict[str, Any]]] = {}
-    for world, cases in WORLDS:
+    for world, cases in worlds:
         per_rank = run_ranks(run_cases, world, cases)
         for case in cases:
             by_case[str(case)] = [rank_results[str(case)] for rank_results in per_rank]
     return by_case
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID, ids=str)
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict[str, Any]]]:
+    return _run_worlds(WORLDS)
+
+
+@pytest.fixture(scope="module")
+def zero3_runs() -> dict[str, list[dict[str, Any]]]:
+    return _run_worlds(ZERO3_WORLDS)
+
+
+def _results(case: Case, request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Each rank's results of `case`, from the fixture that ran it (ZeRO-3 cases on their own,
+    so each fixture's runs stay within one test's timeout)."""
+    runs = request.getfixturevalue("zero3_runs" if case.zero else "runs")
+    return list(runs[str(case)])
+
+
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3, ids=str)
 def test_tensor_parallel_losses_equal_the_reference_to_float_tolerance(
-    case: Case, runs: dict[str, list[dict[str, Any]]]
+    case: Case, request: pytest.FixtureRequest
 ) -> None:
     reference = reference_run(case)
-    for rank in runs[str(case)]:
+    for rank in _results(case, request):
         assert rank["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
         assert rank["eval_loss"] == pytest.approx(reference["eval_loss"], rel=LOSS_RTOL)
 
@@ -109,38 +143,50 @@ def test_bf16_and_fp16_tensor_parallel_runs_equal_the_reference_to_their_roundin
             torch.testing.assert_close(value, expected, rtol=0, atol=LOW_PARAM_ATOL)
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID, ids=str)
+@pytest.mark.parametrize("case", ZERO3_LOW_PRECISION, ids=str)
+def test_bf16_and_fp16_under_tp_and_zero3_equal_the_reference_to_their_rounding(
+    case: Case, request: pytest.FixtureRequest
+) -> None:
+    reference = reference_run(case)
+    for rank in _results(case, request):
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=LOW_LOSS_RTOL)
+        for name, value in rank["params"].items():
+            expected = reference["params"][name]
+            torch.testing.assert_close(value.float(), expected, rtol=0, atol=ZERO3_PARAM_ATOL)
+
+
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3, ids=str)
 def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
-    case: Case, runs: dict[str, list[dict[str, Any]]]
+    case: Case, request: pytest.FixtureRequest
 ) -> None:
     """Each rank's shards, gathered: every tp rank and replica holds its slice of the same
     model, and together the stages hold every parameter of the reference."""
     reference = reference_run(case)["params"]
     seen: set[str] = set()
-    for rank in runs[str(case)]:
+    for rank in _results(case, request):
         for name, value in rank["params"].items():
             torch.testing.assert_close(value, reference[name], rtol=PARAM_RTOL, atol=PARAM_ATOL)
             seen.add(name)
     assert set(global_parameter_order(model_specs(case.model))) <= seen <= set(reference)
 
 
-@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0]], ids=str)
+@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1]], ids=str)
 def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_parallelism(
-    case: Case, runs: dict[str, list[dict[str, Any]]]
+    case: Case, request: pytest.FixtureRequest
 ) -> None:
-    params = [rank["params"] for rank in runs[str(case)]]
+    params = [rank["params"] for rank in _results(case, request)]
     head = next(p["layers.6.weight"] for p in params if "layers.6.weight" in p)
     embedding = next(p["layers.0.wte.weight"] for p in params if "layers.0.wte.weight" in p)
     assert torch.equal(head, embedding)
 
 
 # Unclipped cases: the reference reads its norm after clipping, the engine before.
-@pytest.mark.parametrize("case", [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0]], ids=str)
+@pytest.mark.parametrize("case", [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0], ZERO3[2]], ids=str)
 def test_the_global_gradient_norm_counts_every_shard_once(
-    case: Case, runs: dict[str, list[dict[str, Any]]]
+    case: Case, request: pytest.FixtureRequest
 ) -> None:
     reference = reference_run(case)["grad_norms"]
-    for rank in runs[str(case)]:
+    for rank in _results(case, request):
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
 
 
@@ -202,16 +248,18 @@ def test_each_tp_rank_sends_its_sequence_shard_between_stages(
         assert all(shapes == shard for shapes in rank["sent_shapes"].values())
 
 
-def _engine(tp: int, seed: int) -> PipelineEngine:
-    specs = layer_specs("gpt-tiny")
+def _engine(tp: int, seed: int, model: str = "gpt-tiny", zero: int = 0) -> PipelineEngine:
+    """One stage of `model` on `tp` ranks, or under ZeRO-3 on dp 2 × `tp`."""
+    specs = model_specs(model)
     return PipelineEngine(
         specs,
-        init_mesh(1, 1, tp, timeout_s=60),
+        init_mesh(1, 2 if zero else 1, tp, timeout_s=60),
         partition=partition_model(specs, method="uniform", num_stages=1, seq_len=16),
         micro_batches=2,
         seed=seed,
-        optimizer=OptimizerSpec(name="adamw", lr=1e-2),
+        optimizer=OptimizerSpec(name="adamw", lr=1e-2, impl="per_tensor" if zero else "fused"),
         timeout_s=60,
+        options=EngineOptions(zero=zero),
     )
 
 
@@ -227,17 +275,22 @@ def _full_state(engine: PipelineEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_after_a_step(rank: int, world_size: int, root: str, tp: int) -> dict[str, torch.Tensor]:
-    engine = _engine(tp, seed=1)
+def _save_after_a_step(
+    rank: int, world_size: int, root: str, tp: int, model: str = "gpt-tiny", zero: int = 0
+) -> dict[str, torch.Tensor]:
+    engine = _engine(tp, 1, model, zero)
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
-    engine.train_step(tokens[:, :-1], tokens[:, 1:])
-    save_checkpoint(engine, layer_specs("gpt-tiny"), root, state=TrainerState(step=1))
+    rows = slice(2 * engine.mesh.dp_rank, 2 * engine.mesh.dp_rank + 4 // engine.mesh.dp)
+    engine.train_step(tokens[rows, :-1], tokens[rows, 1:])
+    save_checkpoint(engine, model_specs(model), root, state=TrainerState(step=1))
     return _full_state(engine)
 
 
-def _load(rank: int, world_size: int, root: str, tp: int) -> dict[str, torch.Tensor]:
-    engine = _engine(tp, seed=2)
-    load_checkpoint(engine, layer_specs("gpt-tiny"), root)
+def _load(
+    rank: int, world_size: int, root: str, tp: int, model: str = "gpt-tiny", zero: int = 0
+) -> dict[str, torch.Tensor]:
+    engine = _engine(tp, 2, model, zero)
+    load_checkpoint(engine, model_specs(model), root)
     return _full_state(engine)
 
 
@@ -251,4 +304,16 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_back_with_its_optimizer_state(
     resaved = run_ranks(_save_after_a_step, 1, str(tmp_path / "tp1"), 1)[0]
     back = run_ranks(_load, 2, str(tmp_path / "tp1"), 2)
     for rank in back:
+        assert all(torch.equal(rank[k], resaved[k]) for k in resaved)
+
+
+def test_a_tp2_zero3_checkpoint_loads_at_tp1_without_zero_and_back(tmp_path: Path) -> None:
+    """FSDP2's shards of tp shards gather to the same full tensors under the same names."""
+    sharded = tmp_path / "tp2-zero3"
+    saved = run_ranks(_save_after_a_step, 4, str(sharded), 2, "gpt-untied", 3)[0]
+    at_tp1 = run_ranks(_load, 1, str(sharded), 1, "gpt-untied")[0]
+    assert at_tp1.keys() == saved.keys()
+    assert all(torch.equal(at_tp1[k], saved[k]) for k in saved)
+    resaved = run_ranks(_save_after_a_step, 1, str(tmp_path / "tp1"), 1, "gpt-untied")[0]
+    for rank in run_ranks(_load, 4, str(tmp_path / "tp1"), 2, "gpt-untied", 3):
         assert all(torch.equal(rank[k], resaved[k]) for k in resaved)

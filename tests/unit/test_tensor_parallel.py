@@ -105,6 +105,7 @@ def test_tp_not_dividing_the_vocabulary_is_refused() -> None:
     ("settings", "named"),
     [
         ({"zero": 1, "dp": 2}, "--zero 1"),
+        ({"zero": 2, "dp": 2}, "--zero 2"),
         ({"pp": 2, "seq_len": 33}, "--seq-len 33"),
         ({"optimizer_impl": "deepspeed_cpu"}, "--optimizer-impl deepspeed_cpu"),
         ({"optimizer": "sgd"}, "--optimizer sgd --optimizer-impl fused"),
@@ -115,6 +116,11 @@ def test_what_tensor_parallel_stages_cannot_run_is_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=rf"--tp 2 with {re.escape(named)}.*(use|drop) "):
         TrainConfig.of(model="gpt-tiny", tp=2, **settings)
+
+
+def test_zero3_shards_tensor_parallel_stages_over_the_replicas() -> None:
+    config = TrainConfig.of(model="llama-tiny", tp=2, dp=2, zero=3, optimizer_impl="per_tensor")
+    assert (config.parallel.tp, config.engine.zero) == (2, 3)
 
 
 def test_meshpipe_train_refuses_a_bad_tp_before_starting_ranks(
