@@ -130,6 +130,7 @@ def _build_engine(
         optimizer=config.optimizer,
         timeout_s=config.run.timeout,
         options=config.engine,
+        replica_sync=config.replica_sync,
     )
 
 
