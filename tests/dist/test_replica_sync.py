@@ -7,14 +7,22 @@ the same update as a step on the averaged gradients, up to the order of float su
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from engine.checkpoint.files import TensorReader
+from engine.checkpoint.outer_state import OUTER_INDEX
 from engine.comm.mesh import init_mesh
 from engine.config import OptimizerSpec, ReplicaSync
 from engine.runtime.engine import PipelineEngine
+from engine.training.config import TrainConfig
+from engine.training.data import prepare
+from engine.training.loop import train
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.harness import run_ranks
@@ -96,3 +104,40 @@ def test_replicas_hold_equal_parameters_right_after_a_meeting(runs: Any, name: s
 def test_replicas_differ_between_meetings(runs: Any) -> None:
     first, second = _replica(runs["local-sgd H=3"], 0), _replica(runs["local-sgd H=3"], 1)
     assert any(not torch.equal(first[n], second[n]) for n in first)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "text.txt").write_text("replicas meet every other step and keep going\n" * 200)
+    return str(prepare(folder / "text.txt", folder / "tokens").bin_path)
+
+
+def _losses(rank: int, world_size: int, config: TrainConfig) -> tuple[float, ...]:
+    return train(config, progress=False).losses
+
+
+def test_a_diloco_resume_keeps_the_outer_momentum_and_equals_the_uninterrupted_run(
+    tmp_path: Path, tokens: str
+) -> None:
+    """Inner plain SGD keeps no state, so the checkpoint (one copy of the weights, taken at a
+    meeting, and the outer momentum) is all the run has: the resume is exact."""
+    run = {
+        **{"model": "gpt-tiny", "dp": 2, "steps": 4, "save_every": 2, "global_batch": 4},
+        **{"seq_len": 16, "micro_batches": 1, "threads": 1, "data": tokens},
+        **{"optimizer": "sgd", "momentum": 0.0, "dp_sync": "diloco", "sync_every": 2},
+    }
+    losses = run_ranks(_losses, 2, TrainConfig.of(**run, checkpoint_dir=str(tmp_path / "a")))
+    saved = tmp_path / "a" / "step-00000002"
+    momenta = TensorReader(saved, OUTER_INDEX)
+    assert momenta.names and all(momenta.get(n).abs().sum() > 0 for n in momenta.names)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(saved, tmp_path / "b" / saved.name)
+    (tmp_path / "b" / "latest").write_text(f"{saved.name}\n")
+    resumed = TrainConfig.of(**run, resume=True, checkpoint_dir=str(tmp_path / "b"))
+    assert run_ranks(_losses, 2, resumed) == [rank[2:] for rank in losses]
+    for shard in ("model-stage000.safetensors", "outer-stage000.safetensors"):
+        before = load_file(tmp_path / "a" / "step-00000004" / shard)
+        after = load_file(tmp_path / "b" / "step-00000004" / shard)
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
