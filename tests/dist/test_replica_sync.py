@@ -7,12 +7,15 @@ the same update as a step on the averaged gradients, up to the order of float su
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from engine.checkpoint.files import TensorReader
@@ -43,6 +46,22 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@contextlib.contextmanager
+def _counting_exchanges(group: Any) -> Iterator[list[int]]:
+    """Counts the all-reduces this rank makes over `group` inside the block."""
+    calls, real = [0], dist.all_reduce
+
+    def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += kwargs.get("group") is group
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
 def _train(sync: ReplicaSync) -> dict[str, Any]:
     mesh = init_mesh(2, 2, timeout_s=60)
     specs = list(layer_specs("gpt-tiny"))
@@ -58,12 +77,13 @@ def _train(sync: ReplicaSync) -> dict[str, Any]:
         replica_sync=sync,
     )
     rows = slice(mesh.dp_rank * ROWS // 2, (mesh.dp_rank + 1) * ROWS // 2)
-    for step in range(STEPS):
-        inputs, targets = _batch(step)
-        engine.train_step(inputs[rows], targets[rows])
+    with _counting_exchanges(mesh.dp_group) as dp_exchanges:
+        for step in range(STEPS):
+            inputs, targets = _batch(step)
+            engine.train_step(inputs[rows], targets[rows])
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.close()
-    return {"pp": mesh.pp_rank, "dp": mesh.dp_rank, "params": params}
+    return {"dp": mesh.dp_rank, "params": params, "dp_exchanges": dp_exchanges[0]}
 
 
 def _all(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
@@ -99,6 +119,12 @@ def test_diloco_with_outer_lr_1_and_no_momentum_every_step_equals_local_sgd(runs
 def test_replicas_hold_equal_parameters_right_after_a_meeting(runs: Any, name: str) -> None:
     first, second = _replica(runs[name], 0), _replica(runs[name], 1)
     assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+def test_between_meetings_a_replica_never_touches_the_dp_group(runs: Any) -> None:
+    assert [rank["dp_exchanges"] for rank in runs["local-sgd H=3"]] == [0, 0, 0, 0]
+    assert all(rank["dp_exchanges"] == 1 for rank in runs["diloco H=2"])  # one bucket, once
+    assert all(rank["dp_exchanges"] >= 2 * STEPS for rank in runs["every-step"])
 
 
 def test_replicas_differ_between_meetings(runs: Any) -> None:
