@@ -16,6 +16,7 @@ from engine.config import (
     MonitorConfig,
     ParallelConfig,
     PartitionConfig,
+    ReplicaSync,
     RunConfig,
     ScheduleConfig,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "ParallelConfig",
     "PartitionConfig",
     "PipelineEngine",
+    "ReplicaSync",
     "RunConfig",
     "Schedule",
     "ScheduleConfig",

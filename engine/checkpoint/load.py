@@ -34,6 +34,7 @@ from engine.checkpoint.files import (
     step_dirs,
 )
 from engine.checkpoint.manifest import verify_manifest
+from engine.checkpoint.outer_state import read_outer_momenta
 from engine.checkpoint.rng_state import restore_rng, rng_file
 from engine.checkpoint.weights import (
     TensorSource,
@@ -60,6 +61,8 @@ class _Staged:
     trainer: TrainerState
     sharded_state: tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | None = None
     """Under ZeRO: every parameter's whole optimizer state and the groups' hyper-parameters."""
+    outer: dict[int, torch.Tensor] | None = None
+    """DiLoCo: the outer momentum buffers (local shards by parameter id), when saved."""
 
     def apply(self, engine: PipelineEngine) -> None:
         sharded = getattr(engine, "sharded", None)
@@ -75,8 +78,20 @@ class _Staged:
                 copy_into(param, tensor)
         if self.optimizer is not None and engine.optimizer is not None:
             engine.optimizer.load_state_dict(_placed(engine.optimizer, self.optimizer))
+        _rejoin_meetings(engine, self.outer)
         if self.rng is not None:
             restore_rng(self.rng)
+
+
+def _rejoin_meetings(engine: PipelineEngine, outer: dict[int, torch.Tensor] | None) -> None:
+    """Semi-synchronous replicas: the loaded weights are the last meeting's (DiLoCo's anchors),
+    with the outer momentum the checkpoint kept (from zero when it kept none)."""
+    meetings = getattr(engine, "meetings", None)
+    if meetings is None:
+        return
+    meetings.reset_anchors()
+    if outer is not None and meetings.outer is not None:
+        meetings.load_momenta(outer)
 
 
 def _placed(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -150,8 +165,15 @@ def _stage(
         skipped_steps=int(trainer.get("skipped_steps", 0)),
     )
     rng = None if weights_only else _read_rng(directory, trainer, engine)
+    modules = [stage.module for stage in engine.stages.values()]
+    outer = None if weights_only else read_outer_momenta(modules, specs, directory)
     return _Staged(
-        weights=weights, optimizer=optimizer, rng=rng, trainer=state, sharded_state=sharded_state
+        weights=weights,
+        optimizer=optimizer,
+        rng=rng,
+        trainer=state,
+        sharded_state=sharded_state,
+        outer=outer,
     )
 
 
@@ -207,3 +229,4 @@ def load_model_weights(
     with torch.no_grad():
         for param, tensor in pairs:
             copy_into(param, tensor)
+    _rejoin_meetings(engine, None)

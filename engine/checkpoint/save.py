@@ -44,6 +44,7 @@ from engine.checkpoint.files import (
     write_shard,
 )
 from engine.checkpoint.manifest import write_manifest
+from engine.checkpoint.outer_state import outer_tensors, write_outer_index
 from engine.checkpoint.rng_state import capture_rng, rng_file
 from engine.checkpoint.weights import (
     gathered,
@@ -61,7 +62,13 @@ __all__ = ["save_checkpoint", "save_weights"]
 
 def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -> dict[str, Any]:
     """This rank's files; returns what rank 0 needs for the indexes."""
-    report: dict[str, Any] = {"stages": {}, "model": [], "optim": [], "optim_meta": []}
+    report: dict[str, Any] = {
+        "stages": {},
+        "model": [],
+        "optim": [],
+        "optim_meta": [],
+        "outer": [],
+    }
     rng = tmp / rng_file(engine.mesh.rank)
     atomic_write_text(rng, json.dumps(capture_rng()))
     report["rng"] = (rng.name, sha256_file(rng))
@@ -88,6 +95,9 @@ def _write_rank(engine: PipelineEngine, specs: Sequence[LayerSpec], tmp: Path) -
                 report["optim_meta"].append(meta)
         elif engine.optimizer is not None:
             _write_optimizer(engine, engine.optimizer, specs, tmp, s, report)
+        outer = outer_tensors(stage.module, specs, getattr(engine, "meetings", None))
+        if first_replica and outer:
+            report["outer"].append(write_shard(tmp, f"outer-stage{s:03d}.safetensors", outer))
     return report
 
 
@@ -162,6 +172,7 @@ def _write_indexes(tmp: Path, reports: list[dict[str, Any]], step: int) -> list[
             "step": step,
         }
         write_index(tmp / OPTIM_INDEX, optim, meta)
+    write_outer_index(tmp, [rec for report in reports for rec in report["outer"]], step)
     return boundaries
 
 

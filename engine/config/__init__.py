@@ -26,6 +26,7 @@ from engine.config.optimizer import (
     OptimizerSpec,
 )
 from engine.config.parallel import MESH_DIMS, ParallelConfig, parse_mesh_order
+from engine.config.replica_sync import DP_SYNCS, ReplicaSync, check_replica_sync
 from engine.config.run import DEVICES, CheckpointConfig, DataConfig, MonitorConfig, RunConfig
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
@@ -33,6 +34,7 @@ from engine.config.sizes import format_size, parse_size
 __all__ = [
     "DEEPSPEED_SCHEDULERS",
     "DEVICES",
+    "DP_SYNCS",
     "IMPLEMENTATIONS",
     "LOSS_SCALE_FIELDS",
     "LR_SCHEDULES",
@@ -52,9 +54,11 @@ __all__ = [
     "OptimizerSpec",
     "ParallelConfig",
     "PartitionConfig",
+    "ReplicaSync",
     "RunConfig",
     "ScheduleConfig",
     "check_layout",
+    "check_replica_sync",
     "check_zero_optimizer",
     "flat_fields",
     "format_size",

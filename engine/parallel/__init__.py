@@ -1,9 +1,11 @@
 """What shards a stage across ranks: tensor-parallel plans (DTensor) over the mesh's `tp`
 dimension; over its `dp` replicas, ZeRO-1/2 flat buffers with sharded fp32 masters and
-optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2."""
+optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2; or replicas that
+train alone and meet every H steps (local SGD, DiLoCo)."""
 
 from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
 from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
+from engine.parallel.replica_meeting import ReplicaMeetings
 from engine.parallel.tensor_parallel import (
     SequenceShards,
     align_gradients,
@@ -23,6 +25,7 @@ __all__ = [
     "FlatGroup",
     "FullyShardedLayers",
     "OptimizerBuilder",
+    "ReplicaMeetings",
     "SequenceShards",
     "ShardedOptimizer",
     "add_into_main_grad",

@@ -24,9 +24,10 @@ from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
-from engine.config import EngineOptions, OptimizerSpec, check_zero_optimizer
+from engine.config import EngineOptions, OptimizerSpec, ReplicaSync, check_zero_optimizer
 from engine.parallel import (
     FullyShardedLayers,
+    ReplicaMeetings,
     SequenceShards,
     ShardedOptimizer,
     align_gradients,
@@ -69,8 +70,11 @@ class PipelineEngine:
         loss_fn: LossFn = lm_loss,
         timeout_s: float = 300.0,
         options: EngineOptions | None = None,
+        replica_sync: ReplicaSync | None = None,
     ) -> None:
         self.options = options or EngineOptions()
+        self.replica_sync = replica_sync or ReplicaSync()
+        """How this stage's replicas stay together: every step, or every H steps."""
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
         self.schedule, self.eval_schedule = lowered_schedules(
@@ -97,6 +101,8 @@ class PipelineEngine:
         """Each tp rank exchanges 1/tp of every boundary tensor (None without tp)."""
         self.reports = self._build_reports(partition)
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
+        self.meetings = self._build_meetings()
+        """Semi-synchronous replicas (local SGD, DiLoCo): their meetings (None every step)."""
         self.ties = self._build_ties(specs, partition)
         self.sharded: ShardedOptimizer | None = None
         """ZeRO-1/2: the flat buffers, sharded masters and their optimizer (`engine.parallel`)."""
@@ -180,6 +186,18 @@ class PipelineEngine:
             device=mesh.wire_device,
             timeout_s=self.timeout_s,
         )
+
+    def _build_meetings(self) -> ReplicaMeetings | None:
+        sync = self.replica_sync
+        if not sync.periodic or self.mesh.dp == 1:
+            return None
+        if self.options.zero:
+            raise ValueError(
+                f"dp_sync={sync.dp_sync!r} with zero={self.options.zero}: ZeRO shards over "
+                "replicas that hold the same weights every step; use zero=0 or every-step"
+            )
+        params = list(self.module.parameters())
+        return ReplicaMeetings(params, self.mesh.dp_group, sync, dp=self.mesh.dp)
 
     def _build_ties(self, specs: Sequence[LayerSpec], partition: Partition) -> TiedWeights:
         tied: dict[str, nn.Parameter] = {}
@@ -271,6 +289,7 @@ class PipelineEngine:
         figures = self._publish(busy, step_s, norm=norm)
         scale = self._optimizer_step(skipped)
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
+        phases += self._meet(origin)
         if self._previous_figures is not None:
             self._previous_figures()  # arrived during this step: frees its buffers, never waits
         self._previous_figures = figures
@@ -310,6 +329,14 @@ class PipelineEngine:
         scale = self.scaler.scale
         self.scaler.update(not skipped)
         return scale
+
+    def _meet(self, origin: float) -> list[tuple[str, float, float]]:
+        """Semi-synchronous replicas: count the step and, every H, meet (a phase then)."""
+        if self.meetings is None:
+            return []
+        with naming_failures("the replicas' meeting (--dp-sync)", timeout_s=self.timeout_s):
+            met = self.meetings.after_step()
+        return [] if met is None else [("replica meeting", met[0] - origin, met[1] - origin)]
 
     def _finish_dp_reduction(self, origin: float) -> list[tuple[str, float, float]]:
         """Wait for the data-parallel gradient sum the stage's last backward started; its window
@@ -409,7 +436,8 @@ class PipelineEngine:
         return timings, self._global_loss()
 
     def _step_context(self, schedule: Schedule) -> StepContext:
-        dp_reduce = self._dp_reduce.start if self.mesh.dp > 1 else lambda: None
+        every_step = self.mesh.dp > 1 and self.meetings is None
+        dp_reduce = self._dp_reduce.start if every_step else lambda: None
         if self.mesh.tp > 1:
             dp_reduce = functools.partial(
                 align_gradients, list(self.module.parameters()), then=dp_reduce
@@ -424,7 +452,7 @@ class PipelineEngine:
             stages=self.stages,
             row=schedule.rows[self.mesh.pp_rank],
             micro_batches=self.micro_batches,
-            loss_divisor=self.micro_batches * self.mesh.dp,
+            loss_divisor=self.micro_batches * (self.mesh.dp if every_step else 1),
             loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
             split_units=self.split_units,
             device=self.mesh.device,
@@ -443,8 +471,10 @@ class PipelineEngine:
         return self.sharded is not None and self.sharded.level == 2 and bool(self.ties.groups)
 
     def _global_loss(self) -> float:
+        """The batch's mean loss; a semi-synchronous replica's own (the dp group stays idle
+        between meetings)."""
         loss = self.reports.loss().clone()
-        if self.mesh.dp > 1:
+        if self.mesh.dp > 1 and self.meetings is None:
             with naming_failures("the loss's data-parallel mean", timeout_s=self.timeout_s):
                 dist.all_reduce(loss, group=self.mesh.dp_group)
             loss /= self.mesh.dp

@@ -23,9 +23,11 @@ from engine.config import (
     OptimizerSpec,
     ParallelConfig,
     PartitionConfig,
+    ReplicaSync,
     RunConfig,
     ScheduleConfig,
     check_layout,
+    check_replica_sync,
     check_zero_optimizer,
     flat_fields,
     from_flat,
@@ -60,6 +62,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    replica_sync: ReplicaSync = field(default_factory=ReplicaSync)
 
     def __post_init__(self) -> None:
         check_layout(
@@ -89,6 +92,14 @@ class TrainConfig:
             f"--flops-profile-step {self.monitor.flops_profile_step} is after the run's last "
             f"step ({self.run.steps}): give a step from 1 to {self.run.steps} (a DeepSpeed "
             "config's flops_profiler.profile_step P is step P + 1)",
+        )
+        check_replica_sync(
+            self.replica_sync,
+            dp=self.parallel.dp,
+            zero=self.engine.zero,
+            saves=self.checkpoint.checkpoint_dir is not None,
+            save_every=self.checkpoint.save_every,
+            steps=self.run.steps,
         )
         require(
             self.checkpoint.resume or self.run.max_restarts == 0,

@@ -130,6 +130,7 @@ def _build_engine(
         optimizer=config.optimizer,
         timeout_s=config.run.timeout,
         options=config.engine,
+        replica_sync=config.replica_sync,
     )
 
 
@@ -204,12 +205,20 @@ class _Run:
                 engine.scaler.load_state_dict(state.loss_scale)
             engine.skipped_steps = state.skipped_steps
             _say(engine.mesh, f"resumed from step {state.step} ({where})")
+            if engine.meetings is not None:
+                _say(engine.mesh, _SHARED_INNER_STATE)
             return state.step
         if config.checkpoint.init_from is not None:
             source = open_weights(config.checkpoint.init_from, config.model.config())
             load_model_weights(engine, self.specs, source)
             _say(engine.mesh, f"initialised from {config.checkpoint.init_from}")
         return 0
+
+
+_SHARED_INNER_STATE = (
+    "every replica resumes with the first replica's inner optimizer state: a checkpoint, "
+    "taken at a meeting, keeps one copy of the weights and of that state (exact for plain SGD)"
+)
 
 
 def _log_line(record: dict[str, Any], skipped: int, phases: dict[str, float] | None) -> str:

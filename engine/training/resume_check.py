@@ -47,6 +47,10 @@ NEW_WITH_FLAG = (
     "momentum",
     "clip_grad_norm",
     "precision",
+    "dp_sync",
+    "sync_every",
+    "outer_lr",
+    "outer_momentum",
 )
 """Settings a resume shares with its checkpoint's run unless --resume-with-new-hparams asks
 for the new ones (layout and speed flags may always change)."""

@@ -1,0 +1,167 @@
+"""Every-step data parallelism against local SGD and DiLoCo (--dp-sync), pp 2 × dp 2 on the CPU:
+loss against tokens and wall time, the bytes each rank sends over the dp group per step, with
+and without a simulated slow link between the two replicas.
+
+The slow link is a sleep before each exchange over the dp group (every all-reduce the replicas
+of a stage make: gradients, the loss, a meeting's weights): `--latency` seconds plus the bytes
+over `--bandwidth` bytes/s. Training loss is the global batch's (the mean of the replicas'
+own losses); the held-out loss is measured after the last step, when the replicas have just
+met and hold the same weights.
+
+python scripts/bench_dp_sync.py --model gpt-tiny --steps 200 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.dist.harness import run_ranks  # noqa: E402
+
+MODES = [
+    ("every-step", 1),
+    ("local-sgd", 10),
+    ("local-sgd", 50),
+    ("diloco", 10),
+    ("diloco", 50),
+]
+EVAL_BATCHES = 4
+WINDOW = 10
+"""Steps the training loss is averaged over at each mark."""
+
+
+def _slow_dp_link(group: Any, latency: float, bandwidth: float, sent: list[int]) -> None:
+    """Count (and, with a latency or a bandwidth, delay) every all-reduce over `group`."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+            size = tensor.numel() * tensor.element_size()
+            sent[0] += size
+            if latency or bandwidth:
+                time.sleep(latency + (size / bandwidth if bandwidth else 0.0))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce  # type: ignore[assignment]
+
+
+def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) -> dict[str, Any]:
+    from engine.comm.mesh import init_mesh
+    from engine.config import OptimizerSpec, ReplicaSync
+    from engine.runtime.engine import PipelineEngine
+    from engine.training.batches import BatchLoader
+    from engine.training.data import default_corpus, load_tokens
+    from models import layer_specs
+    from partitioners import partition_model
+
+    mesh = init_mesh(2, 2, timeout_s=600)
+    specs = layer_specs(args["model"])
+    sync = ReplicaSync(dp_sync=mode, sync_every=every) if mode != "every-step" else None
+    engine = PipelineEngine(
+        specs,
+        mesh,
+        partition=partition_model(specs, method="balanced", num_stages=2),
+        micro_batches=2,
+        optimizer=OptimizerSpec(lr=args["lr"], weight_decay=0.1),
+        timeout_s=600,
+        replica_sync=sync,
+    )
+    loader = BatchLoader(
+        load_tokens(default_corpus().bin_path),
+        seq_len=args["seq_len"],
+        global_batch=args["global_batch"],
+        seed=0,
+        dp_rank=mesh.dp_rank,
+        dp_size=2,
+    )
+    sent = [0]
+    _slow_dp_link(mesh.dp_group, args["latency"], args["bandwidth"], sent)
+    losses, ends = [], []
+    start = time.perf_counter()
+    for step in range(args["steps"]):
+        losses.append(engine.train_step(*loader.batch_at(step)).loss)
+        ends.append(time.perf_counter() - start)
+    held_out = [engine.eval_step(*loader.batch_at(10**6 + i)) for i in range(EVAL_BATCHES)]
+    engine.close()
+    return {
+        "dp": mesh.dp_rank,
+        "losses": losses,
+        "ends": ends,
+        "eval": statistics.mean(held_out),
+        "bytes_per_step": sent[0] / args["steps"],
+    }
+
+
+def _summary(ranks: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
+    """The global batch's loss per step (mean of the two replicas'), wall clock, bytes."""
+    replicas = [next(r for r in ranks if r["dp"] == d) for d in (0, 1)]
+    losses = [statistics.mean(pair) for pair in zip(*(r["losses"] for r in replicas), strict=True)]
+    ends = [max(r["ends"][i] for r in ranks) for i in range(args["steps"])]
+    tokens = args["global_batch"] * args["seq_len"]
+    return {
+        "losses": losses,
+        "ends": ends,
+        "tokens_per_step": tokens,
+        "eval": statistics.mean(r["eval"] for r in replicas),
+        "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
+        "wall_s": ends[-1],
+    }
+
+
+def _row(mode: str, every: int, link: str, result: dict[str, Any], marks: list[int]) -> str:
+    losses, ends = result["losses"], result["ends"]
+    at = [statistics.mean(losses[max(0, m - WINDOW) : m]) for m in marks]
+    curve = " / ".join(f"{loss:.3f} @{ends[m - 1]:.0f}s" for loss, m in zip(at, marks, strict=True))
+    label = mode if mode == "every-step" else f"{mode} H={every}"
+    kib = result["bytes_per_step"] / 1024
+    return (
+        f"| {label} | {link} | {curve} | {result['eval']:.3f} | {result['wall_s']:.0f} | "
+        f"{kib:,.0f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--latency", type=float, default=0.05, help="slow link: s per exchange")
+    parser.add_argument("--bandwidth", type=float, default=50e6, help="slow link: bytes/s")
+    parser.add_argument("--modes", default=",".join(f"{m}:{h}" for m, h in MODES))
+    parser.add_argument("--json", default=None, help="write every curve here")
+    args = vars(parser.parse_args())
+    modes = [(m, int(h)) for m, h in (item.split(":") for item in args["modes"].split(","))]
+    marks = [args["steps"] * k // 4 for k in range(1, 5)]
+    tokens = args["global_batch"] * args["seq_len"]
+    print(f"training loss (mean of the {WINDOW} steps before) @ wall s at steps {marks}")
+    print(f"({tokens} tokens per step)\n")
+    print("| sync | dp link | loss @ wall time | held-out loss | wall s | KiB sent/step/rank |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    results = {}
+    for link in ("fast", "slow"):
+        slow = link == "slow"
+        run = {**args, "latency": args["latency"] * slow, "bandwidth": args["bandwidth"] * slow}
+        label = f"+{args['latency'] * 1e3:.0f} ms, {args['bandwidth'] / 1e6:.0f} MB/s"
+        for mode, every in modes:
+            ranks = run_ranks(_worker, 4, run, mode, every, timeout_s=3600)
+            result = _summary(ranks, args)
+            results[f"{mode}:{every}:{link}"] = result
+            print(_row(mode, every, label if slow else "local", result, marks), flush=True)
+    if args["json"]:
+        Path(args["json"]).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
