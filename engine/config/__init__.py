@@ -26,11 +26,19 @@ from engine.config.optimizer import (
     OptimizerSpec,
 )
 from engine.config.parallel import MESH_DIMS, ParallelConfig, parse_mesh_order
-from engine.config.run import DEVICES, CheckpointConfig, DataConfig, MonitorConfig, RunConfig
+from engine.config.run import (
+    DATA_ORDERS,
+    DEVICES,
+    CheckpointConfig,
+    DataConfig,
+    MonitorConfig,
+    RunConfig,
+)
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
 
 __all__ = [
+    "DATA_ORDERS",
     "DEEPSPEED_SCHEDULERS",
     "DEVICES",
     "IMPLEMENTATIONS",

@@ -91,6 +91,11 @@ class TrainConfig:
             "config's flops_profiler.profile_step P is step P + 1)",
         )
         require(
+            not (self.data.pack_documents and self.engine.compile),
+            "--pack-documents with --compile: compiled layers are not checked to read the "
+            "document ids of each micro-batch; train packed documents without --compile",
+        )
+        require(
             self.checkpoint.resume or self.run.max_restarts == 0,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",

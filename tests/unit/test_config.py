@@ -64,6 +64,12 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "flops_profile_step",
         "flops_profile_file",
         "device_peak_tflops",
+        "data_order",
+        "pack_documents",
+        "val_data",
+        "val_fraction",
+        "eval_every",
+        "eval_batches",
     }
 
 
