@@ -82,6 +82,8 @@ class TrainResult:
     """Measured pipeline bubble of every step."""
     first_step: int = 0
     """Step this process started at (> 0 after resuming); `losses[0]` is that step's."""
+    val_loss: float | None = None
+    """The last validation loss this process measured (None without validation data)."""
 
     @property
     def final_loss(self) -> float:
@@ -355,12 +357,13 @@ class _StepLog:
 
 def _run_steps(
     run: _Run, first: int, emit: _StepLog, trace: TraceRecorder | None
-) -> tuple[list[StepStats], list[float]]:
+) -> tuple[list[StepStats], list[float], list[float]]:
     """Steps `first` to the end, each emitted once the next one ran: its bubble and grad norm
     need every pipeline rank's figures, which have arrived by then without holding any rank
     back (a step about to be saved is emitted at once)."""
     stats: list[StepStats] = []
     wall: list[float] = []
+    val_losses: list[float] = []
     pending: tuple[int, StepStats, float, float] | None = None
     for step in range(first, run.config.run.steps):
         _test_fault(step, emit.mesh)
@@ -379,11 +382,12 @@ def _run_steps(
             emit(*pending)
             pending = None
         if evaluates:
-            emit.evaluation(step, run.evaluate())
+            val_losses.append(run.evaluate())
+            emit.evaluation(step, val_losses[-1])
         run.save(step + 1)
     if pending is not None:
         emit(*pending)
-    return stats, wall
+    return stats, wall, val_losses
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
@@ -424,7 +428,7 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         monitors,
     ):
         emit = _StepLog(run=run, log=log, monitors=monitors, mesh=mesh)
-        stats, wall = _run_steps(run, first, emit, trace)
+        stats, wall, val_losses = _run_steps(run, first, emit, trace)
     run.engine.close()
     if trace is not None and config.run.trace is not None:
         trace.write(config.run.trace, rank=mesh.rank, world_size=mesh.world_size)
@@ -437,6 +441,7 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         tokens_per_s=steady,
         bubbles=tuple(s.bubble for s in stats),
         first_step=first,
+        val_loss=val_losses[-1] if val_losses else None,
     )
 
 

@@ -42,10 +42,11 @@ def test_a_run_records_its_validation_loss_every_n_steps_and_after_the_last(
         pack_documents=True,
         metrics_file=str(metrics),
     )
-    train(config, progress=False)
+    result = train(config, progress=False)
     evals = [r for r in read_records(metrics) if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [1, 2]
     assert all(math.isfinite(r["val_loss"]) for r in evals)
+    assert result.val_loss == evals[-1]["val_loss"]
     assert len([r for r in read_records(metrics) if "kind" not in r]) == 3
 
 
