@@ -35,6 +35,25 @@ def _check_length(dataset: TokenDataset, documents: Documents, seq_len: int) -> 
         )
 
 
+def _check_arguments(
+    seq_len: int, global_batch: int, seed: int, dp_rank: int, dp_size: int, order: str
+) -> None:
+    _check_positive("seq_len", seq_len, "use the model's context length")
+    _check_positive("global_batch", global_batch, "use the number of sequences per step")
+    _check_positive("dp_size", dp_size, "use the data-parallel world size")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative int")
+    if global_batch % dp_size:
+        raise ValueError(
+            f"global_batch={global_batch} is not divisible by dp_size={dp_size}; "
+            f"use a multiple of {dp_size}"
+        )
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank!r} is out of range; use 0..{dp_size - 1}")
+    if order not in DATA_ORDERS:
+        raise ValueError(f"data order {order!r} is unknown; use one of {DATA_ORDERS}")
+
+
 def _check_positive(name: str, value: int, fix: str) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int; {fix}")
@@ -86,20 +105,7 @@ class BatchLoader:
         documents: Documents | None = None,
         pack_documents: bool = False,
     ) -> None:
-        _check_positive("seq_len", seq_len, "use the model's context length")
-        _check_positive("global_batch", global_batch, "use the number of sequences per step")
-        _check_positive("dp_size", dp_size, "use the data-parallel world size")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be a non-negative int")
-        if global_batch % dp_size:
-            raise ValueError(
-                f"global_batch={global_batch} is not divisible by dp_size={dp_size}; "
-                f"use a multiple of {dp_size}"
-            )
-        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank!r} is out of range; use 0..{dp_size - 1}")
-        if order not in DATA_ORDERS:
-            raise ValueError(f"data order {order!r} is unknown; use one of {DATA_ORDERS}")
+        _check_arguments(seq_len, global_batch, seed, dp_rank, dp_size, order)
         self.documents = documents_of(dataset) if documents is None else documents
         _check_length(dataset, self.documents, seq_len)
         if pack_documents and not self.documents.separated:
@@ -121,10 +127,6 @@ class BatchLoader:
     def position(self) -> int:
         """The step whose batch ``next_batch`` returns next."""
         return self._position
-
-    def epoch_of(self, step: int) -> float:
-        """Epochs of data the global batches before `step` span (epoch order)."""
-        return step * self.global_batch / self.windows_per_epoch
 
     def batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (inputs, targets) for ``step``, int64 of shape (local_batch, seq_len)."""
@@ -168,7 +170,7 @@ class BatchLoader:
             windows = rng.permutation(self.windows_per_epoch)
         lengths = docs.lengths[order]
         stream = _Stream(docs.starts[order], np.cumsum(lengths), lengths, windows)
-        if len(self._streams) >= 2:  # a batch spans at most two epochs
+        if len(self._streams) >= 2:  # a step's rows mostly lie in one epoch, or two
             self._streams.pop(next(iter(self._streams)))
         self._streams[epoch] = stream
         return stream
