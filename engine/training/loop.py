@@ -360,7 +360,7 @@ def _run_steps(
 ) -> tuple[list[StepStats], list[float], list[float]]:
     """Steps `first` to the end, each emitted once the next one ran: its bubble and grad norm
     need every pipeline rank's figures, which have arrived by then without holding any rank
-    back (a step about to be saved is emitted at once)."""
+    back (a step about to be saved or followed by an evaluation is emitted at once)."""
     stats: list[StepStats] = []
     wall: list[float] = []
     val_losses: list[float] = []
