@@ -73,3 +73,13 @@ def test_packing_a_file_without_eos_is_refused_before_any_rank_starts(tmp_path: 
     )
     with pytest.raises(ValueError, match="--pack-documents needs document boundaries"):
         preflight(config)
+
+
+def test_two_sources_of_validation_data_are_refused() -> None:
+    with pytest.raises(ValueError, match="--val-data and --val-fraction both name"):
+        TrainConfig.of(val_data="v.bin", val_fraction=0.1)
+
+
+def test_packed_documents_with_compile_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="--pack-documents with --compile"):
+        TrainConfig.of(pack_documents=True, compile=True)
