@@ -1,5 +1,6 @@
 """Decoder LLMs as layer lists: GPT-2 and Llama families, built stage by stage."""
 
+from models.documents import document_scope
 from models.gpt import GPTConfig
 from models.layers import LayerSpec
 from models.llama import LlamaConfig
@@ -14,6 +15,7 @@ __all__ = [
     "LlamaConfig",
     "ModelConfig",
     "build_layers",
+    "document_scope",
     "get_config",
     "layer_specs",
     "lm_loss",

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from models.documents import current_documents, document_positions
 from models.layers import GELUMLP, TIE_KEY, CausalSelfAttention, LayerSpec, block_flops
 
 __all__ = ["GPTBlock", "GPTConfig", "GPTEmbedding", "GPTFinalNorm", "GPTHead", "gpt_layers"]
@@ -72,7 +73,11 @@ class GPTEmbedding(nn.Module):
                 f"sequence length {seq_len} exceeds the model's context {self.max_seq_len}: "
                 "use a shorter --seq-len or a model with a longer max_seq_len"
             )
-        positions = torch.arange(seq_len, device=tokens.device)
+        documents = current_documents()
+        if documents is None:
+            positions = torch.arange(seq_len, device=tokens.device)
+        else:  # packed documents: each counts its positions from 0
+            positions = document_positions(documents)
         return self.wte(tokens) + self.wpe(positions)
 
     def forward_flops(self, batch_size: int, seq_len: int) -> int:

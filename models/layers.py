@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.documents import current_documents, document_mask, document_positions
+
 __all__ = [
     "GELUMLP",
     "TIE_KEY",
@@ -180,11 +182,16 @@ def rotary_embedding(
     theta: float,
     device: torch.device,
     scaling: RopeScaling | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (seq_len, head_dim // 2) in fp32; cheap, so recomputed per call."""
+    """cos and sin tables (seq_len, head_dim // 2) in fp32; cheap, so recomputed per call.
+    With per-token `positions` (batch, seq_len) they are (batch, 1, seq_len, head_dim // 2)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     if scaling is not None:
         inv_freq = _llama3_frequencies(inv_freq, scaling)
+    if positions is not None:
+        angles = (positions[:, None, :, None].float() * inv_freq).float()
+        return angles.cos(), angles.sin()
     angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -236,14 +243,19 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        documents = current_documents()
         if self.rope_theta is not None:
+            positions = None if documents is None else document_positions(documents)
             cos, sin = rotary_embedding(
-                seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling
+                seq, self.head_dim, self.rope_theta, x.device, self.rope_scaling, positions
             )
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = k.shape[1] != q.shape[1]
         window = self.sliding_window
-        if window is None or seq <= window:  # the window reaches back to the start
+        if documents is not None:  # packed documents: each attends only to itself
+            mask = document_mask(documents, window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif window is None or seq <= window:  # the window reaches back to the start
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             mask = sliding_window_mask(seq, window, x.device)

@@ -140,8 +140,9 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
             f"{config.run.steps} (give a larger --steps{more} to train on)"
         )
         return 0
+    val = "" if result.val_loss is None else f", validation loss {result.val_loss:.4f}"
     print(
-        f"final loss {result.final_loss:.4f} after {config.run.steps} steps "
+        f"final loss {result.final_loss:.4f}{val} after {config.run.steps} steps "
         f"({result.tokens_per_s:,.0f} tokens/s, bubble {result.mean_bubble:.1%})"
     )
     return 0

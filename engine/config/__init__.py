@@ -27,11 +27,19 @@ from engine.config.optimizer import (
 )
 from engine.config.parallel import MESH_DIMS, ParallelConfig, parse_mesh_order
 from engine.config.replica_sync import DP_SYNCS, ReplicaSync, check_replica_sync
-from engine.config.run import DEVICES, CheckpointConfig, DataConfig, MonitorConfig, RunConfig
+from engine.config.run import (
+    DATA_ORDERS,
+    DEVICES,
+    CheckpointConfig,
+    DataConfig,
+    MonitorConfig,
+    RunConfig,
+)
 from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.config.sizes import format_size, parse_size
 
 __all__ = [
+    "DATA_ORDERS",
     "DEEPSPEED_SCHEDULERS",
     "DEVICES",
     "DP_SYNCS",

@@ -7,10 +7,20 @@ from dataclasses import dataclass
 
 from engine.config.fields import require
 
-__all__ = ["DEVICES", "CheckpointConfig", "DataConfig", "MonitorConfig", "RunConfig"]
+__all__ = [
+    "DATA_ORDERS",
+    "DEVICES",
+    "CheckpointConfig",
+    "DataConfig",
+    "MonitorConfig",
+    "RunConfig",
+]
 
 DEVICES = ("auto", "cuda", "cpu")
 """Where ranks may be placed (`meshpipe train --device`)."""
+
+DATA_ORDERS = ("epochs", "random")
+"""How the training batches are drawn (`meshpipe train --data-order`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +117,49 @@ class DataConfig:
 
     data: str | None = None
     """Prepared token file; None uses the embedded default corpus."""
+    data_order: str = "epochs"
+    """epochs: shuffled passes over the data, every window once per epoch (documents shuffled
+    too when the file has an eos_id); random: each window's start drawn uniformly, with
+    replacement (meshpipe's order before epochs)."""
+    pack_documents: bool = False
+    """Reset positions at each document start and keep attention within documents (needs a
+    token file with an eos_id)."""
+    val_data: str | None = None
+    """Prepared token file to measure the validation loss on."""
+    val_fraction: float = 0.0
+    """Hold out this fraction of the documents (of the tokens, at the end, in a file without
+    eos_id) of --data for the validation loss; 0 holds out none."""
+    eval_every: int = 0
+    """Measure the validation loss every N steps and after the last; 0: after the last only
+    (with --val-data or --val-fraction)."""
+    eval_batches: int = 8
+    """Global batches of validation data each measurement averages (the same ones each time)."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.data_order in DATA_ORDERS,
+            f"unknown data order {self.data_order!r}: choose one of {', '.join(DATA_ORDERS)}",
+        )
+        require(
+            0 <= self.val_fraction < 1,
+            f"val_fraction={self.val_fraction} must lie in [0, 1), e.g. 0.05 (0: no split)",
+        )
+        require(
+            self.val_data is None or self.val_fraction == 0,
+            "--val-data and --val-fraction both name validation data: give one of them",
+        )
+        require(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0")
+        require(self.eval_batches >= 1, f"eval_batches={self.eval_batches} must be >= 1")
+        require(
+            self.eval_every == 0 or self.validates,
+            f"--eval-every {self.eval_every} needs validation data: add --val-data PATH or "
+            "--val-fraction F",
+        )
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run measures a validation loss."""
+        return self.val_data is not None or self.val_fraction > 0
 
 
 @dataclass(frozen=True, kw_only=True)

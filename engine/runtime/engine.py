@@ -266,11 +266,18 @@ class PipelineEngine:
         options = self.options
         return options.clip_grad_norm > 0 or options.precision == "fp16" or options.nonfinite_guard
 
-    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
+    def train_step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        documents: torch.Tensor | None = None,
+    ) -> StepStats:
         """Forward and backward every micro-batch, reduce gradients, step the optimizer.
 
         Only the first stage needs `inputs` and only the last needs `targets`; other ranks may
-        pass None. The returned loss is the global batch's mean, on every rank.
+        pass None. With packed documents every rank passes the batch's `documents` (document
+        id of each token, shape of `inputs`). The returned loss is the global batch's mean,
+        on every rank.
         """
         if self.sharded is not None:
             self.sharded.begin_step()
@@ -280,7 +287,9 @@ class PipelineEngine:
         if self.fsdp is not None:
             self.fsdp.begin_step()
         origin = time.perf_counter()
-        timings, loss = self._run(self.schedule, inputs, targets, training=True, origin=origin)
+        timings, loss = self._run(
+            self.schedule, inputs, targets, training=True, origin=origin, documents=documents
+        )
         step_s = time.perf_counter() - origin
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
         phases = [*self._finish_dp_reduction(origin), *self._sum_tied_weights(origin)]
@@ -385,11 +394,21 @@ class PipelineEngine:
 
         return figures
 
-    def eval_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
-        """Forward-only loss of a batch, on every rank."""
+    def eval_step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        documents: torch.Tensor | None = None,
+    ) -> float:
+        """Forward-only loss of a batch, on every rank (`documents` as `train_step`)."""
         try:
             return self._run(
-                self.eval_schedule, inputs, targets, training=False, origin=time.perf_counter()
+                self.eval_schedule,
+                inputs,
+                targets,
+                training=False,
+                origin=time.perf_counter(),
+                documents=documents,
             )[1]
         finally:
             if self.fsdp is not None:
@@ -403,6 +422,7 @@ class PipelineEngine:
         *,
         training: bool,
         origin: float,
+        documents: torch.Tensor | None = None,
     ) -> tuple[list[ActionTiming], float]:
         """Run this rank's row of `schedule`; its action timings and the global mean loss.
 
@@ -418,7 +438,8 @@ class PipelineEngine:
                 "override its precision and keep weight casts across optimizer steps: call "
                 "train_step and eval_step outside autocast"
             )
-        step = StepRun(self._step_context(schedule), inputs, targets, training=training)
+        context = self._step_context(schedule)
+        step = StepRun(context, inputs, targets, training=training, documents=documents)
         self.reports.begin_step()
         for stage in self.stages.values():
             stage.reset_peak()

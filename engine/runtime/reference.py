@@ -15,7 +15,7 @@ from torch import nn
 from engine.runtime.clipping import clip_gradients, global_grad_norm
 from engine.runtime.micro_batches import LossFn, split_micro_batches
 from engine.runtime.precision import LossScaler, autocast
-from models import lm_loss
+from models import document_scope, lm_loss
 
 __all__ = ["accumulate_gradients", "reference_step"]
 
@@ -29,19 +29,27 @@ def accumulate_gradients(
     loss_fn: LossFn = lm_loss,
     precision: str = "fp32",
     loss_scale: float = 1.0,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward and backward each micro-batch in order; returns the mean loss (detached).
 
-    Gradients accumulate into `.grad` (set them to None first for a fresh step).
+    Gradients accumulate into `.grad` (set them to None first for a fresh step). `documents`:
+    the batch's document ids when documents are packed (`models.documents`).
     """
     losses = []
     device = next(model.parameters()).device
-    for x, y in zip(
+    doc_slices = (
+        split_micro_batches(documents, micro_batches)
+        if documents is not None
+        else (None,) * micro_batches
+    )
+    for x, y, docs in zip(
         split_micro_batches(inputs, micro_batches),
         split_micro_batches(targets, micro_batches),
+        doc_slices,
         strict=True,
     ):
-        with autocast(precision, device):
+        with autocast(precision, device), document_scope(docs):
             loss = loss_fn(model(x), y)
         root = loss / micro_batches
         (root if loss_scale == 1.0 else root * loss_scale).backward()
@@ -60,6 +68,7 @@ def reference_step(
     clip_grad_norm: float = 0.0,
     precision: str = "fp32",
     scaler: LossScaler | None = None,
+    documents: torch.Tensor | None = None,
 ) -> float:
     """One optimizer step over a global batch with gradient accumulation; returns the loss.
 
@@ -76,6 +85,7 @@ def reference_step(
         loss_fn=loss_fn,
         precision=precision,
         loss_scale=scale,
+        documents=documents,
     )
     params = list(model.parameters())
     if scale != 1.0:

@@ -28,7 +28,7 @@ from engine.parallel import (
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.weight_copies import WeightCopies
-from models import LayerSpec, LayerStack, build_layers, lm_loss
+from models import LayerSpec, LayerStack, build_layers, document_scope, lm_loss
 
 __all__ = ["PipelineStage", "StageError"]
 
@@ -43,6 +43,8 @@ class _InFlight:
     outputs: tuple[torch.Tensor, ...]
     weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
     """(module, its input, its output) of every parameter-owning module, in forward order."""
+    documents: torch.Tensor | None = None
+    """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
 
 
 @dataclass
@@ -202,19 +204,25 @@ class PipelineStage:
         loss_scale: float = 1.0,
         training: bool = True,
         split: bool = True,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Run the stage on one micro-batch; the last stage returns its (unscaled) loss.
 
         In training the last stage keeps `loss / loss_divisor` for the backward (the number of
         micro-batches, exactly as the reference divides), other stages keep their outputs.
         `split=False` says this micro-batch's backward will be a fused B, so the Linears'
-        inputs and outputs need not be recorded for a W.
+        inputs and outputs need not be recorded for a W. `documents`: the micro-batch's
+        document ids when documents are packed (`models.documents`).
         """
         capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()
-        with torch.set_grad_enabled(training), autocast(self.precision, self.device):
+        with (
+            torch.set_grad_enabled(training),
+            autocast(self.precision, self.device),
+            document_scope(documents),
+        ):
             try:
                 out = self._run_layers(inputs[0], training)
             except (RuntimeError, ValueError, IndexError) as error:
@@ -236,7 +244,7 @@ class PipelineStage:
                 out = out.to(dtype) if out.is_floating_point() else out
                 outputs = result = (out,)
         if training:
-            self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture)
+            self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture, documents)
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return result
 
@@ -282,7 +290,10 @@ class PipelineStage:
         """Backward of one micro-batch: accumulate parameter grads, return input grads."""
         state = self._pop(micro_batch)
         roots, grads = self._roots(state, output_grads)
-        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+        with (
+            sharded_loss_scope(self.tensor_parallel and self.is_last),
+            document_scope(state.documents),
+        ):
             torch.autograd.backward(roots, grad_tensors=grads)
         return tuple(x.grad for x in state.inputs if x.requires_grad and x.grad is not None)
 
@@ -306,7 +317,10 @@ class PipelineStage:
         nodes = [out for _, _, out in state.weight_nodes]
         eager = [p for p in self._eager_params if p.requires_grad]
         manual = self.precision == "fp32"
-        with sharded_loss_scope(self.tensor_parallel and self.is_last):
+        with (
+            sharded_loss_scope(self.tensor_parallel and self.is_last),
+            document_scope(state.documents),
+        ):
             found = torch.autograd.grad(
                 roots,
                 wanted + nodes + eager,

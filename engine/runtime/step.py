@@ -87,7 +87,9 @@ class StepRun:
         targets: torch.Tensor | None,
         *,
         training: bool,
+        documents: torch.Tensor | None = None,
     ) -> None:
+        """`documents`: the batch's document ids (packed documents), given to every stage."""
         if context.is_first and inputs is None:
             raise ValueError("the first pipeline stage needs the batch's inputs")
         if context.is_last and targets is None:
@@ -95,6 +97,7 @@ class StepRun:
         self.context, self.training = context, training
         self.inputs = _split(inputs, context) if context.is_first else ()
         self.targets = _split(targets, context) if context.is_last else ()
+        self.documents = _split(documents, context) if documents is not None else None
         self.activations: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.gradients: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.outbox: dict[tuple[ActionKind, int, int], tuple[torch.Tensor, ...]] = {}
@@ -129,6 +132,7 @@ class StepRun:
             loss_scale=context.loss_scale,
             training=self.training,
             split=(s, k) in context.split_units,
+            documents=None if self.documents is None else self.documents[k],
         )
         if stage.is_last:
             self.losses.append(outputs[0])

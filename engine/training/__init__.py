@@ -2,18 +2,23 @@
 preflight and resume checks, DeepSpeed configs, text generation.
 """
 
-from engine.training.batches import BatchLoader
+from engine.training.batches import Batch, BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens, prepare
+from engine.training.documents import Documents, documents_of, split_validation
 from engine.training.loop import TrainResult, train
 
 __all__ = [
+    "Batch",
     "BatchLoader",
+    "Documents",
     "TokenDataset",
     "TrainConfig",
     "TrainResult",
     "default_corpus",
+    "documents_of",
     "load_tokens",
     "prepare",
+    "split_validation",
     "train",
 ]

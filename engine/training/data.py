@@ -72,6 +72,9 @@ class TokenFileInfo:
     sha256: str | None = None
     """The tokens' digest, written by `prepare` (files prepared before it have none): a resumed
     run checks it is reading the data its checkpoint was trained on."""
+    eos_id: int | None = None
+    """The token that ends each document (header key ``eos_id``); None when the file has no
+    document separator (the byte tokenizer): the whole file is then one stream."""
 
 
 def _dtype_for(vocab_size: int) -> str:
@@ -81,11 +84,12 @@ def _dtype_for(vocab_size: int) -> str:
 def _info(bin_path: Path, json_path: Path, header: dict[str, Any]) -> TokenFileInfo:
     keys = ("num_tokens", "vocab_size", "dtype")
     fields = {k: header[k] for k in keys}
-    digest = header.get("sha256")
+    digest, eos = header.get("sha256"), header.get("eos_id")
     return TokenFileInfo(
         bin_path=bin_path,
         json_path=json_path,
         sha256=digest if isinstance(digest, str) else None,
+        eos_id=eos if isinstance(eos, int) else None,
         **fields,
     )
 

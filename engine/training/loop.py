@@ -42,8 +42,8 @@ from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
-from engine.training.data import TokenDataset, default_corpus, load_tokens
 from engine.training.flops_report import flops_report, format_flops_report
+from engine.training.loaders import RunData, open_data, open_dataset
 from engine.training.metrics import MetricsLog
 from engine.training.monitors import Monitors
 from engine.training.preflight import check_before_loading, check_outputs, stage_partition
@@ -82,6 +82,8 @@ class TrainResult:
     """Measured pipeline bubble of every step."""
     first_step: int = 0
     """Step this process started at (> 0 after resuming); `losses[0]` is that step's."""
+    val_loss: float | None = None
+    """The last validation loss this process measured (None without validation data)."""
 
     @property
     def final_loss(self) -> float:
@@ -93,19 +95,6 @@ class TrainResult:
         """Mean measured bubble after the first step (warm-up), or of that step if alone."""
         steady = self.bubbles[1:] or self.bubbles
         return sum(steady) / len(steady) if steady else math.nan
-
-
-def open_dataset(config: TrainConfig) -> TokenDataset:
-    """The run's token data, checked against the model's vocabulary."""
-    path = config.data.data or default_corpus().bin_path
-    dataset = load_tokens(path)
-    vocab = config.model.config().vocab_size
-    if dataset.info.vocab_size > vocab:
-        raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
-            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
-        )
-    return dataset
 
 
 def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
@@ -142,20 +131,39 @@ class _Run:
     engine: PipelineEngine
     specs: list[LayerSpec]
     partition: Partition
-    loader: BatchLoader
+    data: RunData
     scheduler: LambdaLR
+
+    @property
+    def loader(self) -> BatchLoader:
+        return self.data.train
 
     def step(self, step: int) -> tuple[StepStats, float, float]:
         """Train one step; returns its stats, the learning rate it used and its seconds."""
         engine = self.engine
         assert engine.optimizer is not None
-        needs_data = engine.is_first or engine.is_last
-        inputs, targets = self.loader.batch_at(step) if needs_data else (None, None)
+        inputs, targets, documents = _batch(self.loader, engine, step)
         lr = float(engine.optimizer.param_groups[0]["lr"])
         start = time.perf_counter()
-        stats = engine.train_step(inputs, targets)
+        stats = engine.train_step(inputs, targets, documents)
         self.scheduler.step()
         return stats, lr, time.perf_counter() - start
+
+    def evaluates_at(self, done: int) -> bool:
+        """Whether the validation loss is measured after `done` steps."""
+        every = self.config.data.eval_every
+        due = done == self.config.run.steps or (every > 0 and done % every == 0)
+        return self.data.val is not None and due
+
+    def evaluate(self) -> float:
+        """Mean validation loss over --eval-batches batches, through the pipeline
+        (collective: every rank of the mesh calls it)."""
+        assert self.data.val is not None
+        losses = [
+            self.engine.eval_step(*_batch(self.data.val, self.engine, k))
+            for k in range(self.config.data.eval_batches)
+        ]
+        return sum(losses) / len(losses)
 
     def saves_at(self, done: int) -> bool:
         """Whether a checkpoint is written after `done` steps."""
@@ -286,15 +294,19 @@ def _kept_records(path: str | None, start: int) -> list[dict[str, Any]]:
     return kept
 
 
+def _batch(
+    loader: BatchLoader, engine: PipelineEngine, step: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What this rank's stages read of batch `step`: inputs on the first, targets on the last,
+    the document ids on every one when documents are packed."""
+    if not (loader.pack_documents or engine.is_first or engine.is_last):
+        return None, None, None
+    batch = loader.sample(step)
+    return batch.inputs, batch.targets, batch.documents
+
+
 def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
-    loader = BatchLoader(
-        open_dataset(config),
-        seq_len=config.batch.seq_len,
-        global_batch=config.batch.global_batch,
-        seed=config.run.seed,
-        dp_rank=mesh.dp_rank,
-        dp_size=config.parallel.dp,
-    )
+    data = open_data(config, dp_rank=mesh.dp_rank)
     specs = config.model.specs()
     partition = stage_partition(config, specs)
     engine = _build_engine(config, mesh, specs, partition)
@@ -307,7 +319,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
         engine=engine,
         specs=specs,
         partition=partition,
-        loader=loader,
+        data=data,
         scheduler=scheduler,
     )
 
@@ -344,15 +356,23 @@ class _StepLog:
             line = _log_line(record, self.run.engine.skipped_steps, phases)
             self.log.say(f"meshpipe: {line}")
 
+    def evaluation(self, step: int, val_loss: float) -> None:
+        """The validation loss measured after `step` (from 0): its own record, kind "eval"."""
+        self.log.record(kind="eval", step=step, val_loss=val_loss)
+        self.monitors.write((step + 1) * self.run.config.batch.global_batch, {"val_loss": val_loss})
+        if self.mesh.rank == 0:
+            self.log.say(f"meshpipe: step {step + 1}: val loss {val_loss:.4f}")
+
 
 def _run_steps(
     run: _Run, first: int, emit: _StepLog, trace: TraceRecorder | None
-) -> tuple[list[StepStats], list[float]]:
+) -> tuple[list[StepStats], list[float], list[float]]:
     """Steps `first` to the end, each emitted once the next one ran: its bubble and grad norm
     need every pipeline rank's figures, which have arrived by then without holding any rank
-    back (a step about to be saved is emitted at once)."""
+    back (a step about to be saved or followed by an evaluation is emitted at once)."""
     stats: list[StepStats] = []
     wall: list[float] = []
+    val_losses: list[float] = []
     pending: tuple[int, StepStats, float, float] | None = None
     for step in range(first, run.config.run.steps):
         _test_fault(step, emit.mesh)
@@ -366,13 +386,17 @@ def _run_steps(
         if pending is not None:
             emit(*pending)
         pending = (step, result, lr, seconds)
-        if run.saves_at(step + 1):
+        evaluates = run.evaluates_at(step + 1)
+        if run.saves_at(step + 1) or evaluates:
             emit(*pending)
             pending = None
+        if evaluates:
+            val_losses.append(run.evaluate())
+            emit.evaluation(step, val_losses[-1])
         run.save(step + 1)
     if pending is not None:
         emit(*pending)
-    return stats, wall
+    return stats, wall, val_losses
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
@@ -413,7 +437,7 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         monitors,
     ):
         emit = _StepLog(run=run, log=log, monitors=monitors, mesh=mesh)
-        stats, wall = _run_steps(run, first, emit, trace)
+        stats, wall, val_losses = _run_steps(run, first, emit, trace)
     run.engine.close()
     if trace is not None and config.run.trace is not None:
         trace.write(config.run.trace, rank=mesh.rank, world_size=mesh.world_size)
@@ -426,6 +450,7 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         tokens_per_s=steady,
         bubbles=tuple(s.bubble for s in stats),
         first_step=first,
+        val_loss=val_losses[-1] if val_losses else None,
     )
 
 

@@ -13,7 +13,11 @@ from tqdm import tqdm
 
 from engine.checkpoint.atomic import atomic_write_text
 
-__all__ = ["MetricsLog", "plot_metrics", "plot_target", "read_records"]
+__all__ = ["EVAL_KIND", "MetricsLog", "plot_metrics", "plot_target", "read_records"]
+
+EVAL_KIND = "eval"
+"""The `kind` of a validation record ({"kind": "eval", "step", "val_loss"}); step records
+have no kind."""
 
 
 class MetricsLog:
@@ -41,11 +45,14 @@ class MetricsLog:
         self._bar = tqdm(
             total=total_steps, disable=not progress, file=sys.stderr, unit="step", leave=True
         )
+        self._postfix: dict[str, str] = {}
+        self._val_loss: str | None = None
         for fields in kept:
             self._show(fields)
 
     def record(self, **fields: Any) -> None:
-        """Append a step's record and refresh the bar's postfix."""
+        """Append a record (a step's, or with kind "eval" a validation loss) and refresh the
+        bar's postfix."""
         if self._file is not None:
             self._file.write(json.dumps(fields) + "\n")
             self._file.flush()
@@ -57,11 +64,15 @@ class MetricsLog:
         tqdm.write(line, file=sys.stderr)
 
     def _show(self, fields: dict[str, Any]) -> None:
+        if fields.get("kind") == EVAL_KIND:  # beside the step's figures, not a step of its own
+            self._val_loss = f"{fields['val_loss']:.4f}"
+            self._bar.set_postfix(self._postfix, val_loss=self._val_loss, refresh=False)
+            return
         shown = {k: fields[k] for k in ("loss", "tokens_per_s", "bubble") if k in fields}
-        self._bar.set_postfix(
-            {k: (f"{v:.4f}" if k == "loss" else f"{v:.3g}") for k, v in shown.items()},
-            refresh=False,
-        )
+        self._postfix = {k: (f"{v:.4f}" if k == "loss" else f"{v:.3g}") for k, v in shown.items()}
+        if self._val_loss is not None:
+            self._postfix["val_loss"] = self._val_loss
+        self._bar.set_postfix(self._postfix, refresh=False)
         self._bar.update(1)
 
     def close(self) -> None:
@@ -109,7 +120,8 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
                 f"{path}, line {number}: not a JSON record ({error}): give a metrics file "
                 "written by meshpipe train --metrics-file"
             ) from error
-        if not isinstance(record, dict) or "step" not in record or "loss" not in record:
+        value = "val_loss" if isinstance(record, dict) and record.get("kind") else "loss"
+        if not isinstance(record, dict) or "step" not in record or value not in record:
             raise ValueError(
                 f"{path}, line {number}: not a step record (no step and loss): give a metrics "
                 "file written by meshpipe train --metrics-file"
@@ -118,9 +130,47 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def _figure(plt: Any, records: list[dict[str, Any]], name: str) -> Any:
+    """Training and validation loss per step above, the learning rate below."""
+    steps = [r for r in records if r.get("kind") != EVAL_KIND]
+    evals = [r for r in records if r.get("kind") == EVAL_KIND]
+    fig, (ax, ax_lr) = plt.subplots(
+        2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
+    if steps:
+        ax.plot(
+            [r["step"] + 1 for r in steps],
+            [r["loss"] for r in steps],
+            color="#4C72B0",
+            label="training loss",
+        )
+    if evals:
+        ax.plot(
+            [r["step"] + 1 for r in evals],
+            [r["val_loss"] for r in evals],
+            color="#DD8452",
+            marker="o",
+            label="validation loss",
+        )
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    final = [f"final loss {steps[-1]['loss']:.3f}"] if steps else []
+    final += [f"val {evals[-1]['val_loss']:.3f}"] if evals else []
+    ax.set_title(f"{name}: {', '.join(final)}")
+    with_lr = [r for r in steps if "lr" in r]
+    ax_lr.plot([r["step"] + 1 for r in with_lr], [r["lr"] for r in with_lr], color="#55A868")
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path:
-    """Loss per step from a metrics file, as a PNG at `out` (default: the metrics file's name
-    with `.png`; a name without a suffix gets `.png`, as matplotlib would); returns its path."""
+    """Training (and validation) loss and the learning rate per step from a metrics file, as
+    a PNG at `out` (default: the metrics file's name with `.png`; a name without a suffix gets
+    `.png`, as matplotlib would); returns its path."""
     try:
         import matplotlib
 
@@ -131,14 +181,7 @@ def plot_metrics(path: str | Path, out: str | Path | None = None) -> Path:
     records = read_records(path)
     if not records:
         raise ValueError(f"metrics file {path} has no records: train with --metrics-file first")
-    steps = [r["step"] + 1 for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["loss"] for r in records], color="#4C72B0", label="loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.set_title(f"{Path(path).name}: final loss {records[-1]['loss']:.3f}")
-    fig.tight_layout()
+    fig = _figure(plt, records, Path(path).name)
     target = plot_target(path, out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

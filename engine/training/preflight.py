@@ -27,6 +27,7 @@ from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
+from engine.training.loaders import open_data
 from engine.training.monitors import check_monitors
 from engine.training.paths import (
     PathUse,
@@ -112,6 +113,7 @@ def run_paths(config: TrainConfig, deepspeed_config: str | None = None) -> list[
         ("--csv-dir", monitor.csv_dir, folder_out),
         ("--checkpoint-dir", ckpt.checkpoint_dir, checkpoint_root),
         ("--data", config.data.data, token_file),
+        ("--val-data", config.data.val_data, token_file),
         ("--init-from", ckpt.init_from, checkpoint_in),
         ("--deepspeed_config", deepspeed_config, file_in),
     ]
@@ -181,6 +183,7 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     check_device(config.run.device)
     stage_partition(config, config.model.specs())
     check_outputs(config, deepspeed_config)
+    open_data(config)  # token files, vocabulary, documents to pack, enough tokens
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)

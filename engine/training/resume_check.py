@@ -30,7 +30,15 @@ __all__ = [
     "optimizer_hyperparameters",
 ]
 
-FIXED_BY_CHECKPOINT = ("model", "seed", "seq_len", "global_batch", "optimizer")
+FIXED_BY_CHECKPOINT = (
+    "model",
+    "seed",
+    "seq_len",
+    "global_batch",
+    "optimizer",
+    "data_order",
+    "val_fraction",
+)
 """Settings the checkpoint's state is made of: its weights' shapes, its data order and its
 optimizer state. No resume changes them."""
 
@@ -51,6 +59,7 @@ NEW_WITH_FLAG = (
     "sync_every",
     "outer_lr",
     "outer_momentum",
+    "pack_documents",
 )
 """Settings a resume shares with its checkpoint's run unless --resume-with-new-hparams asks
 for the new ones (layout and speed flags may always change)."""

@@ -20,7 +20,15 @@ from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_from_spec
 from engine.runtime.precision import LossScaler
 from engine.runtime.reference import reference_step
-from models import GPTConfig, LayerSpec, build_layers, get_config, layer_specs, lm_loss
+from models import (
+    GPTConfig,
+    LayerSpec,
+    build_layers,
+    document_scope,
+    get_config,
+    layer_specs,
+    lm_loss,
+)
 from partitioners import partition_model
 
 GPT_UNTIED = GPTConfig(
@@ -78,6 +86,8 @@ class Case:
     tp: int = 1
     optimizer_impl: str = "fused"
     compile: bool = False
+    documents: bool = False
+    """Pack documents: each batch row holds several (`batch_documents`)."""
 
     @property
     def global_batch(self) -> int:
@@ -97,6 +107,7 @@ class Case:
             + ("" if self.guard else "-unguarded")
             + (f"-tp{self.tp}" if self.tp > 1 else "")
             + ("-compiled" if self.compile else "")
+            + ("-packed" if self.documents else "")
         )
 
 
@@ -108,6 +119,16 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
         tokens = torch.randint(0, 256, shape, generator=generator)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
+
+
+def batch_documents(case: Case) -> list[torch.Tensor | None]:
+    """Each step's document ids (global_batch, SEQ_LEN): documents of random lengths packed
+    into every row, or None per step when the case packs none."""
+    if not case.documents:
+        return [None] * STEPS
+    generator = torch.Generator().manual_seed(4321)
+    starts = torch.rand((STEPS, case.global_batch, SEQ_LEN), generator=generator) < 0.2
+    return list(starts.cumsum(-1))
 
 
 def _optimizer(case: Case) -> OptimizerSpec:
@@ -164,12 +185,15 @@ def run_case(case: Case) -> dict[str, Any]:
     gathered = _count_gathered(engine)
     losses, peaks, pending, bubbles, norms, skipped = [], [], [], [], [], []
     steps = []
+    documents = batch_documents(case)
     for step, (inputs, targets) in enumerate(batches(case)):
         local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
         _poison(engine, case, step)
+        docs = documents[step]
         stats = engine.train_step(
             inputs[local] if engine.is_first else None,
             targets[local] if engine.is_last else None,
+            None if docs is None else docs[local],
         )
         _unpoison(engine)
         steps.append(stats)
@@ -182,7 +206,10 @@ def run_case(case: Case) -> dict[str, Any]:
         bubbles.append(stats.bubble)
     inputs, targets = batches(case)[0]
     local = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
-    eval_loss = engine.eval_step(inputs[local], targets[local])
+    docs = documents[0]
+    eval_loss = engine.eval_step(
+        inputs[local], targets[local], None if docs is None else docs[local]
+    )
     params = {n: full_tensor(p.detach()).clone() for n, p in engine.module.named_parameters()}
     local_shapes = {
         n.split(".", 1)[1]: tuple(local_tensor(p).shape)
@@ -304,6 +331,13 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict[s
     return {str(case): run_case(case) for case in cases}
 
 
+def _scored(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None
+) -> torch.Tensor:
+    with document_scope(docs):
+        return lm_loss(model(x), y)
+
+
 def reference_run(case: Case) -> dict[str, Any]:
     """The same steps in one process: m·dp micro-batches of the same size."""
     torch.set_num_threads(1)
@@ -313,7 +347,8 @@ def reference_run(case: Case) -> dict[str, Any]:
     specs = model_specs(case.model)
     order = global_parameter_order(specs)
     losses, norms = [], []
-    for x, y in batches(case):
+    documents = batch_documents(case)
+    for (x, y), docs in zip(batches(case), documents, strict=True):
         losses.append(
             reference_step(
                 model,
@@ -324,13 +359,19 @@ def reference_run(case: Case) -> dict[str, Any]:
                 clip_grad_norm=case.clip,
                 precision=case.precision,
                 scaler=scaler,
+                documents=docs,
             )
         )
         norms.append(float(global_grad_norm(list(model.named_parameters()), order)))
     x, y = batches(case)[0]
+    size = case.micro_batch_size
+    docs = documents[0]
+    doc_rows = docs.split(size) if docs is not None else [None] * (len(x) // size)
     with torch.no_grad():
-        pairs = zip(x.split(case.micro_batch_size), y.split(case.micro_batch_size), strict=True)
-        eval_loss = float(torch.stack([lm_loss(model(a), b) for a, b in pairs]).mean())
+        pairs = zip(x.split(size), y.split(size), doc_rows, strict=True)
+        eval_loss = float(
+            torch.stack([_scored(model, a, b, d) for a, b, d in pairs]).mean()
+        )
     return {
         "losses": losses,
         "eval_loss": eval_loss,

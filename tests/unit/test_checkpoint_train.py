@@ -34,6 +34,7 @@ RUN = {
     "micro_batches": 2,
     "seq_len": 32,
     "warmup_steps": 2,
+    "lr": 3e-3,
     "threads": 1,
 }
 

@@ -20,18 +20,20 @@ from engine.training.config import TrainConfig
 
 OLD_TRAIN_DEFAULTS = {
     "model": "gpt-tiny", "steps": 100, "global_batch": 16, "micro_batches": 4, "seq_len": 128,
-    "lr": 0.003, "min_lr_ratio": 0.1, "lr_schedule": "cosine", "warmup_steps": 10,
+    "lr": 0.001, "min_lr_ratio": 0.1, "lr_schedule": "cosine", "warmup_steps": 10,
     "optimizer": "adamw", "optimizer_impl": "fused", "weight_decay": 0.1, "seed": 0,
     "data": None, "threads": 0, "device": "auto", "metrics_file": None, "pp": 1, "dp": 1,
     "schedule": "1f1b", "partition": "balanced", "timeout": 300.0, "stages_per_rank": 1,
-    "precision": "fp32", "clip_grad_norm": 0.0, "recompute": "none", "compile": False,
+    "precision": "fp32", "clip_grad_norm": 1.0, "recompute": "none", "compile": False,
     "zero": 0, "no_nonfinite_guard": False, "betas": "0.9,0.95", "momentum": 0.0,
     "adam_eps": 1e-08, "lr_schedule_args": "{}", "trace": None, "log_every": 0,
     "checkpoint_dir": None, "save_every": 0, "keep": 0, "resume": False,
     "resume_fallback": False, "resume_with_new_hparams": False, "init_from": None,
     "max_restarts": 0,
 }  # fmt: skip
-"""TrainConfig's 43 flat fields and defaults before the sections: checkpoints record them."""
+"""TrainConfig's 43 flat fields and defaults before the sections: checkpoints record them.
+Two defaults changed since, so that the README's first command learns (issue 22): lr 3e-3 → 1e-3
+and clip_grad_norm 0.0 → 1.0; a checkpoint of the old defaults resumes with those flags given."""
 
 
 @pytest.mark.parametrize("composite", [TrainConfig, MemoryConfig])
@@ -68,6 +70,12 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "sync_every",
         "outer_lr",
         "outer_momentum",
+        "data_order",
+        "pack_documents",
+        "val_data",
+        "val_fraction",
+        "eval_every",
+        "eval_batches",
     }
 
 
@@ -84,7 +92,7 @@ def test_a_config_round_trips_through_its_flat_form() -> None:
     )
     assert from_flat(TrainConfig, config.flat()) == config
     assert config.engine == EngineOptions(
-        nonfinite_guard=False, recompute="full", recompute_stages=(1,)
+        nonfinite_guard=False, recompute="full", recompute_stages=(1,), clip_grad_norm=1.0
     )
     assert config.optimizer.betas == (0.8, 0.9)
 
@@ -95,8 +103,10 @@ def test_a_flat_name_no_section_has_is_refused_by_name() -> None:
 
 
 def test_a_composite_keeps_its_own_defaults_for_a_shared_section() -> None:
-    """Training defaults to lr 3e-3 and decay 0.1, an estimate to bf16: not the sections'."""
-    assert (TrainConfig.of().optimizer.lr, OptimizerSpec().lr) == (3e-3, 1e-3)
+    """Training defaults to decay 0.1 and clipping 1.0, an estimate to bf16: not the
+    sections'."""
+    assert (TrainConfig.of().optimizer.weight_decay, OptimizerSpec().weight_decay) == (0.1, 0.0)
+    assert (TrainConfig.of().engine.clip_grad_norm, EngineOptions().clip_grad_norm) == (1.0, 0.0)
     assert (MemoryConfig.of().engine.precision, EngineOptions().precision) == ("bf16", "fp32")
     assert replace_flat(TrainConfig.of(), pp=2).optimizer.weight_decay == 0.1
 

@@ -157,7 +157,8 @@ MAPPED = [
      {"global_batch": 1024, "micro_batches": 64, "initial_scale_power": 12, "hysteresis": 2}),
     ("HF Trainer ZeRO-2 on the device, auto", HF_ZERO2_ON_DEVICE, HF_FLAGS,
      {"global_batch": 16, "micro_batches": 2, "zero": 2, "lr": 5e-5, "precision": "fp32",
-      "lr_schedule": "deepspeed:WarmupLR", "clip_grad_norm": 0.0}),
+      # gradient_clipping "auto": meshpipe's default, 1.0 (the Trainer's max_grad_norm too)
+      "lr_schedule": "deepspeed:WarmupLR", "clip_grad_norm": 1.0}),
     ("HF Trainer ZeRO-3 on the device, auto", HF_ZERO3_ON_DEVICE, HF_FLAGS,
      {"zero": 3, "optimizer_impl": "per_tensor", "betas": "0.9,0.95"}),
     ("DeepSpeedExamples cifar, fp16 without ZeRO", CIFAR, {"dp": 1},

@@ -81,7 +81,16 @@ def test_train_refuses_a_metrics_file_named_like_its_deepspeed_config(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--data", "tok", "--metrics-file", "ck/m.jsonl", "--trace", "tok.trace.json"],
+        [
+            "--data",
+            "tok",
+            "--seq-len",
+            "32",
+            "--metrics-file",
+            "ck/m.jsonl",
+            "--trace",
+            "tok.trace.json",
+        ],
         ["--csv-dir", "ck", "--tensorboard-dir", "ck"],
     ],
 )
