@@ -192,6 +192,8 @@ def _finish(
         "rng": dict(report["rng"] for report in reports),
         "torch": torch.__version__,
     }
+    for name, text in state.tokenizer.items():
+        atomic_write_text(tmp / name, text)
     atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
     write_manifest(tmp)
     fsync_dir(tmp)

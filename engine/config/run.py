@@ -106,7 +106,13 @@ class DataConfig:
     """What the run trains on."""
 
     data: str | None = None
-    """Prepared token file; None uses the embedded default corpus."""
+    """Prepared token file, or `nanogpt:PATH` (nanoGPT's raw uint16 .bin, with --vocab-size);
+    None uses the embedded default corpus."""
+    vocab_size: int | None = None
+    """Vocabulary of a raw token file (`--data nanogpt:PATH`), which has no header to say it."""
+    tokenizer: str | None = None
+    """The tokenizer (a tokenizer.json or a folder holding one) of a raw token file, carried
+    into checkpoints; a prepared file's header names its own."""
 
 
 @dataclass(frozen=True, kw_only=True)

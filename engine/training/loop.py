@@ -42,7 +42,12 @@ from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
-from engine.training.data import TokenDataset, default_corpus, load_tokens
+from engine.training.data import (
+    TokenDataset,
+    default_corpus,
+    open_training_data,
+    tokenizer_files,
+)
 from engine.training.flops_report import flops_report, format_flops_report
 from engine.training.metrics import MetricsLog
 from engine.training.monitors import Monitors
@@ -97,14 +102,13 @@ class TrainResult:
 
 def open_dataset(config: TrainConfig) -> TokenDataset:
     """The run's token data, checked against the model's vocabulary."""
-    path = config.data.data or default_corpus().bin_path
-    dataset = load_tokens(path)
-    vocab = config.model.config().vocab_size
-    if dataset.info.vocab_size > vocab:
-        raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
-            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
-        )
+    data = config.data
+    dataset, _ = open_training_data(
+        data.data or default_corpus().bin_path,
+        vocab_size=data.vocab_size,
+        tokenizer=data.tokenizer,
+        model_vocab=config.model.config().vocab_size,
+    )
     return dataset
 
 
@@ -174,6 +178,7 @@ class _Run:
             config=config.flat(),
             loss_scale=self.engine.scaler.state_dict() if self.engine.scaler else {},
             skipped_steps=self.engine.skipped_steps,
+            tokenizer=tokenizer_files(self.loader.dataset.info, config.data.tokenizer),
         )
         save_checkpoint(
             self.engine,

@@ -27,6 +27,7 @@ from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
+from engine.training.data import open_training_data
 from engine.training.monitors import check_monitors
 from engine.training.paths import (
     PathUse,
@@ -181,6 +182,14 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     check_device(config.run.device)
     stage_partition(config, config.model.specs())
     check_outputs(config, deepspeed_config)
+    data = config.data
+    if data.data is not None:  # the token ids, their vocabulary and tokenizer, before any rank
+        open_training_data(
+            data.data,
+            vocab_size=data.vocab_size,
+            tokenizer=data.tokenizer,
+            model_vocab=config.model.config().vocab_size,
+        )
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
