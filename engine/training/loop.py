@@ -372,7 +372,7 @@ def _run_steps(
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
-    """Train `config.model.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
     check_outputs(config)
     mesh = init_mesh(
         config.parallel.pp,
