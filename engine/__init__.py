@@ -58,9 +58,11 @@ from engine.training import (
     TrainConfig,
     TrainResult,
     default_corpus,
+    load_tokenizer,
     load_tokens,
     prepare,
     train,
+    train_tokenizer,
 )
 
 __all__ = [
@@ -100,6 +102,7 @@ __all__ = [
     "interleaved_1f1b",
     "load_checkpoint",
     "load_schedule",
+    "load_tokenizer",
     "load_tokens",
     "looped_bfs",
     "lr_factor",
@@ -113,6 +116,7 @@ __all__ = [
     "split_micro_batches",
     "steady_state_bubble",
     "train",
+    "train_tokenizer",
     "validate",
     "zb_drain",
     "zb_h1",

@@ -50,7 +50,10 @@ _ARCHITECTURES = {
 _NO_SPECIAL_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 """The byte tokenizer (`engine.data`) has no begin/end-of-text or padding token: its 256 ids
 are the 256 byte values, and files are joined by a plain newline byte. Left out, HF would
-fill in GPT-2's 50256 (outside our vocabulary) or Llama's 1 and 2 (real bytes, not markers)."""
+fill in GPT-2's 50256 (outside our vocabulary) or Llama's 1 and 2 (real bytes, not markers).
+A BPE tokenizer's end-of-text token is named by the exported `tokenizer_config.json`; the
+model's config leaves it out too, so `transformers.generate` runs as long as `meshpipe
+generate`, which does not stop at it."""
 
 
 def _gpt2_config(config: GPTConfig) -> dict[str, Any]:

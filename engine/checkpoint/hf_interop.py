@@ -199,7 +199,9 @@ def open_weights(path: str | Path, config: ModelConfig) -> TensorSource:
     saved, source = open_model(path)
     if saved != config:
         raise CheckpointError(
-            f"{path} holds {saved}, but the run builds {config}: pick the matching --model"
+            f"{path} holds {saved}, but the run builds {config}: pick the matching --model "
+            f"(--model hf:{path} for a Hugging Face folder's own shape, --model-config FILE for "
+            "any other)"
         )
     return source
 

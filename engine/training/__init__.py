@@ -6,6 +6,7 @@ from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens, prepare
 from engine.training.loop import TrainResult, train
+from engine.training.tokenizer import load_tokenizer, train_tokenizer
 
 __all__ = [
     "BatchLoader",
@@ -13,7 +14,9 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "default_corpus",
+    "load_tokenizer",
     "load_tokens",
     "prepare",
     "train",
+    "train_tokenizer",
 ]
