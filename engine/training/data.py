@@ -10,8 +10,8 @@ import os
 import shlex
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,13 +20,21 @@ import numpy.typing as npt
 import torch
 
 from engine.checkpoint.atomic import atomic_write, fsync_dir, sha256_file
-from engine.training.sources import DEFAULT_SUFFIXES, Document, collect_files, documents
+from engine.training.sources import (
+    DEFAULT_SUFFIXES,
+    Counts,
+    Document,
+    collect_files,
+    documents,
+    tokenized,
+)
 from engine.training.tokenizer import (
     BYTES,
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
     load_tokenizer,
+    token_dtype,
 )
 
 __all__ = [
@@ -38,10 +46,8 @@ __all__ = [
     "default_corpus",
     "encode",
     "load_tokens",
-    "open_training_data",
     "prepare",
     "token_file_pair",
-    "tokenizer_files",
     "tokenizer_path",
 ]
 
@@ -59,7 +65,6 @@ _READS = (1, 2)
 _STDLIB_EXCLUDED = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
 )
-_SEPARATOR = b"\n"
 
 
 def encode(text: str) -> npt.NDArray[np.uint8]:
@@ -101,10 +106,6 @@ class TokenFileInfo:
     the byte tokenizer or a raw file."""
 
 
-def _dtype_for(vocab_size: int) -> str:
-    return "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
 def _info(bin_path: Path, json_path: Path, header: dict[str, Any]) -> TokenFileInfo:
     keys = ("num_tokens", "vocab_size", "dtype")
     fields = {k: header[k] for k in keys}
@@ -144,53 +145,6 @@ def tokenizer_path(bin_path: Path) -> Path:
     return bin_path.with_name(bin_path.name.removesuffix(".bin") + ".tokenizer.json")
 
 
-@dataclass
-class _Counts:
-    read: int = 0
-    """Bytes of source text consumed (newlines between byte-tokenized documents included)."""
-    documents: int = 0
-    sources: set[str] = field(default_factory=set)
-
-
-def _text(doc: Document, raw: bytes, cut: bool) -> str:
-    """A document's text; a cut one loses the partial character at its end."""
-    try:
-        return raw.decode("utf-8", errors="ignore" if cut else "strict")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{doc.origin} is not UTF-8 text ({error}): a tokenizer reads text; convert it "
-            "to UTF-8 or leave it out of SOURCE"
-        ) from None
-
-
-def _ids(doc: Document, raw: bytes, cut: bool, tokenizer: Tokenizer) -> npt.NDArray[Any]:
-    if isinstance(tokenizer, ByteTokenizer):
-        return np.frombuffer(raw, dtype=np.uint8)
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    ids = tokenizer.encode(_text(doc, raw, cut)) + eos
-    return np.asarray(ids, dtype=_dtype_for(tokenizer.vocab_size))
-
-
-def _chunks(
-    docs: Iterable[Document], tokenizer: Tokenizer, max_bytes: int | None, counts: _Counts
-) -> Iterator[npt.NDArray[Any]]:
-    """Each document's tokens (then the end-of-text token, where the tokenizer has one), the
-    byte tokenizer's joined by newlines; ``max_bytes`` caps the source text read."""
-    joined = isinstance(tokenizer, ByteTokenizer)
-    for doc in docs:
-        raw = doc.content if isinstance(doc.content, bytes) else doc.content.encode()
-        raw = (_SEPARATOR if joined and counts.documents else b"") + raw
-        budget = None if max_bytes is None else max_bytes - counts.read
-        cut = budget is not None and len(raw) > budget
-        raw = raw[:budget]
-        counts.read += len(raw)
-        counts.documents += 1
-        counts.sources.add(doc.origin.split(" line ")[0].split(" row ")[0])
-        yield _ids(doc, raw, cut, tokenizer)
-        if max_bytes is not None and counts.read >= max_bytes:
-            return
-
-
 def _write_chunks(chunks: Iterable[npt.NDArray[Any]], f: IO[bytes]) -> int:
     written = 0
     for ids in chunks:
@@ -221,8 +175,8 @@ def _write_token_file(
         )
     bin_path, json_path = token_file_pair(out)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    counts = _Counts()
-    chunks = _chunks(docs, tokenizer, max_bytes, counts)
+    counts = Counts()
+    chunks = tokenized(docs, tokenizer, max_bytes, counts)
     num_tokens = atomic_write(bin_path, lambda f: _write_chunks(chunks, f))
     if num_tokens == 0:
         bin_path.unlink()
@@ -230,7 +184,7 @@ def _write_token_file(
     header = {
         "format": _FORMAT,
         "version": _VERSION,
-        "dtype": _dtype_for(tokenizer.vocab_size),
+        "dtype": token_dtype(tokenizer.vocab_size),
         "vocab_size": tokenizer.vocab_size,
         "tokenizer": _tokenizer_header(tokenizer, bin_path),
         "eos_id": tokenizer.eos_id,
@@ -327,7 +281,7 @@ def _not_token_file(given: Path, bin_path: Path, json_path: Path) -> str | None:
 
 def _header_problems(h: dict[str, Any]) -> list[tuple[bool, str]]:
     n, vocab, dtype = h.get("num_tokens"), h.get("vocab_size"), h.get("dtype")
-    want_dtype = _dtype_for(vocab) if isinstance(vocab, int) else None
+    want_dtype = token_dtype(vocab) if isinstance(vocab, int) else None
     eos = h.get("eos_id")
     return [
         (h.get("format") != _FORMAT, f"is not a {_FORMAT!r} header"),
@@ -478,54 +432,3 @@ def load_tokens(path: str | Path, *, vocab_size: int | None = None) -> TokenData
     """Open a token file; ``path`` may be the ``.bin``, the ``.json`` or the prefix, or
     ``nanogpt:PATH`` (a raw uint16 file without header, whose ``vocab_size`` is given)."""
     return TokenDataset(path, vocab_size=vocab_size)
-
-
-def _recorded_tokenizer(info: TokenFileInfo) -> Tokenizer | None:
-    """The tokenizer a token file's header names (None: a raw file, which names none)."""
-    if info.json_path is None:
-        return None
-    if info.tokenizer is None:
-        return ByteTokenizer()
-    return HFTokenizer(info.tokenizer.read_text(encoding="utf-8"), str(info.tokenizer))
-
-
-def _data_tokenizer(info: TokenFileInfo, given: str | None) -> Tokenizer | None:
-    """The tokens' tokenizer: the header's; for a raw file the one given (--tokenizer)."""
-    recorded = _recorded_tokenizer(info)
-    chosen = None if given is None else load_tokenizer(given)
-    if recorded is not None and chosen is not None and chosen.sha256 != recorded.sha256:
-        raise ValueError(
-            f"--tokenizer {given} is not the tokenizer {info.json_path} was prepared with "
-            f"({recorded.name}): leave --tokenizer out (a prepared file names its own), or "
-            f"prepare the data again with `meshpipe data prepare SOURCE --tokenizer {given}`"
-        )
-    if chosen is not None and chosen.vocab_size > info.vocab_size:
-        raise ValueError(
-            f"--tokenizer {given} has {chosen.vocab_size} tokens but --data {info.bin_path} "
-            f"has a vocabulary of {info.vocab_size}: pass the tokenizer the file was made "
-            "with, or its --vocab-size"
-        )
-    return recorded or chosen
-
-
-def open_training_data(
-    path: str | Path, *, vocab_size: int | None, tokenizer: str | None, model_vocab: int
-) -> tuple[TokenDataset, Tokenizer | None]:
-    """A run's token data and its tokenizer (None: a raw file with no --tokenizer), refused
-    when the model cannot embed its ids."""
-    dataset = load_tokens(path, vocab_size=vocab_size)
-    chosen = _data_tokenizer(dataset.info, tokenizer)
-    if dataset.info.vocab_size > model_vocab:
-        raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but the "
-            f"model embeds only {model_vocab} tokens: use a model with a larger vocabulary "
-            "(--model-config with a larger vocab_size)"
-        )
-    return dataset, chosen
-
-
-def tokenizer_files(info: TokenFileInfo, given: str | None) -> dict[str, str]:
-    """The tokenizer files a checkpoint of a run on these tokens carries (none: bytes, or a
-    raw file without --tokenizer)."""
-    chosen = _data_tokenizer(info, given)
-    return {} if chosen is None else chosen.files()

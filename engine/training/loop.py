@@ -42,12 +42,7 @@ from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
-from engine.training.data import (
-    TokenDataset,
-    default_corpus,
-    open_training_data,
-    tokenizer_files,
-)
+from engine.training.data import TokenDataset, default_corpus
 from engine.training.flops_report import flops_report, format_flops_report
 from engine.training.metrics import MetricsLog
 from engine.training.monitors import Monitors
@@ -57,6 +52,7 @@ from engine.training.resume_check import (
     keep_new_hyperparameters,
     optimizer_hyperparameters,
 )
+from engine.training.run_data import open_training_data, tokenizer_files
 from engine.training.shared_folder import check_shared_folder
 from engine.training.trace import TraceRecorder
 from models import LayerSpec

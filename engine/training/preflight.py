@@ -27,7 +27,6 @@ from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
-from engine.training.data import open_training_data
 from engine.training.monitors import check_monitors
 from engine.training.paths import (
     PathUse,
@@ -40,6 +39,7 @@ from engine.training.paths import (
     token_file,
 )
 from engine.training.resume_check import check_resumable
+from engine.training.run_data import open_training_data
 from models import LayerSpec
 from partitioners import Partition, partition_model
 

@@ -1,19 +1,30 @@
 """The documents of a corpus: a text file (one document), a folder of them, JSON lines (one
-document per line, its text in a field) or Parquet (one per row, through `pyarrow`)."""
+document per line, its text in a field) or Parquet (one per row, through `pyarrow`); and
+their tokens."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_SUFFIXES", "Document", "collect_files", "documents"]
+import numpy as np
+import numpy.typing as npt
+
+from engine.training.tokenizer import ByteTokenizer, Tokenizer, token_dtype
+
+__all__ = ["DEFAULT_SUFFIXES", "Counts", "Document", "collect_files", "documents", "tokenized"]
 
 DEFAULT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl", ".parquet")
 """What a folder given as the source contributes."""
+_SEPARATOR = b"\n"
+"""What joins documents under the byte tokenizer, which has no end-of-text token."""
+_BATCH = 256
+"""Documents a Hugging Face tokenizer encodes at once."""
 _JSON_LINES = (".jsonl", ".ndjson")
 _PARQUET = (".parquet",)
 
@@ -110,3 +121,60 @@ def documents(files: Iterable[Path], text_field: str) -> Iterator[Document]:
             yield from _parquet(path, text_field)
         else:
             yield Document(str(path), path.read_bytes())
+
+
+@dataclass
+class Counts:
+    """What `tokenized` consumed, for the token file's header."""
+
+    read: int = 0
+    """Bytes of source text consumed (newlines between byte-tokenized documents included)."""
+    documents: int = 0
+    sources: set[str] = field(default_factory=set)
+
+
+def _text(doc: Document, raw: bytes, cut: bool) -> str:
+    """A document's text; a cut one loses the partial character at its end."""
+    try:
+        return raw.decode("utf-8", errors="ignore" if cut else "strict")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{doc.origin} is not UTF-8 text ({error}): a tokenizer reads text; convert it "
+            "to UTF-8 or leave it out of SOURCE"
+        ) from None
+
+
+def _pieces(
+    docs: Iterable[Document], joined: bool, max_bytes: int | None, counts: Counts
+) -> Iterator[tuple[Document, bytes, bool]]:
+    """Each document's bytes (after a newline when `joined`), whether the cap cut it; stops
+    once ``max_bytes`` of source text are read."""
+    for doc in docs:
+        raw = doc.content if isinstance(doc.content, bytes) else doc.content.encode()
+        raw = (_SEPARATOR if joined and counts.documents else b"") + raw
+        budget = None if max_bytes is None else max_bytes - counts.read
+        cut = budget is not None and len(raw) > budget
+        raw = raw[:budget]
+        counts.read += len(raw)
+        counts.documents += 1
+        counts.sources.add(doc.origin.split(" line ")[0].split(" row ")[0])
+        yield doc, raw, cut
+        if max_bytes is not None and counts.read >= max_bytes:
+            return
+
+
+def tokenized(
+    docs: Iterable[Document], tokenizer: Tokenizer, max_bytes: int | None, counts: Counts
+) -> Iterator[npt.NDArray[Any]]:
+    """Each document's tokens (then the end-of-text token, where the tokenizer has one), the
+    byte tokenizer's joined by newlines; a Hugging Face tokenizer encodes batches of
+    documents (in parallel, in its own threads)."""
+    pieces = _pieces(docs, isinstance(tokenizer, ByteTokenizer), max_bytes, counts)
+    if isinstance(tokenizer, ByteTokenizer):
+        yield from (np.frombuffer(raw, dtype=np.uint8) for _, raw, _ in pieces)
+        return
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    dtype = token_dtype(tokenizer.vocab_size)
+    while batch := list(itertools.islice(pieces, _BATCH)):
+        encoded = tokenizer.encode_batch([_text(*piece) for piece in batch])
+        yield np.concatenate([np.asarray(ids + eos, dtype=dtype) for ids in encoded])

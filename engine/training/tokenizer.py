@@ -27,6 +27,7 @@ __all__ = [
     "Tokenizer",
     "hf_tokenizer_files",
     "load_tokenizer",
+    "token_dtype",
     "tokenizer_from_text",
     "train_tokenizer",
 ]
@@ -39,6 +40,11 @@ EOS_TOKEN = "<|endoftext|>"
 """The end-of-text token `train_tokenizer` adds, GPT-2's spelling."""
 _EOS_NAMES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 _INSTALL = "pip install tokenizers (or pip install 'meshpipe[tokenizers]')"
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every id of a vocabulary."""
+    return "uint8" if vocab_size <= 256 else "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 @dataclass(frozen=True)

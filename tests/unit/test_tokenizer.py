@@ -12,8 +12,9 @@ import pytest
 
 from engine.cli.main import main
 from engine.config import ModelChoice
-from engine.training.data import load_tokens, open_training_data, prepare
+from engine.training.data import load_tokens, prepare
 from engine.training.generate import encode_prompt
+from engine.training.run_data import open_training_data
 from engine.training.tokenizer import EOS_TOKEN, HFTokenizer, load_tokenizer, train_tokenizer
 from models import GPTConfig, LlamaConfig
 
