@@ -106,8 +106,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> torch.Tensor:
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token of text")
-    unknown = getattr(tokenizer, "unk_id", None)
-    if unknown is not None and unknown in ids:
+    if tokenizer.unk_id is not None and tokenizer.unk_id in ids:
         raise ValueError(
             f"the prompt {prompt!r} holds text the model's tokenizer ({tokenizer.name}) cannot "
             "encode (it becomes the unknown token): rephrase it with text the model was "

@@ -55,6 +55,7 @@ class ByteTokenizer:
     name: str = BYTES
     vocab_size: int = 256
     eos_id: int | None = None
+    unk_id: int | None = None
     sha256: str | None = None
 
     def encode(self, text: str) -> list[int]:
