@@ -6,10 +6,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.checkpoint.files import CheckpointError
+from engine.checkpoint.hf_interop import model_folder
+from engine.checkpoint.hf_interop import tokenizer_files as carried_files
 from engine.training.data import TokenDataset, TokenFileInfo, load_tokens
-from engine.training.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from engine.training.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
-__all__ = ["open_training_data", "tokenizer_files"]
+__all__ = ["check_model_tokenizer", "open_training_data", "tokenizer_files"]
 
 
 def _recorded_tokenizer(info: TokenFileInfo) -> Tokenizer | None:
@@ -61,3 +70,21 @@ def tokenizer_files(info: TokenFileInfo, given: str | None) -> dict[str, str]:
     raw file without --tokenizer)."""
     chosen = _data_tokenizer(info, given)
     return {} if chosen is None else chosen.files()
+
+
+def check_model_tokenizer(flag: str, model: str, data: Tokenizer | None, where: str) -> None:
+    """The model a run starts from (`--init-from`, `--resume`) carries the tokenizer of the
+    data `where` (or carries none, or the data's is unknown): other ids would mean other
+    words to it."""
+    try:
+        carried = carried_files(model).get(TOKENIZER_FILE)
+        folder = model_folder(model)
+    except CheckpointError:
+        return  # loading it reports what is wrong
+    if carried is None or data is None or data.sha256 == HFTokenizer(carried, "").sha256:
+        return
+    raise ValueError(
+        f"{flag} {model} was trained with the tokenizer {folder / TOKENIZER_FILE}, but {where} "
+        f"was made with {data.name}: prepare the data with it, `meshpipe data prepare SOURCE "
+        f"--tokenizer {folder}`"
+    )

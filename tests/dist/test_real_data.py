@@ -97,3 +97,27 @@ def test_transformers_greedy_generation_equals_meshpipe_generate(
     assert main([*argv, "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == hf_tokenizer.decode(theirs)
     assert torch.equal(prompt, ids[0])
+
+
+def test_generate_refuses_a_tokenizer_other_than_the_models(
+    checkpoint: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--checkpoint", str(checkpoint[0]), "--prompt", PROMPT]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--tokenizer", "bytes"])
+    assert exit_.value.code == 2
+    assert "--tokenizer bytes is not the tokenizer" in capsys.readouterr().err
+
+
+def test_starting_from_a_model_of_another_tokenizer_is_refused_before_any_rank(
+    corpus: Path, checkpoint: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+) -> None:
+    byte_tokens = prepare(corpus / "c.jsonl", corpus / "bytes").bin_path
+    argv = ["train", "--model-config", str(corpus / "model.json"), "--data", str(byte_tokens),
+            "--init-from", str(checkpoint[0]), "--pp", "2", "--seq-len", "32"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {checkpoint[0]} was trained with the tokenizer" in err
+    assert "meshpipe data prepare SOURCE --tokenizer" in err
