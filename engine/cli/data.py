@@ -24,7 +24,7 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     data = commands.add_parser("data", help="prepare token files")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     prep = data_commands.add_parser("prepare", help="turn text files into a token file")
-    prep.add_argument("source", help="a text file or a folder of them")
+    prep.add_argument("source", help="a text, JSON-lines or Parquet file, or a folder of them")
     prep.add_argument("--out", required=True, help="output prefix (writes OUT.bin and OUT.json)")
     prep.add_argument("--max-bytes", type=int, default=None, help="cap on the corpus size")
     prep.add_argument(
