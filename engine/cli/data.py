@@ -101,4 +101,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except OSError as error:
         raise OSError(_io_failure(error, args.source, args.out)) from None
     print(f"wrote {info.num_tokens:,} tokens to {info.bin_path} (header {info.json_path})")
+    if info.eos_id is None and args.tokenizer != BYTES:
+        print(
+            f"meshpipe: {args.tokenizer} has no end-of-text token: documents follow each "
+            "other unseparated",
+            file=sys.stderr,
+        )
     return 0

@@ -97,6 +97,9 @@ def test_transformers_greedy_generation_equals_meshpipe_generate(
     assert main([*argv, "--max-new-tokens", "12"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == hf_tokenizer.decode(theirs)
     assert torch.equal(prompt, ids[0])
+    imported = tmp_path / "imported"
+    assert main(["import", str(tmp_path / "hf"), "--out", str(imported)]) == 0
+    assert model_tokenizer(imported, config).sha256 == tokenizer.sha256
 
 
 def test_generate_refuses_a_tokenizer_other_than_the_models(
