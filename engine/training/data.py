@@ -31,7 +31,6 @@ from engine.training.sources import (
 from engine.training.tokenizer import (
     BYTES,
     ByteTokenizer,
-    HFTokenizer,
     Tokenizer,
     load_tokenizer,
     token_dtype,
@@ -217,8 +216,7 @@ def prepare(
     caps the source text read (with bytes, exactly that many tokens). ``out`` may be a prefix
     or end in ``.bin``; ``tokenizer`` is ``"bytes"``, a tokenizer.json or a folder holding one.
     """
-    chosen = tokenizer if isinstance(tokenizer, ByteTokenizer | HFTokenizer) else None
-    chosen = chosen or load_tokenizer(tokenizer)  # type: ignore[arg-type]
+    chosen = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
     files = collect_files(Path(source), suffixes)
     return _write_token_file(documents(files, text_field), out, max_bytes, source, chosen)
 
