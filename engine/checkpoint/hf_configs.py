@@ -1,5 +1,6 @@
 """Hugging Face `config.json` both ways: ours for GPT-2, Llama, Mistral and Qwen2, and our
-model config from theirs.
+model config from theirs (read by `models.hf_config`, so `--model hf:DIR` resolves below the
+checkpoint layer; its errors are raised here as `CheckpointError`).
 
 Every field of theirs that changes what the model computes is either honoured or refused by
 name, so an imported model never computes other logits than `transformers` does. Accepted
