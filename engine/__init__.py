@@ -62,10 +62,12 @@ from engine.training import (
     TrainResult,
     default_corpus,
     documents_of,
+    load_tokenizer,
     load_tokens,
     prepare,
     split_validation,
     train,
+    train_tokenizer,
 )
 
 __all__ = [
@@ -109,6 +111,7 @@ __all__ = [
     "interleaved_1f1b",
     "load_checkpoint",
     "load_schedule",
+    "load_tokenizer",
     "load_tokens",
     "looped_bfs",
     "lr_factor",
@@ -123,6 +126,7 @@ __all__ = [
     "split_validation",
     "steady_state_bubble",
     "train",
+    "train_tokenizer",
     "validate",
     "zb_drain",
     "zb_h1",

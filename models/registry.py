@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.config_file import HF_PREFIX, read_model_config
 from models.gpt import GPTConfig
 from models.layers import LayerSpec
 from models.llama import LlamaConfig
@@ -108,12 +109,18 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 
 
 def get_config(name: str) -> ModelConfig:
-    """The named config; an unknown name lists the known ones."""
+    """The named config, or the shape in `hf:DIR` or a `.json` file of fields; an unknown name
+    lists the known ones."""
+    if name.startswith(HF_PREFIX) or name.endswith(".json"):
+        return read_model_config(name)
     try:
         return MODEL_CONFIGS[name]
     except KeyError:
         known = ", ".join(MODEL_CONFIGS)
-        raise ValueError(f"unknown model {name!r}: choose one of {known}") from None
+        raise ValueError(
+            f"unknown model {name!r}: choose one of {known}, hf:DIR (a Hugging Face folder) or "
+            "a JSON file of the model's fields (--model-config)"
+        ) from None
 
 
 def layer_specs(model: str | ModelConfig) -> list[LayerSpec]:

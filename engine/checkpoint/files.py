@@ -89,6 +89,9 @@ class TrainerState:
     uses and how close it is to growing, so a resumed run skips and steps as this one would."""
     skipped_steps: int = 0
     """Optimizer steps skipped so far for a non-finite loss or gradient."""
+    tokenizer: dict[str, str] = field(default_factory=dict)
+    """The files of the tokenizer the data was made with (name → text: `tokenizer.json` and
+    `tokenizer_config.json`), written beside the weights; empty for the byte tokenizer."""
 
 
 class CheckpointError(ValueError):

@@ -35,11 +35,23 @@ from engine.checkpoint.save import save_weights
 from engine.checkpoint.weights import TensorSource, check_names
 from models import GPTConfig, ModelConfig
 
-__all__ = ["HFSource", "export_hf", "import_hf", "open_model", "open_weights"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "HFSource",
+    "export_hf",
+    "import_hf",
+    "model_folder",
+    "open_model",
+    "open_weights",
+    "tokenizer_files",
+]
 
 HF_CONFIG = "config.json"
 HF_SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""The tokenizer files a checkpoint or an HF folder carries beside the weights (the data's
+tokenizer, written by `engine.training.tokenizer`); none for the byte tokenizer."""
 
 
 def _corrupt(path: Path, error: SafetensorError) -> CheckpointError:
@@ -146,14 +158,34 @@ class HFSource:
         return tensor.chunk(len(rule.ours))[j].contiguous()
 
 
-def open_model(path: str | Path) -> tuple[ModelConfig, TensorSource]:
-    """The model config and weights of an HF folder or a meshpipe checkpoint (or its root).
+def _is_hf_folder(path: Path) -> bool:
+    """A sharded HF folder has an index under the same name as ours (`HF_INDEX ==
+    MODEL_INDEX`), so the index cannot tell them apart: an HF folder has `config.json` and no
+    `trainer.json`."""
+    return (path / HF_CONFIG).is_file() and not (path / TRAINER_FILE).is_file()
 
-    A sharded HF folder has an index under the same name as ours (`HF_INDEX == MODEL_INDEX`),
-    so the index cannot tell them apart: an HF folder has `config.json` and no `trainer.json`.
-    """
+
+def model_folder(path: str | Path) -> Path:
+    """The folder holding the model `path` names: an HF folder, or the checkpoint a
+    checkpoint root's `latest` points at."""
     path = Path(path)
-    if (path / HF_CONFIG).is_file() and not (path / TRAINER_FILE).is_file():
+    return path if _is_hf_folder(path) else checkpoint_candidates(path, fix=PASS_IT_FIX)[0]
+
+
+def tokenizer_files(path: str | Path) -> dict[str, str]:
+    """The tokenizer files (name → text) of the model at `path` (a checkpoint verified by
+    its manifest); empty when it carries none."""
+    folder = model_folder(path)
+    found = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if found and not _is_hf_folder(folder):
+        verify_manifest(folder, tuple(found))
+    return {name: (folder / name).read_text(encoding="utf-8") for name in found}
+
+
+def open_model(path: str | Path) -> tuple[ModelConfig, TensorSource]:
+    """The model config and weights of an HF folder or a meshpipe checkpoint (or its root)."""
+    path = Path(path)
+    if _is_hf_folder(path):
         source = HFSource(path)
         return source.config, source
     directory = checkpoint_candidates(path, fix=PASS_IT_FIX)[0]
@@ -167,7 +199,9 @@ def open_weights(path: str | Path, config: ModelConfig) -> TensorSource:
     saved, source = open_model(path)
     if saved != config:
         raise CheckpointError(
-            f"{path} holds {saved}, but the run builds {config}: pick the matching --model"
+            f"{path} holds {saved}, but the run builds {config}: pick the matching --model "
+            f"(--model hf:{path} for a Hugging Face folder's own shape, --model-config FILE for "
+            "any other)"
         )
     return source
 
@@ -187,7 +221,8 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 << 30) -> Path:
     """Write `config.json` and `model.safetensors` (sharded with an index past
-    `max_shard_bytes`) that `transformers` loads as GPT2LMHeadModel / LlamaForCausalLM.
+    `max_shard_bytes`) that `transformers` loads as GPT2LMHeadModel / LlamaForCausalLM, and
+    the checkpoint's tokenizer files, which `AutoTokenizer` loads.
 
     Everything is checked before the first byte is written, and the folder appears at `out`
     complete or not at all."""
@@ -217,6 +252,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int =
             records = [write_shard(tmp, f, s) for f, s in zip(files, shards, strict=True)]
             write_index(tmp / HF_INDEX, records, {})
         atomic_write_text(tmp / HF_CONFIG, json.dumps(hf, indent=1) + "\n")
+        for name, text in tokenizer_files(checkpoint).items():
+            atomic_write_text(tmp / name, text)
     return Path(out)
 
 
@@ -233,4 +270,4 @@ def import_hf(folder: str | Path, out: str | Path) -> Path:
     specs = source.config.layer_specs()
     check_names(source, specs)
     tensors = {name: source.get(name) for name in sorted(expected_names(specs))}
-    return save_weights(out, specs, tensors)
+    return save_weights(out, specs, tensors, tokenizer_files(folder))

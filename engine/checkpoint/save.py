@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,8 @@ def _finish(
         "rng": dict(report["rng"] for report in reports),
         "torch": torch.__version__,
     }
+    for name, text in state.tokenizer.items():
+        atomic_write_text(tmp / name, text)
     atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
     write_manifest(tmp)
     fsync_dir(tmp)
@@ -258,11 +260,15 @@ def save_checkpoint(
 
 
 def save_weights(
-    out: str | Path, specs: Sequence[LayerSpec], tensors: dict[str, torch.Tensor]
+    out: str | Path,
+    specs: Sequence[LayerSpec],
+    tensors: dict[str, torch.Tensor],
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """A weights-only checkpoint (one stage, step 0) in one process, e.g. an imported model.
 
-    `tensors` holds the stored names; the directory appears complete or not at all.
+    `tensors` holds the stored names, `files` other files to carry (name → text, e.g. the
+    tokenizer's); the directory appears complete or not at all.
     """
     with new_directory(out) as tmp:
         record = write_shard(tmp, "model-stage000.safetensors", tensors)
@@ -275,6 +281,8 @@ def save_weights(
             "layout": {"pp": 1, "dp": 1, "schedule": None},
             "torch": torch.__version__,
         }
+        for name, text in (files or {}).items():
+            atomic_write_text(tmp / name, text)
         atomic_write_text(tmp / TRAINER_FILE, json.dumps(trainer, indent=1) + "\n")
         write_manifest(tmp)
     return Path(out)

@@ -47,7 +47,13 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     imp.add_argument("--out", required=True, help="checkpoint directory to create")
     gen = commands.add_parser("generate", help="continue a prompt with a trained model")
     gen.add_argument("--checkpoint", required=True, help="checkpoint, its root, or an HF folder")
-    gen.add_argument("--prompt", required=True, help="text to continue (byte tokenizer)")
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the model's tokenizer (a tokenizer.json or its folder) where it carries none; "
+        "one it carries is used by default and a different one refused",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
@@ -80,6 +86,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            tokenizer=args.tokenizer,
         )
         print(text)
     return 0

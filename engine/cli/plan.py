@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from engine.config import ModelChoice
 from engine.memory.estimate import MemoryConfig, resolve
-from models import LayerSpec, get_config, layer_specs
+from models import LayerSpec
 from partitioners import Partition, layer_costs, partition_model
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
@@ -17,7 +18,10 @@ COMMANDS = ("plan",)
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `plan` on `meshpipe`'s subparsers."""
     plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
-    plan.add_argument("--model", default="gpt-tiny", help="a registered model name")
+    plan.add_argument(
+        "--model", default="gpt-tiny", help="a registered model name, or hf:DIR (its shape)"
+    )
+    plan.add_argument("--model-config", default=None, help="a JSON file of the model's fields")
     plan.add_argument("--pp", type=int, default=2, help="number of pipeline stages")
     plan.add_argument("--partition", default="balanced", help="partition method")
     plan.add_argument(
@@ -42,19 +46,19 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    specs = layer_specs(args.model)
-    context = get_config(args.model).max_seq_len
+    model = ModelChoice(model=args.model, model_config=args.model_config)
+    specs, context = model.specs(), model.config().max_seq_len
     if args.micro_batch_size < 1 or not 1 <= args.seq_len <= context:
         raise ValueError(
             f"--micro-batch-size {args.micro_batch_size} --seq-len {args.seq_len}: give at least "
-            f"1 sequence of 1 to {context} tokens ({args.model}'s context)"
+            f"1 sequence of 1 to {context} tokens ({model.name}'s context)"
         )
     kwargs = {"batch_size": args.micro_batch_size, "seq_len": args.seq_len}
     partition = _partition(args, specs)
     costs = layer_costs(specs, args.cost_model, **kwargs)
     params = [spec.num_parameters() for spec in specs]
     print(
-        f"{args.model}: {len(specs)} layers on {args.pp} stages ({args.partition}, "
+        f"{model.name}: {len(specs)} layers on {args.pp} stages ({args.partition}, "
         f"cost share by {args.cost_model})"
     )
     print(partition.describe(costs=costs, params=params, names=[s.kind for s in specs]))
@@ -75,6 +79,7 @@ def _partition(args: argparse.Namespace, specs: list[LayerSpec]) -> Partition:
         )
     config = MemoryConfig.of(
         model=args.model,
+        model_config=args.model_config,
         pp=args.pp,
         schedule=args.schedule,
         micro_batches=args.micro_batches,

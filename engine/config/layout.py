@@ -42,19 +42,19 @@ def check_layout(
     stages = parallel.pp * schedule.stages_per_rank
     require(
         stages <= layers,
-        f"cannot split {model.model}'s {layers} layers into {stages} stages: "
+        f"cannot split {model.name}'s {layers} layers into {stages} stages: "
         f"use fewer pipeline ranks or stages per rank (at most {layers} stages)",
     )
     context = model.config().max_seq_len
     require(
         batch.seq_len <= context,
-        f"seq_len={batch.seq_len} is longer than {model.model}'s context of {context} tokens: "
+        f"seq_len={batch.seq_len} is longer than {model.name}'s context of {context} tokens: "
         f"use --seq-len {context} or less",
     )
     outside = [s for s in engine.recompute_stages or () if not 0 <= s < stages]
     require(not outside, f"recompute stages {outside} are outside 0..{stages - 1}")
     if parallel.tp > 1:
-        check_tensor_parallel_shape(model.model, model.config(), parallel.tp)
+        check_tensor_parallel_shape(model.name, model.config(), parallel.tp)
         _check_tensor_parallel_options(parallel, batch, engine)
     return resolved
 

@@ -3,9 +3,10 @@ ranks run, what it writes, and its checkpoints."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from engine.config.fields import require
+from engine.config.fields import flat, require
 
 __all__ = [
     "DATA_ORDERS",
@@ -111,12 +112,26 @@ class MonitorConfig:
             )
 
 
+def _vocab_size(value: Any) -> int:
+    """--vocab-size as given on the command line or read back from a checkpoint."""
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--vocab-size {value!r} is not a number of tokens, e.g. 50257") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """What the run trains on."""
 
     data: str | None = None
-    """Prepared token file; None uses the embedded default corpus."""
+    """Prepared token file, or `nanogpt:PATH` (nanoGPT's raw uint16 .bin, with --vocab-size);
+    None uses the embedded default corpus."""
+    vocab_size: int | None = field(default=None, metadata=flat(parse=_vocab_size))
+    """Vocabulary of a raw token file (`--data nanogpt:PATH`), which has no header to say it."""
+    tokenizer: str | None = None
+    """The tokenizer (a tokenizer.json or a folder holding one) of a raw token file, carried
+    into checkpoints; a prepared file's header names its own."""
     data_order: str = "epochs"
     """epochs: shuffled passes over the data, every window once per epoch (documents shuffled
     too when the file has an eos_id); random: each window's start drawn uniformly, with

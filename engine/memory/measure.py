@@ -240,7 +240,7 @@ def check_measurable(config: MemoryConfig) -> None:
     )
     if 2 * states > MEASURE_LIMIT:
         raise ValueError(
-            f"--measure builds {config.model.model} for real here, about "
+            f"--measure builds {config.model.name} for real here, about "
             f"{2 * states / 2**30:.1f} GiB of weights and optimizer states (limit "
             f"{MEASURE_LIMIT / 2**30:.0f} GiB): measure a small model such as gpt-tiny or "
             "llama-tiny"

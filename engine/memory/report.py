@@ -48,7 +48,7 @@ def _title(report: MemoryReport) -> str:
     if engine.recompute_stages is not None:
         recompute = f"{engine.recompute} on {engine.recompute_stages}"
     return (
-        f"{c.model.model}: pp {c.parallel.pp}{virtual} × dp {c.parallel.dp}{tp}, "
+        f"{c.model.name}: pp {c.parallel.pp}{virtual} × dp {c.parallel.dp}{tp}, "
         f"{c.schedule.schedule}, {c.schedule.micro_batches} micro-batches of "
         f"{c.micro_batch_size} × {c.batch.seq_len} tokens, {engine.precision}, "
         f"recompute {recompute}{zero} ({c.device} model, {report.source})"

@@ -7,6 +7,7 @@ from engine.training.config import TrainConfig
 from engine.training.data import TokenDataset, default_corpus, load_tokens, prepare
 from engine.training.documents import Documents, documents_of, split_validation
 from engine.training.loop import TrainResult, train
+from engine.training.tokenizer import load_tokenizer, train_tokenizer
 
 __all__ = [
     "Batch",
@@ -17,8 +18,10 @@ __all__ = [
     "TrainResult",
     "default_corpus",
     "documents_of",
+    "load_tokenizer",
     "load_tokens",
     "prepare",
     "split_validation",
     "train",
+    "train_tokenizer",
 ]

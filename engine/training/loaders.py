@@ -8,26 +8,29 @@ from functools import partial
 
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
-from engine.training.data import TokenDataset, default_corpus, load_tokens
+from engine.training.data import TokenDataset, default_corpus
 from engine.training.documents import documents_of, split_validation
+from engine.training.run_data import open_training_data
 
 __all__ = ["RunData", "open_data", "open_dataset"]
 
 
-def _checked(dataset: TokenDataset, config: TrainConfig) -> TokenDataset:
-    vocab = config.model.config().vocab_size
-    if dataset.info.vocab_size > vocab:
-        raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
-            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
-        )
+def _opened(path: str, config: TrainConfig, *, raw: bool) -> TokenDataset:
+    """A token file of the run, checked against the model's vocabulary; `raw`: the training
+    data, which --vocab-size and --tokenizer describe when it has no header."""
+    data = config.data
+    dataset, _ = open_training_data(
+        path,
+        vocab_size=data.vocab_size if raw else None,
+        tokenizer=data.tokenizer if raw else None,
+        model_vocab=config.model.config().vocab_size,
+    )
     return dataset
 
 
 def open_dataset(config: TrainConfig) -> TokenDataset:
     """The run's token data, checked against the model's vocabulary."""
-    path = config.data.data or default_corpus().bin_path
-    return _checked(load_tokens(path), config)
+    return _opened(config.data.data or str(default_corpus().bin_path), config, raw=True)
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ def open_data(config: TrainConfig, *, dp_rank: int = 0) -> RunData:
     )
     train = loader(dataset, seed=config.run.seed, order=data.data_order, documents=documents)
     if data.val_data is not None:
-        return RunData(train, loader(_checked(load_tokens(data.val_data), config), seed=0))
+        return RunData(train, loader(_opened(data.val_data, config, raw=False), seed=0))
     if held_out is None:
         return RunData(train, None)
     return RunData(train, loader(dataset, seed=0, documents=held_out))

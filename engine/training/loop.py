@@ -52,6 +52,7 @@ from engine.training.resume_check import (
     keep_new_hyperparameters,
     optimizer_hyperparameters,
 )
+from engine.training.run_data import tokenizer_files
 from engine.training.shared_folder import check_shared_folder
 from engine.training.trace import TraceRecorder
 from models import LayerSpec
@@ -183,6 +184,7 @@ class _Run:
             config=config.flat(),
             loss_scale=self.engine.scaler.state_dict() if self.engine.scaler else {},
             skipped_steps=self.engine.skipped_steps,
+            tokenizer=tokenizer_files(self.loader.dataset.info, config.data.tokenizer),
         )
         save_checkpoint(
             self.engine,
@@ -400,7 +402,7 @@ def _run_steps(
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
-    """Train `config.model.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
+    """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
     check_outputs(config)
     mesh = init_mesh(
         config.parallel.pp,

@@ -40,11 +40,14 @@ from engine.training.paths import (
     token_file,
 )
 from engine.training.resume_check import check_resumable
+from engine.training.run_data import check_model_tokenizer, open_training_data
+from engine.training.tokenizer import ByteTokenizer, Tokenizer
 from models import LayerSpec
 from partitioners import Partition, partition_model
 
 __all__ = [
     "check_before_loading",
+    "check_data",
     "check_outputs",
     "preflight",
     "run_paths",
@@ -177,13 +180,34 @@ def _not_a_checkpoint(root: Path) -> None:
     )
 
 
+def check_data(config: TrainConfig) -> None:
+    """The token ids, their vocabulary and tokenizer, against the model and the checkpoint a
+    run starts from (the default corpus is byte tokens)."""
+    data, checkpoint = config.data, config.checkpoint
+    tokenizer: Tokenizer | None = ByteTokenizer()
+    if data.data is not None:
+        _, tokenizer = open_training_data(
+            data.data,
+            vocab_size=data.vocab_size,
+            tokenizer=data.tokenizer,
+            model_vocab=config.model.config().vocab_size,
+        )
+    where = f"--data {data.data}" if data.data else "the default corpus"
+    root = checkpoint.checkpoint_dir
+    if checkpoint.resume and root is not None and has_checkpoint(root):
+        check_model_tokenizer("--resume from", root, tokenizer, where)
+    elif checkpoint.init_from is not None:
+        check_model_tokenizer("--init-from", checkpoint.init_from, tokenizer, where)
+
+
 def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     """Everything a launcher checks before starting ranks; says when a new run replaces an
     existing metrics file."""
     check_device(config.run.device)
     stage_partition(config, config.model.specs())
     check_outputs(config, deepspeed_config)
-    open_data(config)  # token files, vocabulary, documents to pack, enough tokens
+    check_data(config)  # token ids, vocabulary and tokenizer against the model and checkpoint
+    open_data(config)  # documents to pack, a validation split, enough tokens
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)

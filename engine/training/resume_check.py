@@ -44,6 +44,8 @@ optimizer state. No resume changes them."""
 
 NEW_WITH_FLAG = (
     "data",
+    "vocab_size",
+    "tokenizer",
     "lr",
     "lr_schedule",
     "lr_schedule_args",

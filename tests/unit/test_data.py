@@ -68,13 +68,15 @@ def test_prepare_writes_header_that_describes_the_bin(tmp_path: Path) -> None:
     header = json.loads(info.json_path.read_text())
     assert header == {
         "format": "meshpipe-tokens",
-        "version": 1,
+        "version": 2,
         "dtype": "uint8",
         "vocab_size": 256,
         "tokenizer": "bytes",
+        "eos_id": None,
         "num_tokens": 11,
         "sha256": hashlib.sha256(b"hello\nworld").hexdigest(),
         "sources": 2,
+        "documents": 2,
     }
     assert info.bin_path.stat().st_size == info.num_tokens == 11
     assert (info.bin_path.name, info.json_path.name) == ("out.bin", "out.json")
