@@ -1,6 +1,7 @@
-"""Real data end to end: a BPE tokenizer trained here, JSON lines and nanoGPT's raw format
-prepared with it, a model shape from a file trained on 2 pipeline ranks, exported, and
-`transformers` generating greedily exactly what `meshpipe generate` does."""
+"""Real data end to end (issue 22's "done when"): a BPE tokenizer trained here, JSON lines and
+nanoGPT's raw format prepared with it, a model shape from a file trained on pp 2 × dp 2 with
+packed documents and a validation split, exported, and `transformers` generating greedily
+exactly what `meshpipe generate` does."""
 
 from __future__ import annotations
 
@@ -45,39 +46,63 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 SHAPE = {"steps": 2, "global_batch": 4, "micro_batches": 2, "seq_len": 32, "threads": 1}
+Trained = tuple[Path, tuple[float, ...], float | None]
+"""A training run's checkpoint, losses and final validation loss."""
+PACKED = {"pack_documents": True, "val_fraction": 0.1, "eval_batches": 2, **SHAPE}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(corpus: Path) -> tuple[Path, float]:
-    """pp 2 on the nanoGPT file (with the tokenizer it was made with) and its final loss."""
-    vocab = json.loads((corpus / "model.json").read_text())["vocab_size"]
+def checkpoint(corpus: Path) -> Trained:
+    """pp 2 × dp 2 on the prepared JSON lines, documents packed, 10 % of them held out: the
+    checkpoint, the losses and the final validation loss."""
     config = TrainConfig.of(
         model_config=str(corpus / "model.json"),
+        data=str(corpus / "t"),
+        pp=2,
+        dp=2,
+        checkpoint_dir=str(corpus / "ckpt"),
+        **PACKED,
+    )
+    losses, val_loss = run_ranks(_train, 4, config)[0]
+    return corpus / "ckpt", losses, val_loss
+
+
+def _train(
+    rank: int, world_size: int, config: TrainConfig
+) -> tuple[tuple[float, ...], float | None]:
+    result = train(config, progress=False)
+    return result.losses, result.val_loss
+
+
+def test_packed_documents_with_validation_on_pp2_dp2_train_as_one_process(
+    corpus: Path, checkpoint: Trained
+) -> None:
+    config = TrainConfig.of(
+        model_config=str(corpus / "model.json"), data=str(corpus / "t"), **PACKED
+    )
+    result = train(config, progress=False)
+    assert result.losses == pytest.approx(checkpoint[1], rel=1e-5)
+    assert checkpoint[2] is not None
+    assert result.val_loss == pytest.approx(checkpoint[2], rel=1e-5)
+
+
+def test_nanogpt_tokens_train_as_the_prepared_file(corpus: Path) -> None:
+    """The raw uint16 file holds the prepared file's ids (no header, no documents): drawn in
+    the same random windows, the two train alike."""
+    vocab = json.loads((corpus / "model.json").read_text())["vocab_size"]
+    shape = {"model_config": str(corpus / "model.json"), "data_order": "random", **SHAPE}
+    raw = TrainConfig.of(
         data=f"nanogpt:{corpus / 'raw.bin'}",
         vocab_size=vocab,
         tokenizer=str(corpus / "tokenizer"),
-        pp=2,
-        checkpoint_dir=str(corpus / "ckpt"),
-        **SHAPE,
+        **shape,
     )
-    return corpus / "ckpt", run_ranks(_train, 2, config)[0][-1]
-
-
-def _train(rank: int, world_size: int, config: TrainConfig) -> tuple[float, ...]:
-    return train(config, progress=False).losses
-
-
-def test_nanogpt_tokens_on_two_stages_train_as_the_prepared_file_in_one_process(
-    corpus: Path, checkpoint: tuple[Path, float]
-) -> None:
-    config = TrainConfig.of(
-        model_config=str(corpus / "model.json"), data=str(corpus / "t"), **SHAPE
-    )
-    assert train(config, progress=False).losses[-1] == pytest.approx(checkpoint[1], abs=1e-4)
+    prepared = TrainConfig.of(data=str(corpus / "t"), **shape)
+    assert train(raw, progress=False).losses == train(prepared, progress=False).losses
 
 
 def test_transformers_greedy_generation_equals_meshpipe_generate(
-    checkpoint: tuple[Path, float], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    checkpoint: Trained, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,7 +128,7 @@ def test_transformers_greedy_generation_equals_meshpipe_generate(
 
 
 def test_generate_refuses_a_tokenizer_other_than_the_models(
-    checkpoint: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+    checkpoint: Trained, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["generate", "--checkpoint", str(checkpoint[0]), "--prompt", PROMPT]
     with pytest.raises(SystemExit) as exit_:
@@ -113,7 +138,7 @@ def test_generate_refuses_a_tokenizer_other_than_the_models(
 
 
 def test_starting_from_a_model_of_another_tokenizer_is_refused_before_any_rank(
-    corpus: Path, checkpoint: tuple[Path, float], capsys: pytest.CaptureFixture[str]
+    corpus: Path, checkpoint: Trained, capsys: pytest.CaptureFixture[str]
 ) -> None:
     byte_tokens = prepare(corpus / "c.jsonl", corpus / "bytes").bin_path
     argv = ["train", "--model-config", str(corpus / "model.json"), "--data", str(byte_tokens),
