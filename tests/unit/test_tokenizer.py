@@ -3,8 +3,8 @@ files, model shapes from files, and bad input refused with the file and the fix.
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -157,9 +157,23 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_refused(tmp_path: Path) -> None
         encode_prompt(tokenizer, "fox cat")
 
 
-def test_parquet_without_pyarrow_names_the_install(tmp_path: Path) -> None:
-    if importlib.util.find_spec("pyarrow") is not None:
-        pytest.skip("pyarrow is installed")
+def test_parquet_rows_are_documents_as_json_lines_are(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["first document", "second one", "third"]
+    pq.write_table(pa.table({"body": texts, "id": [1, 2, 3]}), tmp_path / "c.parquet")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    parquet = prepare(tmp_path / "c.parquet", tmp_path / "p", text_field="body")
+    lines = prepare(tmp_path / "c.jsonl", tmp_path / "j", text_field="body")
+    assert parquet.num_tokens == lines.num_tokens
+    assert np.array_equal(load_tokens(parquet.bin_path).tokens, load_tokens(lines.bin_path).tokens)
+
+
+def test_parquet_without_pyarrow_names_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import fails as uninstalled
     (tmp_path / "c.parquet").write_bytes(b"PAR1")
     with pytest.raises(ValueError, match="c.parquet is Parquet, which needs pyarrow: pip install"):
         prepare(tmp_path / "c.parquet", tmp_path / "t")
