@@ -64,6 +64,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "flops_profile_step",
         "flops_profile_file",
         "device_peak_tflops",
+        "placement",
     }
 
 
