@@ -47,10 +47,13 @@ from engine.schedule import (
     save_schedule,
     simulate,
     steady_state_bubble,
+    v_half,
+    v_min,
     validate,
     zb_drain,
     zb_h1,
     zb_h2,
+    zb_v,
 )
 from engine.training import (
     BatchLoader,
@@ -113,8 +116,11 @@ __all__ = [
     "split_micro_batches",
     "steady_state_bubble",
     "train",
+    "v_half",
+    "v_min",
     "validate",
     "zb_drain",
     "zb_h1",
     "zb_h2",
+    "zb_v",
 ]
