@@ -52,8 +52,8 @@ MODELS = {
 }
 GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
 MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_drain",
-                      "zb_drain+guard", "zb_v", "v_half", "v_min")  # fmt: skip
-TWO_STAGES_PER_RANK = ("interleaved_1f1b", "zb_v", "v_half", "v_min")
+                      "zb_drain+guard", "zb_v", "v_half", "v_min", "dualpipe_v")  # fmt: skip
+TWO_STAGES_PER_RANK = ("interleaved_1f1b", "zb_v", "v_half", "v_min", "dualpipe_v")
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
                    "ScheduleDualPipeV")  # fmt: skip

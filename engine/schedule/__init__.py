@@ -25,7 +25,7 @@ from engine.schedule.resolve import check_fits, schedule_for
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, parse_schedule, save_schedule
-from engine.schedule.v_schedules import V_SCHEDULES, v_half, v_min, zb_v
+from engine.schedule.v_schedules import V_SCHEDULES, dualpipe_v, v_half, v_min, zb_v
 from engine.schedule.validate import ScheduleError, validate
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "SimResult",
     "add_communication",
     "check_fits",
+    "dualpipe_v",
     "format_schedule",
     "forward_only",
     "gpipe",

@@ -2,11 +2,15 @@
 
 `zb_v` is ZB-V of the Zero Bubble paper (Qi et al., 2024): the same peak activations as 1F1B
 and, with T_F = T_I = T_W and steps that follow each other without a barrier, no bubble.
-`v_half` and `v_min` are the memory-controllable schedules of Qi et al., "Pipeline Parallelism
-with Controllable Memory" (2024): one building block (where each rank runs a micro-batch's
-two forwards and two input-gradient backwards, in unit time slots) repeated every 6 slots,
-its weight gradients filling the free slots; the block's lifespan sets the peak, about 1/2
-(V-Half) or 1/3 (V-Min) of 1F1B's activations, for a bubble of about P/2m or 2P/3m.
+`dualpipe_v` is DeepSeek's DualPipeV (DualPipe folded onto the V, as torch ships it): in its
+steady state each rank pairs a forward of one stage with a backward of its other stage; the pair
+runs one after the other here (the overlap of one's compute with the other's communication is
+the interpreter's to give, not the order's). `v_half` and `v_min` are the memory-controllable
+schedules of Qi et al., "Pipeline Parallelism with Controllable Memory" (2024): one building
+block (where each rank runs a micro-batch's two forwards and two input-gradient backwards, in
+unit time slots) repeated every 6 slots, its weight gradients filling the free slots; the
+block's lifespan sets the peak, about 1/2 (V-Half) or 1/3 (V-Min) of 1F1B's activations, for
+a bubble of about P/2m or 2P/3m.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from engine.schedule.actions import Action, ActionKind
 from engine.schedule.placement import placement_of
 from engine.schedule.schedule import Schedule
 
-__all__ = ["V_SCHEDULES", "v_half", "v_min", "zb_v"]
+__all__ = ["V_SCHEDULES", "dualpipe_v", "v_half", "v_min", "zb_v"]
 
-_F, _I, _W = ActionKind.F, ActionKind.I, ActionKind.W
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _PERIOD = 6
 """Slots of one micro-batch on one rank: two F, two I, two W, each one slot."""
 
@@ -101,6 +105,79 @@ def zb_v(num_ranks: int, micro_batches: int) -> Schedule:
     return _v_schedule("zb_v", rows, micro_batches)
 
 
+class _DualPipeRow(_Counters):
+    """A DualPipeV row: its W's wait in one queue, oldest first, whatever their stage."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        super().__init__()
+        self.down, self.up = rank, 2 * num_ranks - 1 - rank
+        self.waiting: list[Action] = []
+
+    def backward(self, stage: int, split: bool) -> None:
+        if split:
+            self.waiting.append(Action(stage, _W, self.count(stage, _I)))
+            self.add(stage, _I)
+            self.next[(stage, _B)] = self.count(stage, _B) + 1
+        else:
+            self.add(stage, _B)
+            self.next[(stage, _I)] = self.count(stage, _I) + 1
+
+    def weight(self) -> None:
+        if self.waiting:
+            self.row.append(self.waiting.pop(0))
+
+    def pair(self, forward: int, backward: int) -> None:
+        """DualPipe's overlapped chunk pair: a forward, then a fused backward of the other."""
+        self.add(forward, _F)
+        self.backward(backward, split=False)
+
+
+def _dualpipe_v_row(rank: int, num_ranks: int, micro_batches: int) -> list[Action]:
+    """DualPipeV's eight phases on rank r (DeepSeek-V3 report; torch's ScheduleDualPipeV)."""
+    p, c = num_ranks, _DualPipeRow(rank, num_ranks)
+    down, up = c.down, c.up
+    for _ in range(2 * (p - rank - 1)):
+        c.add(down, _F)
+    for _ in range(rank + 1):
+        c.add(down, _F)
+        c.add(up, _F)
+    for _ in range(p - rank - 1):
+        c.backward(up, split=True)
+        c.weight()
+        c.add(up, _F)
+    for _ in range(micro_batches - 2 * p + rank + 1):
+        c.pair(down, up)
+        c.pair(up, down)
+    for _ in range(p - rank - 1):
+        c.backward(up, split=False)
+        c.pair(up, down)
+    split = False
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        c.backward(up, split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        c.backward(down, split)
+    for _ in range(p - rank - 1):
+        c.weight()
+        c.backward(down, split=True)
+    while c.waiting:
+        c.weight()
+    return c.row
+
+
+def dualpipe_v(num_ranks: int, micro_batches: int) -> Schedule:
+    """DualPipeV: forward and backward chunks of two micro-batches paired on each rank; the
+    warm-up's and the drain's backwards split to fill the bubble. Needs m >= 2P."""
+    _check("dualpipe_v", num_ranks, micro_batches)
+    if micro_batches < 2 * num_ranks:
+        raise ValueError(
+            f"dualpipe_v needs at least as many micro-batches as stages (m={micro_batches}, "
+            f"{2 * num_ranks} stages): use --micro-batches {2 * num_ranks} or more"
+        )
+    rows = [_dualpipe_v_row(r, num_ranks, micro_batches) for r in range(num_ranks)]
+    return _v_schedule("dualpipe_v", rows, micro_batches)
+
+
 Block = tuple[int, int, int, int]
 """A rank's slots for one micro-batch: F down, F up, I up, I down (down: stage r, up: 2P−1−r)."""
 
@@ -166,5 +243,6 @@ V_SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "zb_v": zb_v,
     "v_half": v_half,
     "v_min": v_min,
+    "dualpipe_v": dualpipe_v,
 }
 """Generators whose schedules hold two stages per rank in the V placement."""

@@ -16,7 +16,7 @@ from tests.dist.harness import run_ranks
 
 EXACT = [
     Case("gpt-untied", 2, 1, schedule, 4, "uniform", stages_per_rank=2)
-    for schedule in ("zb_v", "v_half", "v_min")
+    for schedule in ("zb_v", "v_half", "v_min", "dualpipe_v")
 ]
 TIED = Case("gpt-tiny", 2, 1, "zb_v", 3, "uniform", "sgd", stages_per_rank=2)
 """The embedding (stage 0) and the head (stage 3) share rank 0: one parameter, no tie group."""

@@ -106,6 +106,7 @@ def test_schedules_registry_names_the_generators() -> None:
         "zb_v",
         "v_half",
         "v_min",
+        "dualpipe_v",
     }
 
 

@@ -11,6 +11,7 @@ from engine.schedule import (
     PLACEMENTS,
     V_SCHEDULES,
     Schedule,
+    dualpipe_v,
     looped_bfs,
     make_schedule,
     one_f_one_b,
@@ -79,9 +80,29 @@ def test_v_half_literal_table_for_two_ranks() -> None:
     ]
 
 
+def test_dualpipe_v_literal_table_for_two_ranks() -> None:
+    # DeepSeek's DualPipeV (as torch's ScheduleDualPipeV): warm-up F's, split backwards of the
+    # up stage with their W at once, then F/B pairs of the two stages, a split drain.
+    assert rows(dualpipe_v(2, 4)) == [
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+    ]
+
+
+def test_dualpipe_v_needs_a_micro_batch_per_stage() -> None:
+    with pytest.raises(ValueError, match="m=3, 4 stages.*--micro-batches 4 or more"):
+        dualpipe_v(2, 3)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (4, 16)])
+def test_dualpipe_v_idles_like_zb_v_for_uniform_costs(p: int, m: int) -> None:
+    assert simulate(dualpipe_v(p, m), UNIFORM).bubble == simulate(zb_v(p, m), UNIFORM).bubble
+
+
 @pytest.mark.parametrize("name", sorted(V_SCHEDULES))
 @pytest.mark.parametrize(("p", "m"), [(1, 1), (1, 3), (2, 1), (2, 3), (3, 5), (4, 8), (5, 12)])
 def test_v_schedules_are_valid_and_never_deadlock(name: str, p: int, m: int) -> None:
+    m = max(m, 2 * p) if name == "dualpipe_v" else m
     schedule = V_SCHEDULES[name](p, m)
     validate(schedule)
     assert schedule.placement == placement_of("v", p, 2)
