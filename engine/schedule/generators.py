@@ -327,6 +327,6 @@ def placed(schedule: Schedule, placement: str) -> Schedule:
         raise ValueError(
             f"schedule {schedule.name!r} orders its actions for the {own} placement and cannot "
             f"run under --placement {placement}: drop --placement, or use looped_bfs (either "
-            "placement) or zb_v, v_half, v_min (v)"
+            f"placement) or {', '.join(V_SCHEDULES)} (v)"
         )
     return with_placement(schedule, placement)
