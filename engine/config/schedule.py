@@ -19,8 +19,8 @@ class ScheduleConfig:
 
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2, zb_drain,
-    or over the V placement zb_v, v_half, v_min (2 stages per rank), or a schedule file
-    (meshpipe schedule --out FILE, or rows of actions written by hand)."""
+    or over the V placement zb_v, dualpipe_v, v_half, v_min (2 stages per rank), or a schedule
+    file (meshpipe schedule --out FILE, or rows of actions written by hand)."""
     micro_batches: int = 4
     """Micro-batches each replica's batch is split into (gradient accumulation)."""
     stages_per_rank: int = 1
