@@ -20,13 +20,16 @@ EXACT = [
 ]
 TIED = Case("gpt-tiny", 2, 1, "zb_v", 3, "uniform", "sgd", stages_per_rank=2)
 """The embedding (stage 0) and the head (stage 3) share rank 0: one parameter, no tie group."""
+DP2 = Case("gpt-untied", 2, 2, "v_min", 2, "uniform", "sgd", stages_per_rank=2)
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict[str, Any]]]:
-    cases = [*EXACT, TIED]
-    per_rank = run_ranks(run_cases, 2, cases, timeout_s=600)
-    return {str(case): [rank[str(case)] for rank in per_rank] for case in cases}
+    by_case = {}
+    for world, cases in ((2, [*EXACT, TIED]), (4, [DP2])):
+        per_rank = run_ranks(run_cases, world, cases, timeout_s=600)
+        by_case |= {str(case): [rank[str(case)] for rank in per_rank] for case in cases}
+    return by_case
 
 
 def _merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -72,3 +75,13 @@ def test_a_weight_tied_across_the_v_lives_once_on_rank_0(
     for name, value in _merged_params(results).items():
         torch.testing.assert_close(value, reference["params"][name], rtol=1e-6, atol=1e-7)
     assert "layers.0.wte.weight" in results[0]["params"]
+
+
+def test_v_min_with_two_replicas_matches_the_reference_to_float_tolerance(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    results, reference = runs[str(DP2)], reference_run(DP2)
+    for rank in results:
+        assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        for name, value in rank["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-7)
