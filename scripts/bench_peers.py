@@ -52,7 +52,8 @@ MODELS = {
 }
 GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
 MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_drain",
-                      "zb_drain+guard")  # fmt: skip
+                      "zb_drain+guard", "zb_v", "v_half", "v_min", "dualpipe_v")  # fmt: skip
+TWO_STAGES_PER_RANK = ("interleaved_1f1b", "zb_v", "v_half", "v_min", "dualpipe_v")
 TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
                    "ScheduleDualPipeV")  # fmt: skip
@@ -129,7 +130,7 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
 
     mesh = init_mesh(2, 1, timeout_s=600)
     name, _, guard = schedule.partition("+")
-    v = 2 if name == "interleaved_1f1b" else 1
+    v = 2 if name in TWO_STAGES_PER_RANK else 1
     specs = gpt_layers(MODELS[model])
     engine = PipelineEngine(
         specs, mesh, partition=Partition(boundaries=tuple(_boundaries(work, 2 * v))),

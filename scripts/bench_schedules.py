@@ -26,6 +26,7 @@ from engine.runtime.optim import build_optimizer
 from engine.runtime.reference import reference_step
 from engine.schedule.generators import VIRTUAL_SCHEDULES, make_schedule
 from engine.schedule.simulate import ActionCosts, simulate
+from engine.schedule.v_schedules import V_SCHEDULES
 from engine.training.batches import BatchLoader
 from engine.training.data import default_corpus, load_tokens
 from models import build_layers, layer_specs
@@ -33,6 +34,8 @@ from partitioners import partition_model
 
 
 def _stages_per_rank(schedule: str, args: argparse.Namespace) -> int:
+    if schedule in V_SCHEDULES:
+        return 2
     return args.stages_per_rank if schedule in VIRTUAL_SCHEDULES else 1
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.schedule.generators import SCHEDULES, make_schedule
+from engine.schedule.placement import PLACEMENTS
 from engine.schedule.plots import TraceSlice, chrome_trace, plot_timeline
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, simulate, steady_state_bubble
@@ -33,7 +34,17 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--micro-batches", type=int, default=None, help="micro-batches per step (default 8)"
     )
     parser.add_argument(
-        "--stages-per-rank", type=int, default=None, help="v (interleaved, looped; default 1)"
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        help="v (interleaved, looped; 2 for zb_v, v_half, v_min; default 1)",
+    )
+    parser.add_argument(
+        "--placement",
+        default=None,
+        choices=PLACEMENTS,
+        help="loop (stage s on rank s mod pp) or v (rank r: stages r and 2pp-1-r); default: "
+        "the schedule's own",
     )
     parser.add_argument(
         "--costs",
@@ -107,6 +118,7 @@ _GENERATOR_FLAGS: dict[str, Any] = {
     "pp": 4,
     "micro_batches": 8,
     "stages_per_rank": 1,
+    "placement": None,
 }
 """What --schedule, --pp, --micro-batches and --stages-per-rank default to without --load."""
 
@@ -128,6 +140,7 @@ def _schedule(args: argparse.Namespace) -> Schedule:
         num_ranks=values["pp"],
         micro_batches=values["micro_batches"],
         stages_per_rank=values["stages_per_rank"],
+        placement=values["placement"],
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.config.fields import require
 from engine.config.sizes import parse_size
-from engine.schedule import Schedule, schedule_for
+from engine.schedule import PLACEMENTS, Schedule, schedule_for
 from partitioners import COST_MODELS
 
 __all__ = ["PartitionConfig", "ScheduleConfig"]
@@ -18,17 +18,27 @@ class ScheduleConfig:
     """The pipeline schedule a step runs."""
 
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2 or zb_drain,
-    or a schedule file (meshpipe schedule --out FILE, or rows of actions written by hand)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_h1, zb_h2, zb_drain,
+    or over the V placement zb_v, dualpipe_v, v_half, v_min (2 stages per rank), or a schedule
+    file (meshpipe schedule --out FILE, or rows of actions written by hand)."""
     micro_batches: int = 4
     """Micro-batches each replica's batch is split into (gradient accumulation)."""
     stages_per_rank: int = 1
-    """Stages per pipeline rank (v > 1 with interleaved_1f1b or looped_bfs)."""
+    """Stages per pipeline rank (v > 1 with interleaved_1f1b or looped_bfs, 2 with the V
+    schedules)."""
+    placement: str | None = None
+    """Where the stages of several per rank live: loop (stage s on rank s mod pp) or v (rank r
+    holds stages r and 2pp-1-r, the first and last on rank 0); unset: the schedule's own."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "stages_per_rank"):
             value = getattr(self, name)
             require(value >= 1, f"{name}={value} must be at least 1")
+        require(
+            self.placement in (None, *PLACEMENTS),
+            f"placement={self.placement!r}: choose one of {', '.join(PLACEMENTS)} (or leave it "
+            "unset for the schedule's own)",
+        )
 
     def resolve(self, pp: int) -> Schedule:
         """The compute schedule on `pp` pipeline ranks (a file is checked and dry-run)."""
@@ -37,6 +47,7 @@ class ScheduleConfig:
             num_ranks=pp,
             micro_batches=self.micro_batches,
             stages_per_rank=self.stages_per_rank,
+            placement=self.placement,
         )
 
 

@@ -40,6 +40,7 @@ from engine.memory.replay import (
     cached_trace,
     compose,
     in_flight,
+    local_edges,
     stage_actions,
 )
 from engine.memory.sharding import sharded_states, sharded_step_peak
@@ -339,13 +340,6 @@ def resolve(config: MemoryConfig) -> Layout:
     schedule = config.schedule.resolve(config.parallel.pp)
     validate(schedule)
     partition = _partition(config, specs, schedule)
-    for s in range(schedule.num_stages - 1):
-        require(
-            schedule.rank_of(s) != schedule.rank_of(s + 1),
-            f"schedule {schedule.name!r} puts stages {s} and {s + 1} on rank "
-            f"{schedule.rank_of(s)}; the memory model replays every stage boundary as a "
-            "transfer between ranks: use pp >= 2",
-        )
     states = StateLayout(
         dp=config.parallel.dp,
         zero=config.engine.zero,
@@ -381,6 +375,7 @@ def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
         styles,
         layout.shape(config, stage),
         config.device,
+        local_edges(layout.schedule, stage),
     )
 
 

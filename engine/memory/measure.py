@@ -25,7 +25,7 @@ from engine.memory.estimate import (
     resolve,
     stage_memory,
 )
-from engine.memory.replay import StageRun, build_stage, fake_parameters
+from engine.memory.replay import StageRun, build_stage, fake_parameters, local_edges
 from engine.memory.states import optimizer_bytes, param_info, tail_peak
 from engine.memory.tracker import MemoryTracker, fake_device, round_up
 from engine.runtime.optim import build_optimizer
@@ -133,6 +133,8 @@ def _runs(
             last=s == last,
             split=frozenset(k for stage, k in split if stage == s),
             shape=layout.shape(config, s),
+            local_in=local_edges(layout.schedule, s)[0],
+            local_out=local_edges(layout.schedule, s)[1],
         )
         for s in stages
     }

@@ -35,6 +35,7 @@ __all__ = [
     "compose",
     "fake_parameters",
     "in_flight",
+    "local_edges",
     "stage_actions",
     "trace_stage",
 ]
@@ -151,6 +152,9 @@ class StageRun:
     step's end (`StageExchange.wait_sends`), so every sent tensor stays alive until then.
     Gradients start the step as None, as `train_step` sets them. `split` names the
     micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
+    `local_in` / `local_out`: the previous / next stage lives on the same rank (V placement),
+    so what crosses that edge is handed over in memory, not held as a send until the step's
+    end; the receiving side allocates it, as for a receive.
     """
 
     def __init__(
@@ -162,8 +166,11 @@ class StageRun:
         last: bool,
         split: frozenset[int],
         shape: StageShape,
+        local_in: bool = False,
+        local_out: bool = False,
     ) -> None:
         self.stage = _runtime_stage(module, specs, first=first, last=last, shape=shape)
+        self.local_in, self.local_out = local_in, local_out
         if split:
             self.stage.enable_split_backward()
         self.shape, self.first, self.last, self.split = shape, first, last, split
@@ -193,7 +200,9 @@ class StageRun:
         else:
             grads = () if self.last else (self._received(requires_grad=False),)
             backward = self.stage.backward_input if kind is ActionKind.I else self.stage.backward
-            self._send(backward(k, grads))
+            input_grads = backward(k, grads)
+            if not self.local_in:
+                self._send(input_grads)
 
     def held_bytes(self, block: int) -> int:
         """Bytes of what the step keeps until its end: sent tensors and losses."""
@@ -218,7 +227,7 @@ class StageRun:
         )
         if self.last:
             self.losses.append(outputs[0])
-        else:
+        elif not self.local_out:
             self._send(outputs)
 
     def _send(self, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -261,6 +270,7 @@ def trace_stage(
     shape: StageShape,
     cuda: bool,
     block: int,
+    local: tuple[bool, bool] = (False, False),
 ) -> StageTrace:
     """Trace the step start and two micro-batches of each backward style, in the stage's order.
 
@@ -273,7 +283,16 @@ def trace_stage(
     with fake_device(cuda=cuda):
         module = build_stage(specs, shape.tp)
         fake_parameters(module)
-        run = StageRun(module, specs, first=first, last=last, split=split, shape=shape)
+        run = StageRun(
+            module,
+            specs,
+            first=first,
+            last=last,
+            split=split,
+            shape=shape,
+            local_in=local[0],
+            local_out=local[1],
+        )
         tracker = MemoryTracker(block=block)
         with tracker, run.stage.step_scope():
             begin = tracker.measure(run.begin)
@@ -295,6 +314,16 @@ def trace_stage(
         later=spans[1],
         held_per_micro_batch=held,
         weight_copies=weight_copies,
+    )
+
+
+def local_edges(schedule: Schedule, stage: int) -> tuple[bool, bool]:
+    """Whether the stage's previous and next stage live on its rank (their hand-off stays in
+    memory): stages P - 1 and P of the V placement."""
+    rank, last = schedule.rank_of(stage), schedule.num_stages - 1
+    return (
+        stage > 0 and schedule.rank_of(stage - 1) == rank,
+        stage < last and schedule.rank_of(stage + 1) == rank,
     )
 
 
@@ -347,10 +376,18 @@ def cached_trace(
     styles: tuple[bool, ...],
     shape: StageShape,
     device: str,
+    local: tuple[bool, bool] = (False, False),
 ) -> StageTrace:
     """`trace_stage`, once per distinct stage: stages built alike allocate alike."""
     cuda = device == "cuda"
     block = CUDA_BLOCK if cuda else 1
     return trace_stage(
-        specs, first=first, last=last, styles=styles, shape=shape, cuda=cuda, block=block
+        specs,
+        first=first,
+        last=last,
+        styles=styles,
+        shape=shape,
+        cuda=cuda,
+        block=block,
+        local=local,
     )

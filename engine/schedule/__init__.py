@@ -14,20 +14,25 @@ from engine.schedule.generators import (
     looped_bfs,
     make_schedule,
     one_f_one_b,
+    placed,
     zb_drain,
     zb_h1,
     zb_h2,
 )
 from engine.schedule.passes import add_communication, forward_only
+from engine.schedule.placement import PLACEMENTS, placement_of
 from engine.schedule.resolve import check_fits, schedule_for
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, parse_schedule, save_schedule
+from engine.schedule.v_schedules import V_SCHEDULES, dualpipe_v, v_half, v_min, zb_v
 from engine.schedule.validate import ScheduleError, validate
 
 __all__ = [
+    "PLACEMENTS",
     "SCHEDULES",
     "VIRTUAL_SCHEDULES",
+    "V_SCHEDULES",
     "Action",
     "ActionCosts",
     "ActionKind",
@@ -36,6 +41,7 @@ __all__ = [
     "SimResult",
     "add_communication",
     "check_fits",
+    "dualpipe_v",
     "format_schedule",
     "forward_only",
     "gpipe",
@@ -46,13 +52,18 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
+    "placed",
+    "placement_of",
     "save_schedule",
     "schedule_for",
     "simulate",
     "split_units",
     "steady_state_bubble",
+    "v_half",
+    "v_min",
     "validate",
     "zb_drain",
     "zb_h1",
     "zb_h2",
+    "zb_v",
 ]

@@ -1,7 +1,7 @@
 """Schedule generators: GPipe, 1F1B, interleaved, looped BFS and the zero-bubble family.
 
 Each builds a compute-only `Schedule` (F, B, I, W actions per rank); `make_schedule` picks one by
-the name a config or the CLI uses.
+the name a config or the CLI uses, the V-placed ones (`engine.schedule.v_schedules`) included.
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.schedule.actions import Action, ActionKind
+from engine.schedule.placement import PLACEMENTS, placement_name, with_placement
 from engine.schedule.schedule import Schedule
+from engine.schedule.v_schedules import V_SCHEDULES
 
 __all__ = [
     "SCHEDULES",
@@ -20,6 +22,7 @@ __all__ = [
     "looped_bfs",
     "make_schedule",
     "one_f_one_b",
+    "placed",
     "zb_drain",
     "zb_h1",
     "zb_h2",
@@ -254,6 +257,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zb_h1": zb_h1,
     "zb_h2": zb_h2,
     "zb_drain": zb_drain,
+    **V_SCHEDULES,
 }
 """Schedule generators by the name a config or the CLI uses."""
 
@@ -265,9 +269,15 @@ _ONE_STAGE_EQUIVALENT = {"interleaved_1f1b": "1f1b", "looped_bfs": "gpipe"}
 
 
 def make_schedule(
-    name: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
+    name: str,
+    *,
+    num_ranks: int,
+    micro_batches: int,
+    stages_per_rank: int = 1,
+    placement: str | None = None,
 ) -> Schedule:
-    """Build a registered schedule by name (the config's and the CLI's entry point)."""
+    """Build a registered schedule by name (the config's and the CLI's entry point); with
+    `placement` (`loop` or `v`), its chunks are placed that way (None: the schedule's own)."""
     if name == "inference":
         raise ValueError(
             "schedule 'inference' runs forwards only: every engine's eval_step runs it "
@@ -276,6 +286,18 @@ def make_schedule(
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     _check_sizes(num_ranks, micro_batches)
+    schedule = _generate(name, num_ranks, micro_batches, stages_per_rank)
+    return schedule if placement is None else placed(schedule, placement)
+
+
+def _generate(name: str, num_ranks: int, micro_batches: int, stages_per_rank: int) -> Schedule:
+    if name in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ValueError(
+                f"schedule {name!r} holds two stages per rank in a V, not {stages_per_rank}: "
+                "give --stages-per-rank 2"
+            )
+        return SCHEDULES[name](num_ranks, micro_batches)
     if name in VIRTUAL_SCHEDULES:
         if stages_per_rank == 1:
             plain = _ONE_STAGE_EQUIVALENT[name]
@@ -287,6 +309,24 @@ def make_schedule(
     if stages_per_rank != 1:
         raise ValueError(
             f"schedule {name!r} runs one stage per rank, not {stages_per_rank}: use "
-            f"{' or '.join(sorted(VIRTUAL_SCHEDULES))} for several stages per rank"
+            f"{' or '.join(sorted(VIRTUAL_SCHEDULES | set(V_SCHEDULES)))} for several stages "
+            "per rank"
         )
     return SCHEDULES[name](num_ranks, micro_batches)
+
+
+def placed(schedule: Schedule, placement: str) -> Schedule:
+    """`schedule` under `placement`; an error naming the fix where its order cannot run there
+    (the dry run that follows in `check_fits` finds a deadlock)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}: choose one of {', '.join(PLACEMENTS)}")
+    own = placement_name(schedule)
+    if own == placement or schedule.num_stages == schedule.num_ranks:
+        return schedule
+    if schedule.name in V_SCHEDULES or schedule.name == "interleaved_1f1b":
+        raise ValueError(
+            f"schedule {schedule.name!r} orders its actions for the {own} placement and cannot "
+            f"run under --placement {placement}: drop --placement, or use looped_bfs (either "
+            f"placement) or {', '.join(V_SCHEDULES)} (v)"
+        )
+    return with_placement(schedule, placement)

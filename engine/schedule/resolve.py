@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.schedule.generators import SCHEDULES, make_schedule
 from engine.schedule.passes import add_communication, forward_only
+from engine.schedule.placement import placement_name
 from engine.schedule.schedule import Schedule
 from engine.schedule.simulate import simulate
 from engine.schedule.text import load_schedule
@@ -17,16 +18,23 @@ __all__ = ["check_fits", "lowered_schedules", "schedule_for"]
 
 
 def schedule_for(
-    name_or_file: str, *, num_ranks: int, micro_batches: int, stages_per_rank: int = 1
+    name_or_file: str,
+    *,
+    num_ranks: int,
+    micro_batches: int,
+    stages_per_rank: int = 1,
+    placement: str | None = None,
 ) -> Schedule:
     """The compute schedule a run executes: a registered generator by name, or a schedule file
-    (`meshpipe schedule --out`, or written by hand) checked against the run's layout."""
+    (`meshpipe schedule --out`, or written by hand) checked against the run's layout; with
+    `placement`, under that stage placement (`loop` or `v`)."""
     if name_or_file in SCHEDULES:
         return make_schedule(
             name_or_file,
             num_ranks=num_ranks,
             micro_batches=micro_batches,
             stages_per_rank=stages_per_rank,
+            placement=placement,
         )
     if not Path(name_or_file).is_file():
         looks_like_a_path = "/" in name_or_file or Path(name_or_file).suffix != ""
@@ -39,8 +47,16 @@ def schedule_for(
             f"unknown schedule {name_or_file!r}: choose one of {', '.join(SCHEDULES)}, or give "
             "a schedule file (meshpipe schedule --out FILE writes one)"
         )
+    loaded = load_schedule(name_or_file)
+    own = placement_name(loaded)
+    if placement is not None and loaded.num_stages > loaded.num_ranks and own != placement:
+        how = own or "by hand"
+        raise ValueError(
+            f"schedule file {name_or_file} places its stages {loaded.placement} ({how}), not "
+            f"by --placement {placement}: drop --placement (a file keeps its own)"
+        )
     return check_fits(
-        load_schedule(name_or_file),
+        loaded,
         where=f"schedule file {name_or_file}",
         num_ranks=num_ranks,
         micro_batches=micro_batches,
@@ -88,15 +104,13 @@ def lowered_schedules(
 ) -> tuple[Schedule, Schedule]:
     """The training schedule and its forward-only twin for `eval_step`, both lowered (sends
     and receives spelled out) and validated; a schedule given as data is dry-run first."""
-    layout = {
-        "num_ranks": num_ranks,
-        "micro_batches": micro_batches,
-        "stages_per_rank": stages,
-    }
+    layout = {"num_ranks": num_ranks, "micro_batches": micro_batches, "stages_per_rank": stages}
     compute = (
         check_fits(schedule, where=f"schedule {schedule.name!r}", **layout)
         if isinstance(schedule, Schedule)
-        else schedule_for(schedule, **layout)
+        else schedule_for(
+            schedule, num_ranks=num_ranks, micro_batches=micro_batches, stages_per_rank=stages
+        )
     )
     lowered = add_communication(compute), add_communication(forward_only(compute))
     for each in lowered:

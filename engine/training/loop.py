@@ -114,7 +114,11 @@ def _build_engine(
         mesh,
         partition=partition,
         micro_batches=config.schedule.micro_batches,
-        schedule=config.schedule.schedule,
+        schedule=(  # a placement asked for: the schedule under it, as data
+            config.schedule.schedule
+            if config.schedule.placement is None
+            else config.schedule.resolve(mesh.pp)
+        ),
         stages_per_rank=config.schedule.stages_per_rank,
         seed=config.run.seed,
         optimizer=config.optimizer,

@@ -159,6 +159,15 @@ def test_ranks_holding_two_stages_save_what_one_process_loads(tmp_path: Path) ->
     assert all(torch.equal(saved[n], loaded[n]) for n in loaded)
 
 
+def test_a_v_placed_checkpoint_loads_into_one_stage_per_rank(tmp_path: Path) -> None:
+    """Rank 0 of the V holds stages 0 and 3 (embedding and tied head, one parameter); the
+    loading run holds them on ranks 0 and 1: names are global, so the placement is free."""
+    saved = _merged(run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "gpt-tiny", "zb_v", 2))
+    loaded = _merged(run_ranks(_load, 2, str(tmp_path), 2, "gpt-tiny"))
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
 def test_a_corrupt_shard_fails_every_rank_with_its_name(tmp_path: Path) -> None:
     run_ranks(_save_after_a_step, 2, str(tmp_path), 2, 1, "llama-tiny", "1f1b", 1)
     shard = tmp_path / "step-00000001" / "model-stage001.safetensors"

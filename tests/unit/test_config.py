@@ -79,6 +79,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "model_config",
         "vocab_size",
         "tokenizer",
+        "placement",
     }
 
 

@@ -103,6 +103,10 @@ def test_schedules_registry_names_the_generators() -> None:
         "zb_h1",
         "zb_h2",
         "zb_drain",
+        "zb_v",
+        "v_half",
+        "v_min",
+        "dualpipe_v",
     }
 
 
