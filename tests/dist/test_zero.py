@@ -53,6 +53,15 @@ CASES = [
     # default average over dp instead of the sum) back to the same update.
     Case("gpt-untied", 2, 2, "1f1b", 2, "uniform", "sgd", zero=3),
     Case("llama", 2, 2, "1f1b", 2, "uniform", "sgd", zero=3, zero_reshard="micro-batch"),
+    # The V placement: first and last stage on rank 0, every ZeRO level.
+    Case("llama", 2, 2, "zb_v", 4, "uniform", "sgd", stages_per_rank=2, zero=1, precision="bf16",
+         clip=0.5),
+    Case("llama", 2, 2, "v_half", 4, "uniform", "sgd", stages_per_rank=2, zero=2,
+         precision="fp16"),
+    Case("gpt-untied", 2, 2, "v_min", 4, "uniform", "sgd", stages_per_rank=2, zero=3,
+         recompute="full"),
+    Case("gpt-untied", 2, 2, "dualpipe_v", 4, "uniform", "sgd", stages_per_rank=2, zero=3,
+         precision="bf16"),
 ]
 EXACT = [
     Case("gpt-untied", 2, 1, "zb_drain", 4, "uniform", clip=0.05, zero=2),
