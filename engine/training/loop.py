@@ -13,6 +13,7 @@ watch a real crash. Nothing else reads these variables; never set them outside t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,8 @@ from engine.checkpoint import (
 )
 from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.owner import holding_folder
-from engine.comm.mesh import Mesh, init_mesh
+from engine.comm.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, step_begins
+from engine.comm.mesh import Mesh, coordinates, init_mesh
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
@@ -346,6 +348,7 @@ def _run_steps(
     wall: list[float] = []
     pending: tuple[int, StepStats, float, float] | None = None
     for step in range(first, run.config.run.steps):
+        step_begins(step)
         _test_fault(step, emit.mesh)
         started = time.perf_counter()
         result, lr, seconds = run.step(step)
@@ -420,11 +423,33 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
     )
 
 
+def _heartbeat(config: TrainConfig) -> contextlib.AbstractContextManager[object]:
+    """This rank's heartbeat record where the local launcher reads them (else nothing)."""
+    folder = os.environ.get(HEARTBEAT_DIR_ENV)
+    if folder is None or "RANK" not in os.environ:
+        return contextlib.nullcontext()
+    rank = int(os.environ["RANK"])
+    layout = config.parallel
+    pp_rank, dp_rank, tp_rank = coordinates(
+        rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, order=layout.mesh_order
+    )
+    stages = config.schedule.stages_per_rank
+    where = (
+        f"stage {pp_rank} of {layout.pp}"
+        if stages == 1
+        else f"pipeline rank {pp_rank} of {layout.pp} ({stages} stages each)"
+    )
+    where += f", dp replica {dp_rank}" if layout.dp > 1 else ""
+    where += f", tp rank {tp_rank}" if layout.tp > 1 else ""
+    return Heartbeat(folder, rank=rank, where=where)
+
+
 def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
     """Entry point of each locally launched rank. Ctrl-C reaches every rank of the terminal's
     process group; the launcher reports it once, so a rank ends without a traceback."""
     try:
-        return train(config, progress=progress)
+        with _heartbeat(config):
+            return train(config, progress=progress)
     except KeyboardInterrupt:
         if "LOCAL_RANK" not in os.environ:
             raise
