@@ -62,7 +62,9 @@ from partitioners import Partition
 __all__ = [
     "KILL_AT_STEP_ENV",
     "KILL_RANK_ENV",
+    "Refused",
     "TrainResult",
+    "local_worker",
     "open_dataset",
     "train",
     "train_worker",
@@ -458,3 +460,23 @@ def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A rank's bad-input error (a `ValueError`: a corrupt checkpoint, a mismatched file),
+    returned instead of raised under the local launcher: its agent restarts failed ranks
+    (--max-restarts), and the same input would fail the same way each time."""
+
+    error: str
+    """"KindError: message"."""
+
+
+def local_worker(config: TrainConfig, progress: bool) -> TrainResult | Refused:
+    """Entry point of each rank `meshpipe train` launches itself (`train_worker`, with bad
+    input returned as `Refused`). The ranks agree on a checkpoint's errors, so all of them
+    return; a rank left waiting by one that returned fails on its own and is retried."""
+    try:
+        return train_worker(config, progress)
+    except ValueError as error:
+        return Refused(f"{type(error).__name__}: {error}")
