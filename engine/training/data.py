@@ -189,7 +189,23 @@ def prepare(
     exactly that many tokens. ``out`` may be a prefix or end in ``.bin``.
     """
     files = _collect_files(Path(source), suffixes)
+    for file in files:
+        _require_text(file)
     return _write_token_file(files, out, max_bytes, source)
+
+
+def _require_text(file: Path) -> None:
+    """Refuse a file that is not UTF-8 text: its bytes would train as tokens all the same,
+    and an archive or a binary given by mistake would go unnoticed."""
+    data = file.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"source {str(file)!r} is not UTF-8 text (byte {error.start} is "
+            f"{data[error.start]:#04x}): give text files, or convert this one first "
+            f"(iconv -t UTF-8 {_quote(file)})"
+        ) from None
 
 
 def _cache_root(cache_dir: Path | None) -> Path:
@@ -239,6 +255,20 @@ def _not_token_file(given: Path, bin_path: Path, json_path: Path) -> str | None:
     )
 
 
+def _too_small(dtype: object, vocab: object) -> str:
+    """Why token ids of a `vocab`-word vocabulary cannot be stored as `dtype`, or ""."""
+    if dtype not in ("uint8", "uint16", "uint32") or not isinstance(vocab, int):
+        return ""
+    ids = int(np.iinfo(str(dtype)).max) + 1
+    if vocab <= ids:
+        return ""
+    needs = next(d for d in ("uint16", "uint32", "uint64") if np.iinfo(d).max + 1 >= vocab)
+    return (
+        f"more token ids than its dtype {dtype!r} holds ({ids}): the vocabulary is wrong, "
+        f"or the tokens need dtype {needs!r}"
+    )
+
+
 def _read_header(json_path: Path) -> dict[str, Any]:
     prefix = json_path.with_name(json_path.name.removesuffix(".json"))
     where, fix = f"token header {str(json_path)!r}", f"to re-create it, {_prepare_fix(prefix)}"
@@ -256,6 +286,7 @@ def _read_header(json_path: Path) -> dict[str, Any]:
         (h.get("version") != _VERSION, f"has version {h.get('version')!r}, not {_VERSION}"),
         (not (isinstance(n, int) and n > 0), f"has num_tokens={n!r}, not a positive int"),
         (not (isinstance(vocab, int) and vocab > 0), f"has vocab_size={vocab!r}, not positive"),
+        (_too_small(dtype, vocab), f"has vocab_size={vocab!r}, {_too_small(dtype, vocab)}"),
         (dtype != want_dtype, f"has dtype={dtype!r}, expected {want_dtype!r}"),
     ]
     for bad, what in problems:

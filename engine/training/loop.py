@@ -44,11 +44,15 @@ from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
 from engine.training.batches import BatchLoader
 from engine.training.config import TrainConfig
-from engine.training.data import TokenDataset, default_corpus, load_tokens
 from engine.training.flops_report import flops_report, format_flops_report
 from engine.training.metrics import MetricsLog
 from engine.training.monitors import Monitors
-from engine.training.preflight import check_before_loading, check_outputs, stage_partition
+from engine.training.preflight import (
+    check_before_loading,
+    check_outputs,
+    open_dataset,
+    stage_partition,
+)
 from engine.training.resume_check import (
     check_resumable,
     keep_new_hyperparameters,
@@ -97,19 +101,6 @@ class TrainResult:
         """Mean measured bubble after the first step (warm-up), or of that step if alone."""
         steady = self.bubbles[1:] or self.bubbles
         return sum(steady) / len(steady) if steady else math.nan
-
-
-def open_dataset(config: TrainConfig) -> TokenDataset:
-    """The run's token data, checked against the model's vocabulary."""
-    path = config.data.data or default_corpus().bin_path
-    dataset = load_tokens(path)
-    vocab = config.model.config().vocab_size
-    if dataset.info.vocab_size > vocab:
-        raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
-            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
-        )
-    return dataset
 
 
 def _set_threads(config: TrainConfig, mesh: Mesh) -> None:

@@ -1,5 +1,5 @@
-"""Checks a run passes before its first step: its partition, the paths it writes, and the
-settings of the checkpoint it resumes.
+"""Checks a run passes before its first step: its partition, the paths it writes, its token
+file and --init-from weights against the model, and the settings of the checkpoint it resumes.
 
 A launcher runs `preflight` before starting ranks, so a mistake fails once, in the terminal,
 rather than in every rank or, for an output path, after the last step.
@@ -22,11 +22,13 @@ from engine.checkpoint.files import (
     read_trainer,
     step_dirs,
 )
+from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.training.config import TrainConfig
+from engine.training.data import TokenDataset, default_corpus, load_tokens
 from engine.training.monitors import check_monitors
 from engine.training.paths import (
     PathUse,
@@ -45,6 +47,7 @@ from partitioners import Partition, partition_model
 __all__ = [
     "check_before_loading",
     "check_outputs",
+    "open_dataset",
     "preflight",
     "run_paths",
     "stage_partition",
@@ -84,6 +87,19 @@ def _memory_partition(config: TrainConfig) -> Partition:
         return resolve(memory).partition
     except ValueError as error:
         raise ValueError(f"--partition memory: {error}") from None
+
+
+def open_dataset(config: TrainConfig) -> TokenDataset:
+    """The run's token file (the default corpus without --data), checked against the model."""
+    path = config.data.data or default_corpus().bin_path
+    dataset = load_tokens(path)
+    vocab = config.model.config().vocab_size
+    if dataset.info.vocab_size > vocab:
+        raise ValueError(
+            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
+            f"{config.model.model} embeds only {vocab} tokens: use a model with a larger vocabulary"
+        )
+    return dataset
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:
@@ -184,6 +200,10 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
+    if config.data.data is not None:
+        open_dataset(config)  # the default corpus is built by the first rank that needs it
+    if config.checkpoint.init_from is not None:
+        open_weights(config.checkpoint.init_from, config.model.config())
     root = config.checkpoint.checkpoint_dir
     if root is not None:
         check_folder_free(root)
