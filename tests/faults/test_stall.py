@@ -64,5 +64,6 @@ def test_a_stopped_rank_is_named_and_the_command_returns_within_the_timeout(
     assert job.returncode == 1, err
     assert f"rank {STOPPED_RANK} (stage 0 of 2, dp replica 1) stopped responding" in err
     assert "during " in err and "killed once its peers gave up waiting" in err
+    assert "Terminating process" not in err and "resource_tracker" not in err  # torch's noise
     assert list(temp.iterdir()) == []  # no rank folder, no pytorch-errorfile-*.pickle
     assert took < TIMEOUT_S + 5, f"returned {took:.1f} s after the stop"
