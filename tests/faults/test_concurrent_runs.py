@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _first_run(tokens: str, folder: Path) -> subprocess.Popen[str]:
     argv = ["train", *TINY, "--data", tokens, "--steps", "100000", "--save-every", "2",
             "--keep", "2", "--checkpoint-dir", str(folder)]  # fmt: skip
-    command = [sys.executable, "-c", "from engine.cli.main import main; main()", *argv]
+    command = [sys.executable, "-m", "engine.cli", *argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 

@@ -49,7 +49,7 @@ def test_a_stopped_rank_is_named_and_the_command_returns_within_the_timeout(
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-c", "from engine.cli.main import main; main()", *ARGS]
+    command = [sys.executable, "-m", "engine.cli", *ARGS]
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     pid = _pid_once_training(temp, job, within_s=240)
     os.kill(pid, signal.SIGSTOP)
@@ -65,5 +65,6 @@ def test_a_stopped_rank_is_named_and_the_command_returns_within_the_timeout(
     assert f"rank {STOPPED_RANK} (stage 0 of 2, dp replica 1) stopped responding" in err
     assert "during " in err and "killed once its peers gave up waiting" in err
     assert "Terminating process" not in err and "resource_tracker" not in err  # torch's noise
-    assert list(temp.iterdir()) == []  # no rank folder, no pytorch-errorfile-*.pickle
+    leftovers = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert leftovers == []  # no rank folder, no pytorch-errorfile-*.pickle (torch's cache stays)
     assert took < TIMEOUT_S + 5, f"returned {took:.1f} s after the stop"
