@@ -35,6 +35,7 @@ from engine.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
+from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.owner import holding_folder
 from engine.comm.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, step_begins
@@ -455,19 +456,20 @@ def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
 
 @dataclass(frozen=True)
 class Refused:
-    """A rank's bad-input error (a `ValueError`: a corrupt checkpoint, a mismatched file),
-    returned instead of raised under the local launcher: its agent restarts failed ranks
-    (--max-restarts), and the same input would fail the same way each time."""
+    """A checkpoint's error (corrupt, incomplete, another model), returned instead of raised
+    under the local launcher: its agent restarts failed ranks (--max-restarts), and the same
+    checkpoint would fail the same way each time."""
 
     error: str
-    """"KindError: message"."""
+    """"CheckpointError: message"."""
 
 
 def local_worker(config: TrainConfig, progress: bool) -> TrainResult | Refused:
-    """Entry point of each rank `meshpipe train` launches itself (`train_worker`, with bad
-    input returned as `Refused`). The ranks agree on a checkpoint's errors, so all of them
-    return; a rank left waiting by one that returned fails on its own and is retried."""
+    """Entry point of each rank `meshpipe train` launches itself: `train_worker`, with a
+    `CheckpointError` returned as `Refused`. Every rank raises a checkpoint's error together
+    (they agree on each load and save), so all of them return; other errors may strike one
+    rank alone, whose peers would then wait out --timeout for it: those still fail the rank."""
     try:
         return train_worker(config, progress)
-    except ValueError as error:
+    except CheckpointError as error:
         return Refused(f"{type(error).__name__}: {error}")

@@ -18,7 +18,7 @@ ARGV = ["train", "--model", "gpt-tiny", "--pp", "2", "--steps", "4", "--max-rest
         "--resume"]  # fmt: skip
 
 
-def test_a_locally_launched_rank_returns_bad_input_instead_of_failing(
+def test_a_locally_launched_rank_returns_a_checkpoint_error_instead_of_failing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def corrupt(*_: object) -> None:
@@ -27,6 +27,17 @@ def test_a_locally_launched_rank_returns_bad_input_instead_of_failing(
     monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", corrupt)
     refused = local_worker(None, False)  # type: ignore[arg-type]
     assert refused == Refused("CheckpointError: step-00000002/trainer.json: sha256 does not match")
+
+
+def test_other_errors_still_fail_the_rank_so_its_peers_are_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def bad_batch(*_: object) -> None:
+        raise ValueError("the batch does not split into micro-batches")
+
+    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", bad_batch)
+    with pytest.raises(ValueError, match="does not split"):
+        local_worker(None, False)  # type: ignore[arg-type]
 
 
 def test_a_refusal_is_bad_input_and_launched_once(
