@@ -5,13 +5,13 @@ share, so a failure on one rank is raised on all of them instead of leaving peer
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch.distributed as dist
 
 from engine.checkpoint.files import CheckpointError
 
-__all__ = ["everywhere", "gather", "rank0_decides"]
+__all__ = ["CheckpointIOError", "everywhere", "gather", "rank0_decides"]
 
 T = TypeVar("T")
 
@@ -43,10 +43,33 @@ def rank0_decides(fn: Callable[[], T]) -> T:
     return cast(T, result)
 
 
+class CheckpointIOError(OSError):
+    """The machine, not the checkpoint, failed a rank's read or write (a full disk, a lost
+    mount, no permission): the CLI's status 1, where a bad checkpoint is bad input (2)."""
+
+
 def _failures(what: str, gathered: list[tuple[Any, str | None]]) -> str:
     return f"{what} failed on " + "; ".join(
         f"rank {rank}: {error}" for rank, (_, error) in enumerate(gathered) if error
     )
+
+
+def _raise(what: str, gathered: list[tuple[Any, str | None]]) -> NoReturn:
+    """Every rank raises the same error: `CheckpointIOError` if any rank's was the machine's
+    (told by its `OSError: ` prefix), else `CheckpointError`."""
+    message = _failures(what, gathered)
+    if any(error and error.startswith(_IO_PREFIX) for _, error in gathered):
+        raise CheckpointIOError(message.replace(_IO_PREFIX, ""))
+    raise CheckpointError(message)
+
+
+_IO_PREFIX = "OSError: "
+
+
+def _told(error: Exception) -> str:
+    """`error` as told to the other ranks."""
+    machine = isinstance(error, OSError) and not isinstance(error, CheckpointError)
+    return f"{_IO_PREFIX if machine else ''}{error}"
 
 
 def everywhere(
@@ -57,8 +80,8 @@ def everywhere(
     try:
         result = fn()
     except Exception as error:  # told to every rank, then raised here too
-        raise CheckpointError(_failures(what, gather((None, f"{error}")))) from error
+        _raise(what, gather((None, _told(error))))
     gathered = gather((report(result), None))
     if any(error for _, error in gathered):
-        raise CheckpointError(_failures(what, gathered))
+        _raise(what, gathered)
     return result, [shared for shared, _ in gathered]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint.agree import everywhere
+from engine.checkpoint.agree import CheckpointIOError, everywhere
 from engine.checkpoint.atomic import atomic_write_text, fsync_dir, sha256_file
 from engine.checkpoint.files import (
     FORMAT,
@@ -245,18 +245,35 @@ def save_checkpoint(
     final = root / step_dir_name(state.step)
     tmp = root / f".tmp-{final.name}"
     leader = engine.mesh.rank == 0
-    everywhere(f"preparing {tmp}", lambda: _prepare(root, tmp) if leader else None)
-    _, reports = everywhere(
-        f"writing {tmp}", lambda: _write_rank(engine, specs, tmp), report=lambda r: r
-    )
+    try:
+        everywhere(f"preparing {tmp}", lambda: _prepare(root, tmp) if leader else None)
+        _, reports = everywhere(
+            f"writing {tmp}", lambda: _write_rank(engine, specs, tmp), report=lambda r: r
+        )
 
-    def finish() -> None:
+        def finish() -> None:
+            if leader:
+                _finish(engine, specs, tmp, reports, state)
+                _publish(tmp, final, keep)
+
+        everywhere(f"publishing {final}", finish)
+    except CheckpointIOError as error:  # every rank is here: none writes into tmp any more
         if leader:
-            _finish(engine, specs, tmp, reports, state)
-            _publish(tmp, final, keep)
-
-    everywhere(f"publishing {final}", finish)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointIOError(f"{error}. {_write_fix(root, tmp)}") from None
     return final
+
+
+def _write_fix(root: Path, tmp: Path) -> str:
+    """What a failed write leaves and what to do: the partial folder is gone, so a resume
+    on that disk does not fail on it again; `latest` and earlier checkpoints are intact."""
+    usage = shutil.disk_usage(root) if root.is_dir() else None
+    free = f" ({usage.free / 2**20:,.0f} MiB free now)" if usage else ""
+    return (
+        f"Nothing was saved at this step (the partial {tmp.name} was removed; earlier "
+        f"checkpoints are intact): free space on the disk of --checkpoint-dir {root}{free} "
+        "(or fix what the error names), or give another --checkpoint-dir"
+    )
 
 
 def save_weights(

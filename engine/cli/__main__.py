@@ -1,7 +1,5 @@
 """`python -m engine.cli …`: what torchrun and the deepspeed launcher start on every rank."""
 
-import sys
+from engine.cli.main import entry
 
-from engine.cli.main import main
-
-sys.exit(main())
+entry()

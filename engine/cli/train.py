@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoint.files import step_dirs
 from engine.cli.flags import add_config_flags, flag_values, given_fields
@@ -16,6 +17,9 @@ from engine.training.config import TrainConfig
 from engine.training.metrics import plot_metrics, plot_target
 from engine.training.paths import check_paths, file_in, file_out
 from engine.training.resume_check import DECAYING_SCHEDULES
+
+if TYPE_CHECKING:
+    from engine.training.loop import TrainResult
 
 __all__ = ["COMMANDS", "Interrupted", "add_parsers", "interrupt_advice", "run", "train_config"]
 
@@ -100,8 +104,33 @@ def interrupt_advice(config: TrainConfig) -> str:
     return f"the newest checkpoint is {saved[-1]}: the same command with --resume goes on from it"
 
 
+def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
+    """Rank 0's result of a run on local ranks: a refusal (bad input) is never retried, and
+    a failure after the last restart says so and where to resume from."""
+    from engine.comm.launch import RankFailed, launch_local
+    from engine.training.loop import Refused, TrainResult, local_worker
+
+    restarts = config.run.max_restarts
+    try:
+        results = launch_local(local_worker, config.parallel.world_size, config, progress,
+                               max_restarts=restarts)  # fmt: skip
+    except RankFailed as error:
+        if restarts == 0 or error.bad_input:
+            raise
+        raise RankFailed(
+            f"{error}\nmeshpipe: all {restarts} restarts (--max-restarts) were used; "
+            f"{interrupt_advice(config)}"
+        ) from None
+    for rank, value in sorted(results.items()):
+        if isinstance(value, Refused):
+            raise RankFailed(f"rank {rank} failed: {value.error}", bad_input=True)
+    result = results[0]
+    assert isinstance(result, TrainResult)
+    return result
+
+
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
-    from engine.comm.launch import is_launched, launch_local
+    from engine.comm.launch import is_launched
     from engine.comm.mesh import launcher_world_size
     from engine.training.loop import train_worker
     from engine.training.preflight import preflight
@@ -109,9 +138,7 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     ranks = config.parallel.world_size
     preflight(config, args.deepspeed_config)
     if ranks > 1 and not is_launched():
-        progress = not args.no_progress
-        restarts = config.run.max_restarts
-        result = launch_local(train_worker, ranks, config, progress, max_restarts=restarts)[0]
+        result = _launch(config, progress=not args.no_progress)
     else:
         if is_launched() and launcher_world_size() != ranks:
             raise ValueError(

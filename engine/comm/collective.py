@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from engine.comm.heartbeat import doing
+
 __all__ = ["CollectiveError", "naming_failures", "peer_failed"]
 
 
@@ -30,7 +32,8 @@ class CollectiveError(RuntimeError):
 def naming_failures(what: str, *, timeout_s: float) -> Iterator[None]:
     """Re-raise a communication failure inside the block as a `CollectiveError` naming `what`."""
     try:
-        yield
+        with doing(what):
+            yield
     except CollectiveError:
         raise
     except RuntimeError as error:

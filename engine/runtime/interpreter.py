@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from engine.comm.heartbeat import note
 from engine.runtime.step_clock import HostClock, StepClock
 from engine.schedule.actions import Action, ActionKind
 from engine.schedule.schedule import Schedule, format_schedule
@@ -46,6 +47,10 @@ def execute(
     marks: list[tuple[Action, int, int]] = []
     for index, action in enumerate(schedule.rows[rank]):
         start = clock.mark()
+        note(
+            f"action {action} ({action.kind.name} of stage {action.stage}, micro-batch "
+            f"{action.micro_batch})"
+        )
         try:
             handlers[action.kind](action)
         except Exception as error:

@@ -218,7 +218,24 @@ def prepare(
     """
     chosen = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
     files = collect_files(Path(source), suffixes)
+    for file in files:
+        if not file.name.endswith(".parquet"):
+            _require_text(file)
     return _write_token_file(documents(files, text_field), out, max_bytes, source, chosen)
+
+
+def _require_text(file: Path) -> None:
+    """Refuse a file that is not UTF-8 text: its bytes would train as tokens all the same,
+    and an archive or a binary given by mistake would go unnoticed."""
+    data = file.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"source {str(file)!r} is not UTF-8 text (byte {error.start} is "
+            f"{data[error.start]:#04x}): give text files, or convert this one first "
+            f"(iconv -t UTF-8 {_quote(file)})"
+        ) from None
 
 
 def _cache_root(cache_dir: Path | None) -> Path:
@@ -286,6 +303,7 @@ def _header_problems(h: dict[str, Any]) -> list[tuple[bool, str]]:
         (h.get("version") not in _READS, f"has version {h.get('version')!r}, not {_VERSION}"),
         (not (isinstance(n, int) and n > 0), f"has num_tokens={n!r}, not a positive int"),
         (not (isinstance(vocab, int) and vocab > 0), f"has vocab_size={vocab!r}, not positive"),
+        (bool(_too_small(dtype, vocab)), f"has vocab_size={vocab!r}, {_too_small(dtype, vocab)}"),
         (
             dtype != want_dtype,
             f"has vocab_size={vocab!r} with dtype={dtype!r}: a vocabulary of {vocab} ids is "
@@ -314,6 +332,20 @@ def _check_tokenizer_copy(json_path: Path, header: dict[str, Any], fix: str) -> 
             f"tokenizer {str(copy)!r} is not the one {str(json_path)!r} was prepared with "
             f"(sha256 differs); copy the original back or, {fix}"
         )
+
+
+def _too_small(dtype: object, vocab: object) -> str:
+    """Why token ids of a `vocab`-word vocabulary cannot be stored as `dtype`, or ""."""
+    if dtype not in ("uint8", "uint16", "uint32") or not isinstance(vocab, int):
+        return ""
+    ids = int(np.iinfo(str(dtype)).max) + 1
+    if vocab <= ids:
+        return ""
+    needs = next(d for d in ("uint16", "uint32", "uint64") if np.iinfo(d).max + 1 >= vocab)
+    return (
+        f"more token ids than its dtype {dtype!r} holds ({ids}): the vocabulary is wrong, "
+        f"or the tokens need dtype {needs!r}"
+    )
 
 
 def _read_header(json_path: Path) -> dict[str, Any]:

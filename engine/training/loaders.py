@@ -24,6 +24,7 @@ def _opened(path: str, config: TrainConfig, *, raw: bool) -> TokenDataset:
         vocab_size=data.vocab_size if raw else None,
         tokenizer=data.tokenizer if raw else None,
         model_vocab=config.model.config().vocab_size,
+        model=config.model.name,
     )
     return dataset
 

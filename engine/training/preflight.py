@@ -1,5 +1,5 @@
-"""Checks a run passes before its first step: its partition, the paths it writes, and the
-settings of the checkpoint it resumes.
+"""Checks a run passes before its first step: its partition, the paths it writes, its token
+file and --init-from weights against the model, and the settings of the checkpoint it resumes.
 
 A launcher runs `preflight` before starting ranks, so a mistake fails once, in the terminal,
 rather than in every rank or, for an output path, after the last step.
@@ -22,6 +22,7 @@ from engine.checkpoint.files import (
     read_trainer,
     step_dirs,
 )
+from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
@@ -191,6 +192,7 @@ def check_data(config: TrainConfig) -> None:
             vocab_size=data.vocab_size,
             tokenizer=data.tokenizer,
             model_vocab=config.model.config().vocab_size,
+            model=config.model.name,
         )
     where = f"--data {data.data}" if data.data else "the default corpus"
     root = checkpoint.checkpoint_dir
@@ -211,6 +213,8 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     metrics = config.run.metrics_file
     if metrics is not None and not config.checkpoint.resume and Path(metrics).is_file():
         print(f"meshpipe: --metrics-file {metrics} exists: this run replaces it", file=sys.stderr)
+    if config.checkpoint.init_from is not None:
+        open_weights(config.checkpoint.init_from, config.model.config())
     root = config.checkpoint.checkpoint_dir
     if root is not None:
         check_folder_free(root)

@@ -50,16 +50,21 @@ def _data_tokenizer(info: TokenFileInfo, given: str | None) -> Tokenizer | None:
 
 
 def open_training_data(
-    path: str | Path, *, vocab_size: int | None, tokenizer: str | None, model_vocab: int
+    path: str | Path,
+    *,
+    vocab_size: int | None,
+    tokenizer: str | None,
+    model_vocab: int,
+    model: str = "the model",
 ) -> tuple[TokenDataset, Tokenizer | None]:
     """A run's token data and its tokenizer (None: a raw file with no --tokenizer), refused
-    when the model cannot embed its ids."""
+    when `model` cannot embed its ids."""
     dataset = load_tokens(path, vocab_size=vocab_size)
     chosen = _data_tokenizer(dataset.info, tokenizer)
     if dataset.info.vocab_size > model_vocab:
         raise ValueError(
-            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but the "
-            f"model embeds only {model_vocab} tokens: use a model with a larger vocabulary "
+            f"data {dataset.info.bin_path} has vocabulary {dataset.info.vocab_size} but "
+            f"{model} embeds only {model_vocab} tokens: use a model with a larger vocabulary "
             "(--model-config with a larger vocab_size)"
         )
     return dataset, chosen

@@ -89,7 +89,10 @@ def test_a_header_whose_dtype_is_too_small_for_its_vocabulary_blames_the_vocabul
     header = {"format": "meshpipe-tokens", "version": 2, "dtype": "uint8", "vocab_size": 300,
               "num_tokens": 4}  # fmt: skip
     (tmp_path / "t.json").write_text(json.dumps(header))
-    with pytest.raises(ValueError, match=r"vocabulary of 300 ids is stored as 'uint16'.*prepare"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab_size=300, more token ids than its dtype 'uint8' holds .* need dtype 'uint16'.*prepare",
+    ):
         load_tokens(tmp_path / "t")
 
 
