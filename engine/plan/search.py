@@ -37,7 +37,15 @@ from engine.schedule import SCHEDULES, Schedule, SimResult, add_communication, m
 from models import get_config, layer_specs
 from partitioners import Partition, partition_model
 
-__all__ = ["LOSSES", "PlanRequest", "PlanResult", "Prediction", "layout_fields", "search"]
+__all__ = [
+    "LOSSES",
+    "PlanRequest",
+    "PlanResult",
+    "Prediction",
+    "layout_fields",
+    "predict",
+    "search",
+]
 
 LOSSES = ("over memory", "more bubble", "more communication", "more recompute")
 """Why a candidate lost to the best plan."""
@@ -291,7 +299,7 @@ def _fit(
     return max(ranks)
 
 
-def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened | None:
+def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
     """Action costs, transfers and data-parallel tails of a candidate that fits."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
     schedule = search.pipeline(c).shape
@@ -436,10 +444,7 @@ def search(request: PlanRequest, progress: Callable[[int, int], None] | None = N
                 continue
             chosen, bounds, stage_peaks, peaks = fitted
             found = _screen(state, chosen, bounds)
-            if found is not None:
-                screened.append(
-                    _Screened(**{**found.__dict__, "stage_peaks": stage_peaks, "rank_peaks": peaks})
-                )
+            screened.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
     ranked = _rank(state, screened, request.top, progress)
     best, over = _verified(request, ranked)
     losses["over memory"] += len(over)
@@ -477,6 +482,25 @@ def _verified(
         stages = tuple(s.peak for s in report.stages)
         chosen[key] = replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
     return tuple(chosen.values()), over
+
+
+def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
+    """One given layout's prediction (balanced boundaries, its own recompute), memory by the
+    fast screen: what the search computes for each candidate, for comparing a hand choice."""
+    state = _Search(request)
+    pipeline = state.pipeline(candidate)
+    bounds = state.boundaries(pipeline.shape.num_stages)
+    stage_peaks, peaks = rank_peaks(
+        state.sums(candidate),
+        pipeline.shape,
+        pipeline.counts,
+        bounds,
+        micro_batch_size=candidate.micro_batch_size,
+        recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
+        reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
+    )
+    screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
+    return _predict(state, screened, _simulate(state, screened))
 
 
 def _mesh_candidates(state: _Search, mesh: Mesh) -> list[Candidate]:

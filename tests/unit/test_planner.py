@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,10 +74,8 @@ def _brute_force_best(request: PlanRequest) -> float:
             fitted = _fit(state, c, request.device_memory)
             if isinstance(fitted, int):
                 continue
-            screened = _screen(state, fitted[0], fitted[1])
-            assert screened is not None
-            screened = type(screened)(
-                **{**screened.__dict__, "stage_peaks": fitted[2], "rank_peaks": fitted[3]}
+            screened = replace(
+                _screen(state, fitted[0], fitted[1]), stage_peaks=fitted[2], rank_peaks=fitted[3]
             )
             timed.append(_predict(state, screened, _simulate(state, screened)))
     timed.sort(key=lambda p: p.step_time)
