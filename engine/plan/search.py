@@ -12,7 +12,7 @@ the best plan: memory, bubble (idle time, imbalance included), communication or 
 from __future__ import annotations
 
 import functools
-import heapq
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -287,7 +287,7 @@ def _fit(
     every = tuple(range(schedule.num_stages))
     tried: list[tuple[int, ...]] = [()]
     stages, ranks = peaks(())
-    if max(ranks) > budget:
+    if max(ranks) > budget and not c.split:  # a split backward's W keeps what I recomputed
         over = [r for r, peak in enumerate(ranks) if peak > budget]
         some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
         tried = [some, every] if some != every else [every]
@@ -420,68 +420,67 @@ def _loss(plan: Prediction, best: Prediction) -> str:
     return max(reasons, key=lambda k: reasons[k])
 
 
-def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
-    """The best `request.top` layouts, and why every other candidate lost."""
-    state = _Search(request)
-    hw = request.hardware
-    screened: list[_Screened] = []
-    losses = dict.fromkeys(LOSSES, 0)
-    least: int | None = None
-    considered = 0
+@dataclass(frozen=True, kw_only=True)
+class _Screen:
+    survivors: list[_Screened]
+    considered: int
+    over: int
+    least: float
+    """The lowest peak of a candidate over the budget (inf when none was)."""
+
+
+def _screen_all(state: _Search) -> _Screen:
+    """Every candidate of every mesh through the memory screen; the survivors costed."""
+    request = state.request
+    survivors: list[_Screened] = []
+    considered, over, least = 0, 0, math.inf
     for mesh in meshes(
         request.model,
         request.devices,
         num_layers=len(state.specs),
         seq_len=request.seq_len,
-        gpus_per_node=hw.gpus_per_node,
+        gpus_per_node=request.hardware.gpus_per_node,
     ):
         for c in _mesh_candidates(state, mesh):
             considered += 1
             fitted = _fit(state, c, request.device_memory)
             if isinstance(fitted, int):
-                losses["over memory"] += 1
-                least = fitted if least is None else min(least, fitted)
+                over, least = over + 1, min(least, fitted)
                 continue
             chosen, bounds, stage_peaks, peaks = fitted
             found = _screen(state, chosen, bounds)
-            screened.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
-    ranked = _rank(state, screened, request.top, progress)
-    best, over = _verified(request, ranked)
-    losses["over memory"] += len(over)
-    for plan in ranked:
-        if plan not in best and plan not in over:
-            losses[_loss(plan, best[0] if best else ranked[0])] += 1
+            survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
+    return _Screen(survivors=survivors, considered=considered, over=over, least=least)
+
+
+def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The best `request.top` layouts, and why every other candidate lost."""
+    state = _Search(request)
+    screen = _screen_all(state)
+    ranked = _rank(state, screen.survivors, progress)
+    losses = dict.fromkeys(LOSSES, 0)
+    losses["over memory"] = screen.over + len(ranked.over)
+    decided = {id(p.candidate) for p in (*ranked.best, *ranked.over)}
+    for plan in ranked.plans:
+        if id(plan.candidate) not in decided:
+            losses[_loss(plan, ranked.best[0] if ranked.best else plan)] += 1
+    least = min([screen.least, *(max(p.rank_peaks) for p in ranked.over)])
     return PlanResult(
         request=request,
-        plans=best,
-        considered=considered,
+        plans=ranked.best,
+        considered=screen.considered,
         losses=losses,
-        least_memory=least if not screened else None,
+        least_memory=None if ranked.best or least == math.inf else int(least),
     )
 
 
-def _verified(
-    request: PlanRequest, ranked: Sequence[Prediction]
-) -> tuple[tuple[Prediction, ...], list[Prediction]]:
-    """The fastest `top` plans of distinct meshes, schedules or micro-batching (a ZeRO level
-    or recompute choice that changes nothing else is a variant, not another plan), each
-    replayed by the exact memory model (`estimate_memory`) with its peaks replaced by the
-    replay's; those the replay puts over the budget are returned apart."""
-    chosen: dict[tuple[object, ...], Prediction] = {}
-    over: list[Prediction] = []
-    for plan in ranked:
-        c = plan.candidate
-        key = (c.mesh, c.schedule, c.stages_per_rank, c.micro_batch_size)
-        if plan.simulated is None or key in chosen or len(chosen) == request.top:
-            continue
-        fields = layout_fields(request, c, plan.boundaries)
-        report = estimate_memory(MemoryConfig.of(device=request.device, **fields))
-        if report.peak > request.device_memory:
-            over.append(plan)
-            continue
-        stages = tuple(s.peak for s in report.stages)
-        chosen[key] = replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
-    return tuple(chosen.values()), over
+def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
+    """The plan with the exact replay's peaks (`estimate_memory`, as `meshpipe memory`
+    prints them)."""
+    fields = layout_fields(request, plan.candidate, plan.boundaries)
+    report = estimate_memory(MemoryConfig.of(device=request.device, **fields))
+    stages = tuple(s.peak for s in report.stages)
+    return replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
 
 
 def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
@@ -521,26 +520,54 @@ def _mesh_candidates(state: _Search, mesh: Mesh) -> list[Candidate]:
     return found
 
 
+_REPLAYS = 12
+"""Most exact replays one search runs before it gives up on the fast screen's choices."""
+
+
+def _key(c: Candidate) -> tuple[object, ...]:
+    """Plans of one key differ only in ZeRO level or recompute: variants, not other plans."""
+    return (c.mesh, c.schedule, c.stages_per_rank, c.micro_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ranked:
+    plans: list[Prediction]
+    """Every survivor of the screen, simulated or at its lower bound."""
+    best: tuple[Prediction, ...]
+    """The fastest of distinct keys the replay fits, fastest first, with its peaks."""
+    over: list[Prediction]
+    """Those the replay put over the budget."""
+
+
 def _rank(
-    state: _Search,
-    screened: list[_Screened],
-    top: int,
-    progress: Callable[[int, int], None] | None,
-) -> list[Prediction]:
-    """Every survivor as a prediction, fastest first: simulated in the order of its lower
-    bound while that bound could still enter the best `top`; the rest at their bound."""
+    state: _Search, screened: list[_Screened], progress: Callable[[int, int], None] | None
+) -> _Ranked:
+    """Survivors simulated in the order of their lower bound while it could still enter the
+    best `top`, each that would enter replayed exactly (`_replayed`); the rest at their bound."""
+    top = state.request.top
     order = sorted(screened, key=lambda s: s.bound)
-    best: list[float] = []  # negated step times of the best `top` simulated (a max-heap)
-    plans = []
+    best: dict[tuple[object, ...], Prediction] = {}
+    plans: list[Prediction] = []
+    over: list[Prediction] = []
     for done, s in enumerate(order):
-        if len(best) < top or s.bound < -best[0]:
-            timed = _simulate(state, s)
-            heapq.heappush(best, -timed.step)
-            if len(best) > top:
-                heapq.heappop(best)
-            plans.append(_predict(state, s, timed))
-        else:
-            plans.append(_predict(state, s, None))
         if progress is not None:
             progress(done + 1, len(order))
-    return sorted(plans, key=lambda p: (p.simulated is None, p.step_time))
+        worst = max(p.step_time for p in best.values()) if len(best) == top else math.inf
+        if s.bound >= worst:
+            plans.append(_predict(state, s, None))
+            continue
+        plan = _predict(state, s, _simulate(state, s))
+        plans.append(plan)
+        known = best.get(_key(plan.candidate))
+        entering = plan.step_time < worst and (known is None or plan.step_time < known.step_time)
+        if not entering or len(over) + len(best) >= _REPLAYS:
+            continue
+        exact = _replayed(state.request, plan)
+        if max(exact.rank_peaks) > state.request.device_memory:
+            over.append(exact)
+            continue
+        best[_key(plan.candidate)] = exact
+        if len(best) > top:
+            del best[max(best, key=lambda k: best[k].step_time)]
+    chosen = tuple(sorted(best.values(), key=lambda p: p.step_time))
+    return _Ranked(plans=plans, best=chosen, over=over)
