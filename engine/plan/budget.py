@@ -119,8 +119,10 @@ def _stage_bytes(
     micro_batch_size: int,
     recompute: bool,
     reduce_copy: bool,
+    held: int,
 ) -> int:
-    """One stage's peak: states, then the larger of its step and its gradient reduction."""
+    """One stage's peak: states, then the larger of its step and its gradient reduction,
+    plus `held`, the sends kept to the step's end (counted whole: a bound)."""
     first, stop = layers.start, layers.stop
     fixed = sum(sums.weights[first:stop]) + sum(sums.during[first:stop])
     grads = sum(sums.gradients[first:stop])
@@ -131,8 +133,8 @@ def _stage_bytes(
         kept = micro_batch_size * sums.received if first else 0
         peak += activations
     during = max(before * kept, grads + after * kept) + peak
-    tail = 2 * grads if reduce_copy else 0
-    return fixed + max(during, tail)
+    tail = 2 * grads if reduce_copy else grads
+    return fixed + max(during, tail) + held
 
 
 def rank_peaks(
@@ -141,11 +143,20 @@ def rank_peaks(
     counts: StageCounts,
     boundaries: Sequence[int],
     *,
+    micro_batches: int,
     micro_batch_size: int,
     recomputed: Sequence[bool],
     reduce_copy: bool,
+    tp: int = 1,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies."""
+    """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
+
+    Every micro-batch's sends (its output forward, its input's gradient backward; 1/tp of
+    the hidden state each under tensor parallelism) are kept until the step ends, as the
+    runtime's exchange keeps them (`engine.memory.replay`).
+    """
+    last = schedule.num_stages - 1
+    one = micro_batch_size * sums.received // tp
     stages = tuple(
         _stage_bytes(
             sums,
@@ -155,6 +166,7 @@ def rank_peaks(
             micro_batch_size=micro_batch_size,
             recompute=recomputed[s],
             reduce_copy=reduce_copy,
+            held=micro_batches * one * ((s > 0) + (s < last)),
         )
         for s in range(schedule.num_stages)
     )
