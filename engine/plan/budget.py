@@ -147,16 +147,15 @@ def rank_peaks(
     micro_batch_size: int,
     recomputed: Sequence[bool],
     reduce_copy: bool,
-    tp: int = 1,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
 
-    Every micro-batch's sends (its output forward, its input's gradient backward; 1/tp of
-    the hidden state each under tensor parallelism) are kept until the step ends, as the
-    runtime's exchange keeps them (`engine.memory.replay`).
+    Every micro-batch's sends (its output forward, its input's gradient backward, whole
+    hidden states as the replay counts them under tensor parallelism too) are kept until the
+    step ends, as the runtime's exchange keeps them (`engine.memory.replay`).
     """
     last = schedule.num_stages - 1
-    one = micro_batch_size * sums.received // tp
+    one = micro_batch_size * sums.received
     stages = tuple(
         _stage_bytes(
             sums,

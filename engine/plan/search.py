@@ -283,7 +283,6 @@ def _fit(
             micro_batch_size=c.micro_batch_size,
             recomputed=[s in chosen for s in range(schedule.num_stages)],
             reduce_copy=c.mesh.dp > 1 and c.zero == 0,
-            tp=c.mesh.tp,
         )
 
     every = tuple(range(schedule.num_stages))
@@ -500,7 +499,6 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
         micro_batch_size=candidate.micro_batch_size,
         recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
         reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
-        tp=candidate.mesh.tp,
     )
     screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
     return _predict(state, screened, _simulate(state, screened))
