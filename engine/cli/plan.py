@@ -282,12 +282,12 @@ def format_result(result: PlanResult, elapsed: float) -> str:
         f"global batch {r.global_batch} × {r.seq_len} tokens",
         f"searched {result.considered} layouts in {elapsed:.1f} s; the others lost: {lost}",
         "",
-        f"{'#':<2} {'layout':<52} {'step':>9} {'tokens/s':>10} {'bubble':>7} {'MFU':>6} "
+        f"{'#':<2} {'layout':<62} {'step':>9} {'tokens/s':>10} {'bubble':>7} {'MFU':>6} "
         f"{'peak':>10}",
     ]
     for i, plan in enumerate(result.plans, 1):
         lines.append(
-            f"{i:<2} {_layout(plan):<52} {plan.step_time:>8.3g}s {plan.tokens_per_s:>10,.0f} "
+            f"{i:<2} {_layout(plan):<62} {plan.step_time:>8.3g}s {plan.tokens_per_s:>10,.0f} "
             f"{plan.bubble:>7.1%} {plan.mfu:>6.1%} {format_size(max(plan.rank_peaks)):>10}"
         )
     lines.append("")
