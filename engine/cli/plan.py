@@ -292,6 +292,6 @@ def format_result(result: PlanResult, elapsed: float) -> str:
         )
     lines.append("")
     for i, plan in enumerate(result.plans, 1):
-        peaks = " ".join(f"{p / 2**30:.1f}" for p in plan.stage_peaks)
-        lines.append(f"plan {i} peak per stage (GiB): {peaks}")
+        peaks = ", ".join(format_size(p) for p in plan.stage_peaks)
+        lines.append(f"plan {i} peak per stage: {peaks}")
     return "\n".join(lines)

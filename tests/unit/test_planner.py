@@ -29,6 +29,7 @@ from engine.plan.search import (
     _Search,
     _simulate,
     layout_fields,
+    predict,
 )
 from engine.schedule import ActionCosts, make_schedule, simulate
 from engine.training.config import TrainConfig
@@ -232,7 +233,7 @@ def test_plan_cli_prints_the_best_plans_and_why_the_others_lost(
     assert "over memory" in lines[1] and "more communication" in lines[1]
     assert lines[3].split() == ["#", "layout", "step", "tokens/s", "bubble", "MFU", "peak"]
     assert lines[4].startswith("1  pp") and lines[5].startswith("2  pp")
-    assert lines[7].startswith("plan 1 peak per stage (GiB): ")
+    assert lines[7].startswith("plan 1 peak per stage: ")
     assert lines[-1].startswith("wrote ") and (tmp_path / "p.json").is_file()
 
 
@@ -277,3 +278,27 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
     assert fields["recompute"] == "full" and fields["recompute_stages"] is None
     some = layout_fields(SMALL, Candidate(**{**c.__dict__, "recompute": (0,)}), (0, 3, 7))
     assert some["recompute_stages"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "schedule", "zero"),
+    [(Mesh(pp=2, dp=2, tp=1), "1f1b", 0), (Mesh(pp=2, dp=2, tp=1), "gpipe", 3)],
+)
+def test_the_memory_screen_is_within_ten_percent_of_the_replay(
+    mesh: Mesh, schedule: str, zero: int
+) -> None:
+    request = PlanRequest(
+        model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
+    )
+    layout = Candidate(
+        mesh=mesh,
+        schedule=schedule,
+        stages_per_rank=1,
+        micro_batches=4,
+        micro_batch_size=2,
+        zero=zero,
+    )
+    screened = predict(request, layout)
+    replayed = _replayed(request, screened)
+    for fast, exact in zip(screened.rank_peaks, replayed.rank_peaks, strict=True):
+        assert fast == pytest.approx(exact, rel=0.1)
