@@ -12,7 +12,7 @@ from engine.plan.plan_file import (
     write_plan,
 )
 from engine.plan.profile import measured_forward, profile_stage_costs
-from engine.plan.search import LOSSES, PlanRequest, PlanResult, Prediction, search
+from engine.plan.search import LOSSES, PlanRequest, PlanResult, Prediction, predict, search
 
 __all__ = [
     "LOSSES",
@@ -26,6 +26,7 @@ __all__ = [
     "merge_plan",
     "plan_fields",
     "plot_plan",
+    "predict",
     "profile_stage_costs",
     "read_plan",
     "search",
