@@ -249,7 +249,7 @@ def _check_found(result: PlanResult) -> None:
         bool(result.plans),
         f"no layout of {r.model} fits {r.devices} devices of {format_size(r.device_memory)} "
         f"at global batch {r.global_batch} × {r.seq_len} tokens: the leanest needs "
-        f"{format_size(least or 0)} per device (every stage recomputed); give a "
+        f"{format_size(least or 0)} per device; give a "
         "--device-memory that large, more --devices, or a shorter --seq-len",
     )
 

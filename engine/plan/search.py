@@ -300,16 +300,14 @@ def _fit(
     return max(ranks)
 
 
-def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
-    """Action costs, transfers and data-parallel tails of a candidate that fits."""
+def _stage_costs(
+    search: _Search, c: Candidate, layers: Sequence[range], params: Sequence[float]
+) -> list[StageTimes]:
+    """Each stage's action costs: compute, tp all-reduces, ZeRO-3's per-micro-batch turns."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
-    schedule = search.pipeline(c).shape
     forward = search.forward(c.micro_batch_size, mesh.tp)
     hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
-    layers = [range(bounds[s], bounds[s + 1]) for s in range(schedule.num_stages)]
-    params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
-    width = (mesh.dp - 1) * mesh.tp + 1
-    dp_bw = hw.bandwidth(width)
+    dp_bw = hw.bandwidth((mesh.dp - 1) * mesh.tp + 1)
     stages = []
     for s, stage in enumerate(layers):
         turn = (0.0, 0.0)
@@ -329,6 +327,18 @@ def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
                 zero_turn=turn,
             )
         )
+    return stages
+
+
+def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
+    """Action costs, transfers, data-parallel tails and the step's lower bound."""
+    r, hw, mesh = search.request, search.request.hardware, c.mesh
+    schedule = search.pipeline(c).shape
+    hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
+    layers = [range(bounds[s], bounds[s + 1]) for s in range(schedule.num_stages)]
+    params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
+    width = (mesh.dp - 1) * mesh.tp + 1
+    stages = _stage_costs(search, c, layers, params)
     tails = tuple(
         dp_tail(
             sum(params[s] for s in schedule.stages_of(rank)),
