@@ -26,7 +26,8 @@ import torch
 from engine.config import parse_size
 from engine.plan import Hardware, PlanRequest, measured_forward, search, write_plan
 from engine.plan.candidates import Candidate, Mesh
-from engine.plan.search import Prediction, predict
+from engine.plan.request import Prediction
+from engine.plan.search import predict
 from models import layer_specs
 
 _TOKENS = re.compile(r"\(([\d,.]+) tokens/s")

@@ -12,7 +12,8 @@ from engine.plan.plan_file import (
     write_plan,
 )
 from engine.plan.profile import measured_forward, profile_stage_costs
-from engine.plan.search import LOSSES, PlanRequest, PlanResult, Prediction, predict, search
+from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction
+from engine.plan.search import predict, search
 
 __all__ = [
     "LOSSES",

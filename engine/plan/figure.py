@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.plan.search import PlanRequest, Prediction
+from engine.plan.request import PlanRequest, Prediction
 from engine.schedule.plots import KIND_COLOURS, draw_timeline
 
 __all__ = ["plot_plan"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import flat_fields, require
-from engine.plan.search import PlanRequest, Prediction, layout_fields
+from engine.plan.request import PlanRequest, Prediction, layout_fields
 
 __all__ = [
     "PLAN_VERSION",

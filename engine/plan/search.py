@@ -11,137 +11,19 @@ the best plan: memory, bubble (idle time, imbalance included), communication or 
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from engine.config import PRECISIONS, require
-from engine.memory.estimate import DEVICE_MODELS, MemoryConfig, estimate_memory
-from engine.memory.states import StateLayout
-from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, rank_peaks, stage_counts
+from engine.memory.estimate import MemoryConfig, estimate_memory
+from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate, Mesh, candidates, meshes
-from engine.plan.hardware import Hardware, all_gather_time, reduce_scatter_time
-from engine.plan.timing import (
-    StageTimes,
-    Timed,
-    dp_tail,
-    layer_flops,
-    simulate_stages,
-    stage_times,
-    with_tails,
-)
-from engine.schedule import SCHEDULES, Schedule, SimResult, add_communication, make_schedule
-from models import get_config, layer_specs
-from partitioners import Partition, partition_model
+from engine.plan.context import SAMPLED, SearchContext
+from engine.plan.hardware import all_gather_time, reduce_scatter_time
+from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, layout_fields
+from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
-__all__ = [
-    "LOSSES",
-    "PlanRequest",
-    "PlanResult",
-    "Prediction",
-    "layout_fields",
-    "predict",
-    "search",
-]
-
-LOSSES = ("over memory", "more bubble", "more communication", "more recompute")
-"""Why a candidate lost to the best plan."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanRequest:
-    """What to plan for: a model, devices and their memory, the batch, and the machine."""
-
-    model: str
-    devices: int
-    device_memory: int
-    """Bytes per device."""
-    global_batch: int
-    seq_len: int
-    precision: str = "bf16"
-    device: str = "cuda"
-    """The memory model's device: cuda (allocator blocks) or cpu (exact bytes)."""
-    hardware: Hardware = field(default_factory=Hardware)
-    measured: Mapping[int, tuple[float, ...]] | None = None
-    """Per micro-batch size, each layer's measured forward seconds (`--profile`); FLOPs at
-    the hardware's rate when None."""
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
-    top: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("devices", "global_batch", "seq_len", "device_memory", "top"):
-            value = getattr(self, name)
-            require(value >= 1, f"{name}={value} must be at least 1")
-        context = get_config(self.model).max_seq_len
-        require(
-            self.seq_len <= context,
-            f"--seq-len {self.seq_len} is longer than {self.model}'s context of {context} "
-            f"tokens: use --seq-len {context} or less",
-        )
-        require(self.precision in PRECISIONS, f"precision {self.precision!r}: use {PRECISIONS}")
-        require(self.device in DEVICE_MODELS, f"device {self.device!r}: use {DEVICE_MODELS}")
-        unknown = sorted(set(self.schedules) - set(SCHEDULES))
-        require(not unknown, f"unknown schedules {unknown}: choose among {', '.join(SCHEDULES)}")
-        missing = [b for b in self.micro_batch_sizes if self.measured and b not in self.measured]
-        require(not missing, f"micro-batch sizes {missing} have no measured layer times")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prediction:
-    """A planned layout and what the memory model and the simulator predict for it."""
-
-    candidate: Candidate
-    boundaries: tuple[int, ...]
-    step_time: float
-    """Seconds per optimizer step."""
-    bubble: float
-    tokens_per_s: float
-    mfu: float
-    """Model FLOPs (3 × forward, recompute not counted) over the devices' peak."""
-    communication: float
-    """Seconds of the step the busiest rank spends in collectives and transfers."""
-    recompute: float
-    stage_peaks: tuple[int, ...]
-    rank_peaks: tuple[int, ...]
-    simulated: SimResult | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanResult:
-    request: PlanRequest
-    plans: tuple[Prediction, ...]
-    """The best few, fastest first."""
-    considered: int
-    losses: dict[str, int]
-    least_memory: int | None
-    """The lowest per-device peak of any candidate (every stage recomputed)."""
-
-
-def layout_fields(request: PlanRequest, c: Candidate, boundaries: Sequence[int]) -> dict[str, Any]:
-    """A layout's settings by flat name (`engine.config`), every one of them."""
-    every = len(c.recompute) == c.num_stages
-    return {
-        "model": request.model,
-        "pp": c.mesh.pp,
-        "dp": c.mesh.dp,
-        "tp": c.mesh.tp,
-        "schedule": c.schedule,
-        "stages_per_rank": c.stages_per_rank,
-        "micro_batches": c.micro_batches,
-        "global_batch": request.global_batch,
-        "seq_len": request.seq_len,
-        "precision": request.precision,
-        "partition": "boundaries:" + ",".join(map(str, boundaries)),
-        "zero": c.zero,
-        "zero_reshard": c.zero_reshard,
-        "optimizer_impl": "per_tensor" if c.zero == 3 else "fused",
-        "recompute": "full" if c.recompute else "none",
-        "recompute_stages": None if every or not c.recompute else ",".join(map(str, c.recompute)),
-    }
+__all__ = ["predict", "search"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,114 +38,8 @@ class _Screened:
     rank_peaks: tuple[int, ...]
 
 
-_SAMPLED = (3, 4)
-"""Beyond 4 micro-batches per pipeline rank, a schedule is built and simulated with 3 and 4
-per rank and extended linearly: past its warm-up a schedule repeats one pattern per
-micro-batch, so its step time, busy time and in-flight counts grow (or stay) linearly."""
-
-
-def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[int, ...]:
-    """Counts at `m` micro-batches from those at 3·pp and 4·pp."""
-    k = _SAMPLED[0] * pp
-    return tuple(a + (b - a) * (m - k) // pp for a, b in zip(low, high, strict=True))
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Pipeline:
-    """A schedule as the search uses it: itself, or two samples to extend from."""
-
-    micro_batches: int
-    samples: tuple[Schedule, ...]
-    counts: StageCounts
-
-    @property
-    def shape(self) -> Schedule:
-        """A schedule with the placement of the real one (ranks, stages)."""
-        return self.samples[0]
-
-
-class _Search:
-    """Caches shared by every candidate of one request."""
-
-    def __init__(self, request: PlanRequest) -> None:
-        self.request = request
-        self.specs = tuple(layer_specs(request.model))
-        self.hidden = int(get_config(request.model).d_model)
-        self.size = 4 if request.precision == "fp32" else 2
-        self.params = tuple(spec.num_parameters() for spec in self.specs)
-        self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
-
-    @functools.cache  # noqa: B019 (one search, then dropped)
-    def schedule(self, name: str, pp: int, m: int, v: int) -> _Pipeline:
-        if m <= _SAMPLED[1] * pp:
-            schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
-            return _Pipeline(micro_batches=m, samples=(schedule,), counts=stage_counts(schedule))
-        samples = tuple(
-            make_schedule(name, num_ranks=pp, micro_batches=k * pp, stages_per_rank=v)
-            for k in _SAMPLED
-        )
-        low, high = (stage_counts(sample) for sample in samples)
-        return _Pipeline(
-            micro_batches=m,
-            samples=samples,
-            counts=StageCounts(
-                before=_extend(low.before, high.before, m, pp),
-                after=_extend(low.after, high.after, m, pp),
-            ),
-        )
-
-    @functools.cache  # noqa: B019
-    def boundaries(self, stages: int) -> tuple[int, ...]:
-        partition: Partition = partition_model(
-            self.specs, method="balanced", num_stages=stages, seq_len=self.request.seq_len
-        )
-        return partition.boundaries
-
-    @functools.cache  # noqa: B019
-    def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
-        """Candidates that differ only in their data-parallel tails share one simulation."""
-        return simulate_stages(self.lowered(schedule), stages, p2p=p2p)
-
-    @functools.cache  # noqa: B019
-    def lowered(self, schedule: Schedule) -> Schedule:
-        return add_communication(schedule)
-
-    def pipeline(self, c: Candidate) -> _Pipeline:
-        return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)
-
-    def sums(self, c: Candidate) -> LayerBytes:
-        r = self.request
-        states = StateLayout(
-            dp=c.mesh.dp,
-            zero=c.zero,
-            zero_reshard=c.zero_reshard,
-            tp=c.mesh.tp,
-            block=CUDA_BLOCK if r.device == "cuda" else 1,
-            optimizer_impl="per_tensor" if c.zero == 3 else "fused",
-            device=r.device,
-        )
-        return layer_bytes(
-            self.specs,
-            seq_len=r.seq_len,
-            precision=r.precision,
-            device=r.device,
-            tp=c.mesh.tp,
-            split=c.split,
-            states=states,
-        )
-
-    @functools.cache  # noqa: B019
-    def forward(self, mbs: int, tp: int) -> tuple[float, ...]:
-        """Seconds of each layer's forward for one micro-batch on one device."""
-        measured = self.request.measured
-        if measured is not None:
-            return tuple(t / tp for t in measured[mbs])
-        rate = self.request.hardware.achieved_flops
-        return tuple(mbs * f / tp / rate for f in self.flops)
-
-
 def _fit(
-    search: _Search, c: Candidate, budget: int
+    search: SearchContext, c: Candidate, budget: int
 ) -> tuple[Candidate, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | int:
     """The candidate with the least recompute that fits, with its boundaries and per-stage and
     per-rank peaks; else the lowest peak it reaches (everything recomputed)."""
@@ -301,7 +77,7 @@ def _fit(
 
 
 def _stage_costs(
-    search: _Search, c: Candidate, layers: Sequence[range], params: Sequence[float]
+    search: SearchContext, c: Candidate, layers: Sequence[range], params: Sequence[float]
 ) -> list[StageTimes]:
     """Each stage's action costs: compute, tp all-reduces, ZeRO-3's per-micro-batch turns."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
@@ -330,7 +106,7 @@ def _stage_costs(
     return stages
 
 
-def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
+def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Screened:
     """Action costs, transfers, data-parallel tails and the step's lower bound."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
     schedule = search.pipeline(c).shape
@@ -374,7 +150,7 @@ def _screen(search: _Search, c: Candidate, bounds: Sequence[int]) -> _Screened:
     )
 
 
-def _costs(search: _Search, s: _Screened) -> tuple[float, float]:
+def _costs(search: SearchContext, s: _Screened) -> tuple[float, float]:
     """(communication, recompute) seconds of the busiest rank's step."""
     c = s.candidate
     schedule = search.pipeline(c).shape
@@ -388,7 +164,7 @@ def _costs(search: _Search, s: _Screened) -> tuple[float, float]:
     return comm, recompute
 
 
-def _predict(search: _Search, s: _Screened, timed: Timed | None) -> Prediction:
+def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Prediction:
     r = search.request
     step = timed.step if timed is not None else s.bound
     comm, recompute = _costs(search, s)
@@ -408,8 +184,8 @@ def _predict(search: _Search, s: _Screened, timed: Timed | None) -> Prediction:
     )
 
 
-def _simulate(search: _Search, s: _Screened) -> Timed:
-    """The step simulated, or extended from its two samples (`_SAMPLED`)."""
+def _simulate(search: SearchContext, s: _Screened) -> Timed:
+    """The step simulated, or extended from its two samples (`SAMPLED`)."""
     pipeline = search.pipeline(s.candidate)
     timed = [with_tails(search.run(x, s.stages, s.p2p), s.tails) for x in pipeline.samples]
     if len(timed) == 1:
@@ -417,8 +193,8 @@ def _simulate(search: _Search, s: _Screened) -> Timed:
     low, high = timed
     pp, m = pipeline.shape.num_ranks, pipeline.micro_batches
     per_micro_batch = (high.step - low.step) / pp
-    step = low.step + per_micro_batch * (m - _SAMPLED[0] * pp)
-    busy = sum(high.result.busy) * m / (_SAMPLED[1] * pp)
+    step = low.step + per_micro_batch * (m - SAMPLED[0] * pp)
+    busy = sum(high.result.busy) * m / (SAMPLED[1] * pp)
     return Timed(step=step, bubble=1 - busy / (pp * step), result=high.result)
 
 
@@ -440,7 +216,7 @@ class _Screen:
     """The lowest peak of a candidate over the budget (inf when none was)."""
 
 
-def _screen_all(state: _Search) -> _Screen:
+def _screen_all(state: SearchContext) -> _Screen:
     """Every candidate of every mesh through the memory screen; the survivors costed."""
     request = state.request
     survivors: list[_Screened] = []
@@ -466,7 +242,7 @@ def _screen_all(state: _Search) -> _Screen:
 
 def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """The best `request.top` layouts, and why every other candidate lost."""
-    state = _Search(request)
+    state = SearchContext(request)
     screen = _screen_all(state)
     ranked = _rank(state, screen.survivors, progress)
     losses = dict.fromkeys(LOSSES, 0)
@@ -497,7 +273,7 @@ def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
 def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     """One given layout's prediction (balanced boundaries, its own recompute), memory by the
     fast screen: what the search computes for each candidate, for comparing a hand choice."""
-    state = _Search(request)
+    state = SearchContext(request)
     pipeline = state.pipeline(candidate)
     bounds = state.boundaries(pipeline.shape.num_stages)
     stage_peaks, peaks = rank_peaks(
@@ -514,7 +290,7 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     return _predict(state, screened, _simulate(state, screened))
 
 
-def _mesh_candidates(state: _Search, mesh: Mesh) -> list[Candidate]:
+def _mesh_candidates(state: SearchContext, mesh: Mesh) -> list[Candidate]:
     request = state.request
     found = []
     for c in candidates(
@@ -552,7 +328,7 @@ class _Ranked:
 
 
 def _rank(
-    state: _Search, screened: list[_Screened], progress: Callable[[int, int], None] | None
+    state: SearchContext, screened: list[_Screened], progress: Callable[[int, int], None] | None
 ) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
     best `top`, each that would enter replayed exactly (`_replayed`); the rest at their bound."""

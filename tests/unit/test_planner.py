@@ -21,16 +21,9 @@ from engine.plan import (
     write_plan,
 )
 from engine.plan.candidates import Candidate, Mesh, candidates, meshes
-from engine.plan.search import (
-    _fit,
-    _predict,
-    _replayed,
-    _screen,
-    _Search,
-    _simulate,
-    layout_fields,
-    predict,
-)
+from engine.plan.context import SearchContext
+from engine.plan.request import layout_fields
+from engine.plan.search import _fit, _predict, _replayed, _screen, _simulate, predict
 from engine.schedule import ActionCosts, make_schedule, simulate
 from engine.training.config import TrainConfig
 from tests.unit.cli_error import cli_error
@@ -53,7 +46,7 @@ def small_result() -> PlanResult:
 
 def _brute_force_best(request: PlanRequest) -> float:
     """Every candidate simulated in full, fastest first, the first the replay fits."""
-    state = _Search(request)
+    state = SearchContext(request)
     timed = []
     for mesh in meshes(
         request.model,
@@ -118,7 +111,7 @@ def test_only_the_stages_over_the_budget_recompute() -> None:
     request = PlanRequest(
         model="gpt-small", devices=2, device_memory=2**40, global_batch=8, seq_len=256
     )
-    state = _Search(request)
+    state = SearchContext(request)
     c = Candidate(
         mesh=Mesh(pp=2, dp=1, tp=1),
         schedule="1f1b",
