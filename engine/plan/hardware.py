@@ -34,12 +34,13 @@ class Hardware:
     def __post_init__(self) -> None:
         for name in ("device_flops", "link_bandwidth", "inter_node_bandwidth", "latency"):
             value = getattr(self, name)
-            require(value >= 0 if name == "latency" else value > 0, f"{name}={value} must be > 0")
+            flag = "--" + name.replace("_", "-")
+            require(value >= 0 if name == "latency" else value > 0, f"{flag} {value}: give > 0")
         require(
             0 < self.compute_efficiency <= 1,
-            f"compute_efficiency={self.compute_efficiency}: give a fraction in (0, 1]",
+            f"--compute-efficiency {self.compute_efficiency}: give a fraction in (0, 1]",
         )
-        require(self.gpus_per_node >= 1, f"gpus_per_node={self.gpus_per_node} must be >= 1")
+        require(self.gpus_per_node >= 1, f"--gpus-per-node {self.gpus_per_node}: give >= 1")
 
     @property
     def achieved_flops(self) -> float:

@@ -44,7 +44,8 @@ class PlanRequest:
     def __post_init__(self) -> None:
         for name in ("devices", "global_batch", "seq_len", "device_memory", "top"):
             value = getattr(self, name)
-            require(value >= 1, f"{name}={value} must be at least 1")
+            flag = "--" + name.replace("_", "-")
+            require(value >= 1, f"{flag} {value}: give at least 1")
         context = get_config(self.model).max_seq_len
         require(
             self.seq_len <= context,
