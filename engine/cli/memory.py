@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.cli.flags import add_config_flags, flag_values
+from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.config import require
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory
@@ -24,6 +24,7 @@ from engine.memory.report import (
     format_suggestions,
 )
 from engine.memory.suggest import suggest
+from engine.plan.plan_file import apply_plan
 
 __all__ = ["COMMANDS", "DOES_NOT_FIT", "add_parsers", "config_from_args", "run"]
 
@@ -86,12 +87,22 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--compare", action="store_true", help="beside DeepSpeed's and Megatron's formulas"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="a plan meshpipe plan --emit wrote: its layout's settings (a flag given that "
+        "contradicts one is refused)",
+    )
 
 
-def config_from_args(args: argparse.Namespace) -> MemoryConfig:
+def config_from_args(args: argparse.Namespace, argv: Sequence[str] = ()) -> MemoryConfig:
     """The config the flags describe: the batch as --micro-batch-size (1 by default) or as
-    --global-batch, or both when they agree."""
+    --global-batch, or both when they agree; with --plan, the plan's layout (`argv`: the
+    command line, whose flags must not contradict it)."""
     values = flag_values(MemoryConfig, args)
+    if getattr(args, "plan", None):
+        values = apply_plan(MemoryConfig, args.plan, values, given_fields(MemoryConfig, argv))
+        args.global_batch = values["global_batch"]
     values.pop("global_batch")
     values.pop("device_memory", None)
     if str(values.get("partition", "")).strip().lower() == "memory":
@@ -113,7 +124,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Print the estimate (and what the flags ask for); `DOES_NOT_FIT` when a rank is over
     `--device-memory`, 2 with the message on bad input."""
     try:
-        output, fits = _run(args)
+        output, fits = _run(args, argv)
     except ValueError as error:
         print(f"meshpipe memory: error: {error}", file=sys.stderr)
         return 2
@@ -121,9 +132,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0 if fits else DOES_NOT_FIT
 
 
-def _run(args: argparse.Namespace) -> tuple[str, bool]:
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> tuple[str, bool]:
     """The output, and whether the estimate fits `--device-memory` (True without one)."""
-    config = config_from_args(args)
+    config = config_from_args(args, argv)
     if args.measure:
         check_measurable(config)
     report = estimate_memory(config)

@@ -1,23 +1,44 @@
-"""`meshpipe plan`: how a model splits into pipeline stages."""
+"""`meshpipe plan`: how a model splits into given pipeline stages, or, with `--devices`, the
+whole layout chosen for the user (`engine.plan.search`), printed, emitted and plotted."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 
-from engine.config import ModelChoice
+from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
-from models import LayerSpec
+from engine.plan import (
+    LOSSES,
+    Hardware,
+    PlanRequest,
+    PlanResult,
+    Prediction,
+    measured_forward,
+    plot_plan,
+    search,
+    write_plan,
+)
+from models import LayerSpec, layer_specs
 from partitioners import Partition, layer_costs, partition_model
 
 __all__ = ["COMMANDS", "add_parsers", "run"]
 
 COMMANDS = ("plan",)
 
+_SPLIT_ONLY = ("--pp", "--partition", "--cost-model", "--schedule", "--micro-batches")
+"""Flags of a given split, which the planner chooses itself."""
+_PLANNER_ONLY = ("--global-batch", "--emit", "--plot", "--profile", "--top")
+
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `plan` on `meshpipe`'s subparsers."""
-    plan = commands.add_parser("plan", help="show how a model splits into pipeline stages")
+    plan = commands.add_parser(
+        "plan",
+        help="choose a layout (--devices) or show how a model splits into pipeline stages",
+    )
     plan.add_argument(
         "--model", default="gpt-tiny", help="a registered model name, or hf:DIR (its shape)"
     )
@@ -32,7 +53,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument(
         "--device-memory",
         default=None,
-        help="memory of each device (80GB, 80GiB): the budget of --partition memory",
+        help="memory of each device (80GB, 80GiB): the planner's budget, or that of "
+        "--partition memory",
     )
     plan.add_argument(
         "--schedule", default="1f1b", help="the schedule --partition memory budgets for"
@@ -40,12 +62,57 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument(
         "--micro-batches", type=int, default=4, help="micro-batches --partition memory budgets for"
     )
-    plan.add_argument(
-        "--precision", default="bf16", help="precision --partition memory budgets for"
+    plan.add_argument("--precision", default="bf16", help="precision of the run planned for")
+    _add_planner_flags(plan)
+
+
+def _add_planner_flags(plan: argparse.ArgumentParser) -> None:
+    hw = Hardware()
+    planner = plan.add_argument_group("planner (with --devices)")
+    planner.add_argument(
+        "--devices", type=int, default=None, help="search every layout of this many devices"
     )
+    planner.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    planner.add_argument(
+        "--device-flops", type=float, default=hw.device_flops, help="peak FLOP/s of a device"
+    )
+    planner.add_argument(
+        "--compute-efficiency",
+        type=float,
+        default=hw.compute_efficiency,
+        help="fraction of the peak a layer's kernels reach",
+    )
+    planner.add_argument(
+        "--link-bandwidth", type=float, default=hw.link_bandwidth, help="bytes/s within a node"
+    )
+    planner.add_argument(
+        "--inter-node-bandwidth",
+        type=float,
+        default=hw.inter_node_bandwidth,
+        help="bytes/s between nodes, per device",
+    )
+    planner.add_argument(
+        "--gpus-per-node", type=int, default=hw.gpus_per_node, help="devices per node"
+    )
+    planner.add_argument(
+        "--profile",
+        action="store_true",
+        help="time each layer on this CPU instead of FLOPs at --device-flops (memory as the "
+        "CPU holds it)",
+    )
+    planner.add_argument(
+        "--micro-batch-sizes", default="1,2,4,8", help="micro-batch sizes to try, e.g. 1,2,4"
+    )
+    planner.add_argument("--top", type=int, default=3, help="plans to print")
+    planner.add_argument("--emit", default=None, help="write the best plan here (JSON)")
+    planner.add_argument("--plot", default=None, help="draw the best plan here (PNG)")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.devices is not None:
+        return _plan(args, argv)
+    given = [flag for flag in _PLANNER_ONLY if _given(flag, argv)]
+    require(not given, f"{', '.join(given)}: the planner's, which runs with --devices N")
     model = ModelChoice(model=args.model, model_config=args.model_config)
     specs, context = model.specs(), model.config().max_seq_len
     if args.micro_batch_size < 1 or not 1 <= args.seq_len <= context:
@@ -63,6 +130,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     )
     print(partition.describe(costs=costs, params=params, names=[s.kind for s in specs]))
     return 0
+
+
+def _given(flag: str, argv: Sequence[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def _partition(args: argparse.Namespace, specs: list[LayerSpec]) -> Partition:
@@ -90,3 +161,142 @@ def _partition(args: argparse.Namespace, specs: list[LayerSpec]) -> Partition:
         device_memory=args.device_memory,
     )
     return resolve(config).partition
+
+
+def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequest:
+    """The planner's request; a flag of a given split is refused (the planner chooses it)."""
+    given = [flag for flag in (*_SPLIT_ONLY, "--micro-batch-size") if _given(flag, argv)]
+    require(
+        not given,
+        f"{', '.join(given)} with --devices: the planner chooses the layout; drop them "
+        "(or drop --devices to see a given split)",
+    )
+    require(args.global_batch is not None, "--devices plans a run: give --global-batch B")
+    require(args.device_memory is not None, "--devices plans a run: give --device-memory (80GB)")
+    sizes = _sizes(args.micro_batch_sizes)
+    hardware = Hardware(
+        device_flops=args.device_flops,
+        compute_efficiency=args.compute_efficiency,
+        link_bandwidth=args.link_bandwidth,
+        inter_node_bandwidth=args.inter_node_bandwidth,
+        gpus_per_node=args.gpus_per_node,
+    )
+    model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
+    measured = None
+    if args.profile:
+        specs = layer_specs(model)
+        measured = {b: measured_forward(specs, b, args.seq_len) for b in sizes}
+    return PlanRequest(
+        model=model,
+        devices=args.devices,
+        device_memory=parse_size(str(args.device_memory)),
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        precision=args.precision,
+        device="cpu" if args.profile else "cuda",
+        hardware=hardware,
+        measured=measured,
+        micro_batch_sizes=sizes,
+        top=args.top,
+    )
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    require(
+        bool(sizes) and min(sizes) >= 1,
+        f"--micro-batch-sizes {text!r}: give comma-separated sizes of at least 1, such as 1,2,4",
+    )
+    return sizes
+
+
+def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    request = request_from_args(args, argv)
+    start = time.perf_counter()
+    result = search(request, progress=_progress(start))
+    elapsed = time.perf_counter() - start
+    _check_found(result)
+    print(format_result(result, elapsed))
+    best = result.plans[0]
+    if args.emit:
+        write_plan(args.emit, request, best)
+        print(f"wrote {args.emit}: meshpipe train --plan {args.emit} runs plan 1")
+    if args.plot:
+        plot_plan(request, best, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _progress(start: float) -> Callable[[int, int], None]:
+    """Report the simulations on stderr once the search has taken more than a second."""
+
+    def report(done: int, total: int) -> None:
+        if time.perf_counter() - start > 1 and sys.stderr.isatty():
+            end = "\n" if done == total else ""
+            print(f"\rmeshpipe plan: timing layouts {done}/{total}", end=end, file=sys.stderr)
+
+    return report
+
+
+def _check_found(result: PlanResult) -> None:
+    r = result.request
+    require(
+        result.considered > 0,
+        f"--global-batch {r.global_batch} splits over no layout of {r.devices} devices "
+        f"(the replicas must divide it, into micro-batches of {r.micro_batch_sizes}): give a "
+        f"multiple of {r.devices} or other --micro-batch-sizes",
+    )
+    least = result.least_memory
+    require(
+        bool(result.plans),
+        f"no layout of {r.model} fits {r.devices} devices of {format_size(r.device_memory)} "
+        f"at global batch {r.global_batch} × {r.seq_len} tokens: the leanest needs "
+        f"{format_size(least or 0)} per device; give a "
+        "--device-memory that large, more --devices, or a shorter --seq-len",
+    )
+
+
+def _ranges(stages: Sequence[int]) -> str:
+    runs: list[list[int]] = []
+    for s in stages:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _layout(plan: Prediction) -> str:
+    c = plan.candidate
+    text = c.describe().split(" recompute")[0]
+    if c.recompute:
+        every = len(c.recompute) == c.num_stages
+        text += " recompute " + ("all" if every else "stages " + _ranges(c.recompute))
+    return text
+
+
+def format_result(result: PlanResult, elapsed: float) -> str:
+    """The best plans as a table, their per-rank peaks, and why the others lost."""
+    r = result.request
+    lost = ", ".join(f"{result.losses[k]} {k}" for k in LOSSES)
+    lines = [
+        f"meshpipe plan: {r.model} on {r.devices} devices of {format_size(r.device_memory)}, "
+        f"global batch {r.global_batch} × {r.seq_len} tokens",
+        f"searched {result.considered} layouts in {elapsed:.1f} s; the others lost: {lost}",
+        "",
+        f"{'#':<2} {'layout':<62} {'step':>9} {'tokens/s':>10} {'bubble':>7} {'MFU':>6} "
+        f"{'peak':>10}",
+    ]
+    for i, plan in enumerate(result.plans, 1):
+        lines.append(
+            f"{i:<2} {_layout(plan):<62} {plan.step_time:>8.3g}s {plan.tokens_per_s:>10,.0f} "
+            f"{plan.bubble:>7.1%} {plan.mfu:>6.1%} {format_size(max(plan.rank_peaks)):>10}"
+        )
+    lines.append("")
+    for i, plan in enumerate(result.plans, 1):
+        peaks = ", ".join(format_size(p) for p in plan.stage_peaks)
+        lines.append(f"plan {i} peak per stage: {peaks}")
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.checkpoint.files import step_dirs
 from engine.cli.flags import add_config_flags, flag_values, given_fields
+from engine.plan.plan_file import apply_plan
 from engine.training.config import TrainConfig
 from engine.training.metrics import plot_metrics, plot_target
 from engine.training.paths import check_paths, file_in, file_out
@@ -40,6 +41,12 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "setting it omits takes the flag if given, else DeepSpeed's default (clipping at 1.0; "
         "with an optimizer: its own betas, eps and weight decay, and a constant lr without a "
         "scheduler)",
+    )
+    train.add_argument(
+        "--plan",
+        default=None,
+        help="a plan meshpipe plan --emit wrote: its layout's settings (a flag given that "
+        "contradicts one is refused)",
     )
     plot = commands.add_parser("plot", help="plot the loss curve of a --metrics-file")
     plot.add_argument("metrics", help="a JSON-lines metrics file written by meshpipe train")
@@ -74,6 +81,12 @@ def train_config(args: argparse.Namespace, argv: Sequence[str]) -> TrainConfig:
     """The config a parsed `train` command line asks for; with --deepspeed_config only the
     flags `argv` gives count, so the JSON's omissions take DeepSpeed's defaults, not ours."""
     fields = flag_values(TrainConfig, args)
+    if args.plan:
+        if args.deepspeed_config:
+            raise ValueError(
+                "--plan with --deepspeed_config: both set the layout; give one of them"
+            )
+        fields = apply_plan(TrainConfig, args.plan, fields, given_fields(TrainConfig, argv))
     if not args.deepspeed_config:
         return TrainConfig.of(**fields)
     given = given_fields(TrainConfig, argv)

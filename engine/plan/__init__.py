@@ -1,5 +1,35 @@
-"""Planning a layout: measured per-stage costs for the simulator."""
+"""Planning a layout: the search over meshes, schedules, micro-batching, ZeRO and recompute
+(`search`), its plan file (`write_plan`, `read_plan`), its picture, and measured costs."""
 
-from engine.plan.profile import profile_stage_costs
+from engine.plan.figure import plot_plan
+from engine.plan.hardware import Hardware
+from engine.plan.plan_file import (
+    PLAN_VERSION,
+    apply_plan,
+    merge_plan,
+    plan_fields,
+    read_plan,
+    write_plan,
+)
+from engine.plan.profile import measured_forward, profile_stage_costs
+from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction
+from engine.plan.search import predict, search
 
-__all__ = ["profile_stage_costs"]
+__all__ = [
+    "LOSSES",
+    "PLAN_VERSION",
+    "Hardware",
+    "PlanRequest",
+    "PlanResult",
+    "Prediction",
+    "apply_plan",
+    "measured_forward",
+    "merge_plan",
+    "plan_fields",
+    "plot_plan",
+    "predict",
+    "profile_stage_costs",
+    "read_plan",
+    "search",
+    "write_plan",
+]

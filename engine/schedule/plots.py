@@ -15,6 +15,7 @@ __all__ = [
     "TRACKS",
     "TraceSlice",
     "chrome_trace",
+    "draw_timeline",
     "plot_timeline",
     "timeline_figure",
 ]
@@ -50,16 +51,8 @@ def timeline_figure(result: SimResult, *, title: str) -> Any:
         raise ValueError("plotting needs matplotlib: pip install 'meshpipe[plot]'") from error
     ranks = len(result.timeline)
     fig, ax = plt.subplots(figsize=(max(6.0, result.step_time * 0.35), 0.6 * ranks + 1.2))
-    chunks = _chunks(result)
-    drawn = [(r, timed) for r, row in enumerate(result.timeline) for timed in row if _drawn(timed)]
-    for rank, timed in drawn:
-        _draw(ax, rank, timed, chunks)
-    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, result.step_time)
-    ax.set_xlabel("time")
+    kinds = draw_timeline(ax, result)
     ax.set_title(f"{title} — bubble {result.bubble:.1%}")
-    kinds = [kind for kind in KIND_COLOURS if any(t.action.kind == kind for _, t in drawn)]
     ax.legend(
         [Patch(color=KIND_COLOURS[kind]) for kind in kinds],
         [kind.value for kind in kinds],
@@ -71,6 +64,21 @@ def timeline_figure(result: SimResult, *, title: str) -> Any:
     )
     fig.tight_layout()
     return fig
+
+
+def draw_timeline(ax: Any, result: SimResult, *, labels: bool = True) -> list[ActionKind]:
+    """Draw the Gantt chart's bars (labelled unless `labels` is off) on matplotlib axes;
+    the action kinds drawn, for a legend."""
+    ranks = len(result.timeline)
+    chunks = _chunks(result)
+    drawn = [(r, timed) for r, row in enumerate(result.timeline) for timed in row if _drawn(timed)]
+    for rank, timed in drawn:
+        _draw(ax, rank, timed, chunks, labels)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, result.step_time)
+    ax.set_xlabel("time")
+    return [kind for kind in KIND_COLOURS if any(t.action.kind == kind for _, t in drawn)]
 
 
 def _drawn(timed: TimedAction) -> bool:
@@ -88,10 +96,14 @@ def _chunks(result: SimResult) -> dict[int, int] | None:
     return chunk if any(chunk.values()) else None
 
 
-def _draw(ax: Any, rank: int, timed: TimedAction, chunks: dict[int, int] | None) -> None:
+def _draw(
+    ax: Any, rank: int, timed: TimedAction, chunks: dict[int, int] | None, labels: bool
+) -> None:
     action = timed.action
     width = timed.end - timed.start
     ax.barh(rank, width, left=timed.start, color=KIND_COLOURS[action.kind], edgecolor="white")
+    if not labels:
+        return
     kind, micro_batch = action.kind.value, action.micro_batch
     if chunks is not None:
         chunk = chunks[action.stage]

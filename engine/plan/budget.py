@@ -1,0 +1,173 @@
+"""Per-rank memory of a candidate layout, fast enough to screen thousands of them.
+
+The terms are the memory model's own: each distinct layer is traced once on fake tensors
+(`engine.memory.fitting.layer_sums`, one sequence per micro-batch: what a forward keeps, its
+weight copies, its highest transient, all proportional to the micro-batch size) and its model
+states follow from its parameter shapes under the ZeRO level (`engine.memory.sharding`). A
+stage holds its states, then, as `engine.memory.fitting.stage_bytes` composes them, its
+in-flight stashes (the schedule's counts) or its gradients with the stashes still held once
+they exist, plus the highest transient. Under full recompute a stage keeps only its input per
+micro-batch and regenerates one micro-batch's activations during each backward. A rank holds
+the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.memory.fitting import held_with_gradients, layer_sums
+from engine.memory.replay import StageShape, in_flight, stage_actions
+from engine.memory.sharding import sharded_states
+from engine.memory.states import StateLayout, stage_params
+from engine.memory.tracker import CUDA_BLOCK, round_up
+from engine.schedule import Schedule
+from models import LayerSpec
+
+__all__ = ["LayerBytes", "StageCounts", "layer_bytes", "rank_peaks", "stage_counts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerBytes:
+    """Per layer, bytes for one sequence per micro-batch (activations) or one replica (states)."""
+
+    kept: tuple[int, ...]
+    """What one forward keeps until its backward, less the input the stage received."""
+    transient: tuple[int, ...]
+    received: int
+    """The input a stage receives per sequence (what full recompute keeps)."""
+    weights: tuple[int, ...]
+    """Kept across steps, with the optimizer's states."""
+    gradients: tuple[int, ...]
+    during: tuple[int, ...]
+    """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
+
+
+@functools.lru_cache(maxsize=64)
+def layer_bytes(
+    specs: tuple[LayerSpec, ...],
+    *,
+    seq_len: int,
+    precision: str,
+    device: str,
+    tp: int,
+    split: bool,
+    states: StateLayout,
+) -> LayerBytes:
+    """Each layer's bytes, its activations traced at one sequence per micro-batch."""
+    hidden = int(specs[0].config.d_model)
+    shape = StageShape(
+        micro_batches=1,
+        micro_batch_size=1,
+        seq_len=seq_len,
+        hidden=hidden,
+        divisor=1,
+        precision=precision,
+        recompute="none",
+        tp=tp,
+    )
+    sums = layer_sums(specs, shape, device, 1, (split,))
+    block = CUDA_BLOCK if device == "cuda" else 1
+    size = 4 if precision == "fp32" else 2
+    own = [_layer_states(spec, states, precision) for spec in specs]
+    return LayerBytes(
+        kept=sums.kept,
+        transient=sums.transient,
+        received=round_up(seq_len * hidden * size, block),
+        weights=tuple(w for w, _, _ in own),
+        gradients=tuple(g for _, g, _ in own),
+        during=sums.copies if states.zero == 0 else tuple(c for _, _, c in own),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_states(spec: LayerSpec, states: StateLayout, precision: str) -> tuple[int, int, int]:
+    """(weights + optimizer, gradients, step-long copies) of one layer on one replica."""
+    params = stage_params((spec,), states.tp)
+    if states.zero:
+        sharded = sharded_states(params, states, precision=precision)
+        return sharded.weights + sharded.optimizer, sharded.gradients, sharded.gathered
+    fp32 = sum(round_up(4 * p.numel, states.block) for p in params)
+    step = round_up(4, states.block) if states.step_counters else 0
+    optimizer = sum(2 * round_up(4 * p.numel, states.block) + step for p in params)
+    return fp32 + optimizer, fp32, 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCounts:
+    """Per stage of a schedule: micro-batches in flight, and those held once gradients exist."""
+
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+
+def stage_counts(schedule: Schedule) -> StageCounts:
+    rows = [stage_actions(schedule, s) for s in range(schedule.num_stages)]
+    return StageCounts(
+        before=tuple(in_flight(row) for row in rows),
+        after=tuple(held_with_gradients(row) for row in rows),
+    )
+
+
+def _stage_bytes(
+    sums: LayerBytes,
+    layers: range,
+    *,
+    before: int,
+    after: int,
+    micro_batch_size: int,
+    recompute: bool,
+    reduce_copy: bool,
+    held: int,
+) -> int:
+    """One stage's peak: states, then the larger of its step and its gradient reduction,
+    plus `held`, the sends kept to the step's end (counted whole: a bound)."""
+    first, stop = layers.start, layers.stop
+    fixed = sum(sums.weights[first:stop]) + sum(sums.during[first:stop])
+    grads = sum(sums.gradients[first:stop])
+    activations = micro_batch_size * sum(sums.kept[first:stop])
+    peak = micro_batch_size * max(sums.transient[first:stop])
+    kept = activations
+    if recompute:
+        kept = micro_batch_size * sums.received if first else 0
+        peak += activations
+    during = max(before * kept, grads + after * kept) + peak
+    tail = 2 * grads if reduce_copy else grads
+    return fixed + max(during, tail) + held
+
+
+def rank_peaks(
+    sums: LayerBytes,
+    schedule: Schedule,
+    counts: StageCounts,
+    boundaries: Sequence[int],
+    *,
+    micro_batches: int,
+    micro_batch_size: int,
+    recomputed: Sequence[bool],
+    reduce_copy: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
+
+    Every micro-batch's sends (its output forward, its input's gradient backward, whole
+    hidden states as the replay counts them under tensor parallelism too) are kept until the
+    step ends, as the runtime's exchange keeps them (`engine.memory.replay`).
+    """
+    last = schedule.num_stages - 1
+    one = micro_batch_size * sums.received
+    stages = tuple(
+        _stage_bytes(
+            sums,
+            range(boundaries[s], boundaries[s + 1]),
+            before=counts.before[s],
+            after=counts.after[s],
+            micro_batch_size=micro_batch_size,
+            recompute=recomputed[s],
+            reduce_copy=reduce_copy,
+            held=micro_batches * one * ((s > 0) + (s < last)),
+        )
+        for s in range(schedule.num_stages)
+    )
+    ranks = tuple(sum(stages[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
+    return stages, ranks

@@ -1,0 +1,153 @@
+"""The layouts the planner weighs: every mesh, schedule, micro-batching and ZeRO level the
+engine accepts for a model on a number of devices.
+
+The engine's own refusals (`engine.config.check_layout`) are applied here as rules, so no
+candidate is one `meshpipe train` would refuse: tensor parallelism within a node, dividing the
+model's heads and widths, and with a sequence length it divides when stages exchange shards;
+ZeRO neither with tensor parallelism nor without replicas; ZeRO-3 resharded per micro-batch
+not with a split backward (zb_*); at most one stage per layer; interleaved 1F1B with a multiple
+of the pipeline's ranks as micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from engine.config import ZERO_LEVELS
+from engine.config.parallel import check_tensor_parallel_shape
+from engine.schedule import SCHEDULES, VIRTUAL_SCHEDULES
+from models import get_config
+
+__all__ = ["Candidate", "Mesh", "candidates", "divisors", "meshes"]
+
+SPLIT_SCHEDULES = frozenset({"zb_h1", "zb_h2", "zb_drain"})
+"""Schedules whose backward is split into I and W."""
+
+STAGES_PER_RANK = (2, 4)
+"""v tried with the virtual schedules."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One layout: mesh, schedule, micro-batching, ZeRO level and stages recomputed."""
+
+    mesh: Mesh
+    schedule: str
+    stages_per_rank: int
+    micro_batches: int
+    micro_batch_size: int
+    zero: int = 0
+    zero_reshard: str = "step"
+    recompute: tuple[int, ...] = ()
+    """Stages that recompute their forward in the backward (`--recompute full`)."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp * self.stages_per_rank
+
+    @property
+    def split(self) -> bool:
+        return self.schedule in SPLIT_SCHEDULES
+
+    def describe(self) -> str:
+        m = self.mesh
+        v = f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        zero = f" zero{self.zero}" if self.zero else ""
+        if self.zero == 3 and self.zero_reshard != "step":
+            zero += "/mb"
+        if not self.recompute:
+            recompute = ""
+        elif len(self.recompute) == self.num_stages:
+            recompute = " recompute"
+        else:
+            recompute = " recompute " + ",".join(map(str, self.recompute))
+        return (
+            f"pp{m.pp} dp{m.dp} tp{m.tp} {self.schedule}{v} mbs{self.micro_batch_size}"
+            f"×{self.micro_batches}{zero}{recompute}"
+        )
+
+
+def meshes(
+    model: str, devices: int, *, num_layers: int, seq_len: int, gpus_per_node: int
+) -> Iterator[Mesh]:
+    """pp × dp × tp = devices, tp within a node and dividing the model's shapes."""
+    config = get_config(model)
+    for tp in divisors(devices):
+        if tp > gpus_per_node:
+            continue
+        try:
+            check_tensor_parallel_shape(model, config, tp)
+        except ValueError:
+            continue
+        for pp in divisors(devices // tp):
+            if pp > num_layers or (tp > 1 and pp > 1 and seq_len % tp):
+                continue
+            yield Mesh(pp=pp, dp=devices // (tp * pp), tp=tp)
+
+
+def _schedules(pp: int, num_layers: int, names: Sequence[str]) -> Iterator[tuple[str, int]]:
+    """(schedule, stages per rank): one schedule for a single stage (they all run it alike)."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for name in names:
+        if name not in VIRTUAL_SCHEDULES:
+            yield name, 1
+            continue
+        for v in STAGES_PER_RANK:
+            if pp * v <= num_layers:
+                yield name, v
+
+
+def _zero_levels(mesh: Mesh, split: bool) -> Iterator[tuple[int, str]]:
+    """The ZeRO levels the engine runs on `mesh`: none without replicas; with tp only ZeRO-3
+    (FSDP2 over the (dp, tp) mesh: ZeRO-1/2's flat buffers hold plain tensors)."""
+    yield 0, "step"
+    if mesh.dp == 1:
+        return
+    for level in (3,) if mesh.tp > 1 else ZERO_LEVELS[1:]:
+        yield level, "step"
+    if not split:
+        yield 3, "micro-batch"
+
+
+def candidates(
+    mesh: Mesh,
+    *,
+    global_batch: int,
+    num_layers: int,
+    micro_batch_sizes: Sequence[int],
+    schedules: Sequence[str] = tuple(SCHEDULES),
+) -> Iterator[Candidate]:
+    """Every layout of one mesh (no recompute yet: the memory check adds it where needed)."""
+    if global_batch % mesh.dp:
+        return
+    for mbs in micro_batch_sizes:
+        if (global_batch // mesh.dp) % mbs:
+            continue
+        m = global_batch // (mesh.dp * mbs)
+        for name, v in _schedules(mesh.pp, num_layers, schedules):
+            if name == "interleaved_1f1b" and m % mesh.pp:
+                continue
+            for zero, reshard in _zero_levels(mesh, name in SPLIT_SCHEDULES):
+                yield Candidate(
+                    mesh=mesh,
+                    schedule=name,
+                    stages_per_rank=v,
+                    micro_batches=m,
+                    micro_batch_size=mbs,
+                    zero=zero,
+                    zero_reshard=reshard,
+                )

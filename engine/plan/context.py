@@ -1,0 +1,126 @@
+"""The search's shared state: schedules (or their two samples, extended), in-flight
+counts, boundaries, per-layer bytes and times, and simulations, each computed once."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.memory.states import StateLayout
+from engine.memory.tracker import CUDA_BLOCK
+from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_counts
+from engine.plan.candidates import Candidate
+from engine.plan.request import PlanRequest
+from engine.plan.timing import StageTimes, layer_flops, simulate_stages
+from engine.schedule import Schedule, SimResult, add_communication, make_schedule
+from models import get_config, layer_specs
+from partitioners import Partition, partition_model
+
+__all__ = ["SAMPLED", "Pipeline", "SearchContext"]
+
+SAMPLED = (3, 4)
+"""Beyond 4 micro-batches per pipeline rank, a schedule is built and simulated with 3 and 4
+per rank and extended linearly: past its warm-up a schedule repeats one pattern per
+micro-batch, so its step time, busy time and in-flight counts grow (or stay) linearly."""
+
+
+def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[int, ...]:
+    """Counts at `m` micro-batches from those at 3·pp and 4·pp."""
+    k = SAMPLED[0] * pp
+    return tuple(a + (b - a) * (m - k) // pp for a, b in zip(low, high, strict=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """A schedule as the search uses it: itself, or two samples to extend from."""
+
+    micro_batches: int
+    samples: tuple[Schedule, ...]
+    counts: StageCounts
+
+    @property
+    def shape(self) -> Schedule:
+        """A schedule with the placement of the real one (ranks, stages)."""
+        return self.samples[0]
+
+
+class SearchContext:
+    """What every candidate of one request shares, computed once: schedules and their
+    in-flight counts, boundaries, per-layer bytes, forward times, simulations."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self.specs = tuple(layer_specs(request.model))
+        self.hidden = int(get_config(request.model).d_model)
+        self.size = 4 if request.precision == "fp32" else 2
+        self.params = tuple(spec.num_parameters() for spec in self.specs)
+        self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
+
+    @functools.cache  # noqa: B019 (one search, then dropped)
+    def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:
+        if m <= SAMPLED[1] * pp:
+            schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
+            return Pipeline(micro_batches=m, samples=(schedule,), counts=stage_counts(schedule))
+        samples = tuple(
+            make_schedule(name, num_ranks=pp, micro_batches=k * pp, stages_per_rank=v)
+            for k in SAMPLED
+        )
+        low, high = (stage_counts(sample) for sample in samples)
+        return Pipeline(
+            micro_batches=m,
+            samples=samples,
+            counts=StageCounts(
+                before=_extend(low.before, high.before, m, pp),
+                after=_extend(low.after, high.after, m, pp),
+            ),
+        )
+
+    @functools.cache  # noqa: B019
+    def boundaries(self, stages: int) -> tuple[int, ...]:
+        partition: Partition = partition_model(
+            self.specs, method="balanced", num_stages=stages, seq_len=self.request.seq_len
+        )
+        return partition.boundaries
+
+    @functools.cache  # noqa: B019
+    def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
+        """Candidates that differ only in their data-parallel tails share one simulation."""
+        return simulate_stages(self.lowered(schedule), stages, p2p=p2p)
+
+    @functools.cache  # noqa: B019
+    def lowered(self, schedule: Schedule) -> Schedule:
+        return add_communication(schedule)
+
+    def pipeline(self, c: Candidate) -> Pipeline:
+        return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)
+
+    def sums(self, c: Candidate) -> LayerBytes:
+        r = self.request
+        states = StateLayout(
+            dp=c.mesh.dp,
+            zero=c.zero,
+            zero_reshard=c.zero_reshard,
+            tp=c.mesh.tp,
+            block=CUDA_BLOCK if r.device == "cuda" else 1,
+            optimizer_impl="per_tensor" if c.zero == 3 else "fused",
+            device=r.device,
+        )
+        return layer_bytes(
+            self.specs,
+            seq_len=r.seq_len,
+            precision=r.precision,
+            device=r.device,
+            tp=c.mesh.tp,
+            split=c.split,
+            states=states,
+        )
+
+    @functools.cache  # noqa: B019
+    def forward(self, mbs: int, tp: int) -> tuple[float, ...]:
+        """Seconds of each layer's forward for one micro-batch on one device."""
+        measured = self.request.measured
+        if measured is not None:
+            return tuple(t / tp for t in measured[mbs])
+        rate = self.request.hardware.achieved_flops
+        return tuple(mbs * f / tp / rate for f in self.flops)

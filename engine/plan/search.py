@@ -1,0 +1,361 @@
+"""The planner's search: every candidate layout screened for memory, the survivors timed.
+
+Memory first: each candidate's per-rank peak (`engine.plan.budget`) without recompute, and
+where a rank is over the budget, with the forward recomputed on that rank's stages only (then
+on every stage). Then time: a lower bound per survivor (its busiest rank's compute and
+communication, no bubble), and the simulator (`engine.plan.timing`) in the order of that bound
+until the bound alone is slower than the best plans found, so a 64-device search simulates a
+few dozen of its thousands of candidates. Each loser is charged to what cost it most against
+the best plan: memory, bubble (idle time, imbalance included), communication or recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from engine.memory.estimate import MemoryConfig, estimate_memory
+from engine.plan.budget import rank_peaks
+from engine.plan.candidates import Candidate, Mesh, candidates, meshes
+from engine.plan.context import SAMPLED, SearchContext
+from engine.plan.hardware import all_gather_time, reduce_scatter_time
+from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, layout_fields
+from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
+
+__all__ = ["predict", "search"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Screened:
+    candidate: Candidate
+    boundaries: tuple[int, ...]
+    stages: tuple[StageTimes, ...]
+    p2p: float
+    tails: tuple[float, ...]
+    bound: float
+    stage_peaks: tuple[int, ...]
+    rank_peaks: tuple[int, ...]
+
+
+def _fit(
+    search: SearchContext, c: Candidate, budget: int
+) -> tuple[Candidate, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | int:
+    """The candidate with the least recompute that fits, with its boundaries and per-stage and
+    per-rank peaks; else the lowest peak it reaches (everything recomputed)."""
+    pipeline = search.pipeline(c)
+    schedule, counts = pipeline.shape, pipeline.counts
+    bounds = search.boundaries(schedule.num_stages)
+    sums = search.sums(c)
+
+    def peaks(recomputed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        chosen = set(recomputed)
+        return rank_peaks(
+            sums,
+            schedule,
+            counts,
+            bounds,
+            micro_batches=c.micro_batches,
+            micro_batch_size=c.micro_batch_size,
+            recomputed=[s in chosen for s in range(schedule.num_stages)],
+            reduce_copy=c.mesh.dp > 1 and c.zero == 0,
+        )
+
+    every = tuple(range(schedule.num_stages))
+    tried: list[tuple[int, ...]] = [()]
+    stages, ranks = peaks(())
+    if max(ranks) > budget and not c.split:  # a split backward's W keeps what I recomputed
+        over = [r for r, peak in enumerate(ranks) if peak > budget]
+        some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
+        tried = [some, every] if some != every else [every]
+    for recompute in tried:
+        stages, ranks = peaks(recompute)
+        if max(ranks) <= budget:
+            chosen = Candidate(**{**c.__dict__, "recompute": recompute})
+            return chosen, bounds, stages, ranks
+    return max(ranks)
+
+
+def _stage_costs(
+    search: SearchContext, c: Candidate, layers: Sequence[range], params: Sequence[float]
+) -> list[StageTimes]:
+    """Each stage's action costs: compute, tp all-reduces, ZeRO-3's per-micro-batch turns."""
+    r, hw, mesh = search.request, search.request.hardware, c.mesh
+    forward = search.forward(c.micro_batch_size, mesh.tp)
+    hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
+    dp_bw = hw.bandwidth((mesh.dp - 1) * mesh.tp + 1)
+    stages = []
+    for s, stage in enumerate(layers):
+        turn = (0.0, 0.0)
+        if c.zero == 3 and c.zero_reshard == "micro-batch":
+            gather = all_gather_time(search.size * params[s], mesh.dp, dp_bw, hw.latency)
+            scatter = reduce_scatter_time(4 * params[s], mesh.dp, dp_bw, hw.latency)
+            turn = (gather, gather + scatter)
+        stages.append(
+            stage_times(
+                forward,
+                search.specs,
+                stage,
+                hardware=hw,
+                activation_bytes=hidden_bytes,
+                tp=mesh.tp,
+                recompute=s in c.recompute,
+                zero_turn=turn,
+            )
+        )
+    return stages
+
+
+def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Screened:
+    """Action costs, transfers, data-parallel tails and the step's lower bound."""
+    r, hw, mesh = search.request, search.request.hardware, c.mesh
+    schedule = search.pipeline(c).shape
+    hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
+    layers = [range(bounds[s], bounds[s + 1]) for s in range(schedule.num_stages)]
+    params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
+    width = (mesh.dp - 1) * mesh.tp + 1
+    stages = _stage_costs(search, c, layers, params)
+    tails = tuple(
+        dp_tail(
+            sum(params[s] for s in schedule.stages_of(rank)),
+            size=search.size,
+            dp=mesh.dp,
+            zero=c.zero,
+            reshard=c.zero_reshard,
+            hardware=hw,
+            width=width,
+        )
+        for rank in range(mesh.pp)
+    )
+    p2p = 0.0
+    if mesh.pp > 1:
+        p2p = hidden_bytes / mesh.tp / hw.bandwidth(mesh.dp * mesh.tp + 1) + hw.latency
+    # the last rank waits for the first micro-batch to pass every rank before it
+    fill = (mesh.pp - 1) * (min(s.forward for s in stages) + p2p)
+    bound = max(
+        c.micro_batches * sum(stages[s].forward + stages[s].backward for s in schedule.stages_of(k))
+        + tails[k]
+        + (fill if k == mesh.pp - 1 else 0.0)
+        for k in range(mesh.pp)
+    )
+    return _Screened(
+        candidate=c,
+        boundaries=tuple(bounds),
+        stages=tuple(stages),
+        p2p=p2p,
+        tails=tails,
+        bound=bound,
+        stage_peaks=(),
+        rank_peaks=(),
+    )
+
+
+def _costs(search: SearchContext, s: _Screened) -> tuple[float, float]:
+    """(communication, recompute) seconds of the busiest rank's step."""
+    c = s.candidate
+    schedule = search.pipeline(c).shape
+    comm, recompute = 0.0, 0.0
+    for rank in range(c.mesh.pp):
+        mine = schedule.stages_of(rank)
+        transfers = 2 * (c.mesh.pp - 1) * c.stages_per_rank * s.p2p
+        turns = sum(s.stages[k].tp_comm for k in mine) * c.micro_batches
+        comm = max(comm, s.tails[rank] + turns + transfers)
+        recompute = max(recompute, c.micro_batches * sum(s.stages[k].recompute for k in mine))
+    return comm, recompute
+
+
+def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Prediction:
+    r = search.request
+    step = timed.step if timed is not None else s.bound
+    comm, recompute = _costs(search, s)
+    model_flops = 3 * sum(search.flops) * r.global_batch
+    return Prediction(
+        candidate=s.candidate,
+        boundaries=s.boundaries,
+        step_time=step,
+        bubble=timed.bubble if timed is not None else 0.0,
+        tokens_per_s=r.global_batch * r.seq_len / step,
+        mfu=model_flops / (step * r.devices * r.hardware.device_flops),
+        communication=comm,
+        recompute=recompute,
+        stage_peaks=s.stage_peaks,
+        rank_peaks=s.rank_peaks,
+        simulated=timed.result if timed is not None else None,
+    )
+
+
+def _simulate(search: SearchContext, s: _Screened) -> Timed:
+    """The step simulated, or extended from its two samples (`SAMPLED`)."""
+    pipeline = search.pipeline(s.candidate)
+    timed = [with_tails(search.run(x, s.stages, s.p2p), s.tails) for x in pipeline.samples]
+    if len(timed) == 1:
+        return timed[0]
+    low, high = timed
+    pp, m = pipeline.shape.num_ranks, pipeline.micro_batches
+    per_micro_batch = (high.step - low.step) / pp
+    step = low.step + per_micro_batch * (m - SAMPLED[0] * pp)
+    busy = sum(high.result.busy) * m / (SAMPLED[1] * pp)
+    return Timed(step=step, bubble=1 - busy / (pp * step), result=high.result)
+
+
+def _loss(plan: Prediction, best: Prediction) -> str:
+    """What cost `plan` most against `best`: communication, recompute, or else idle time."""
+    comm = plan.communication - best.communication
+    recompute = plan.recompute - best.recompute
+    rest = plan.step_time - best.step_time - comm - recompute
+    reasons = {"more bubble": rest, "more communication": comm, "more recompute": recompute}
+    return max(reasons, key=lambda k: reasons[k])
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Screen:
+    survivors: list[_Screened]
+    considered: int
+    over: int
+    least: float
+    """The lowest peak of a candidate over the budget (inf when none was)."""
+
+
+def _screen_all(state: SearchContext) -> _Screen:
+    """Every candidate of every mesh through the memory screen; the survivors costed."""
+    request = state.request
+    survivors: list[_Screened] = []
+    considered, over, least = 0, 0, math.inf
+    for mesh in meshes(
+        request.model,
+        request.devices,
+        num_layers=len(state.specs),
+        seq_len=request.seq_len,
+        gpus_per_node=request.hardware.gpus_per_node,
+    ):
+        for c in _mesh_candidates(state, mesh):
+            considered += 1
+            fitted = _fit(state, c, request.device_memory)
+            if isinstance(fitted, int):
+                over, least = over + 1, min(least, fitted)
+                continue
+            chosen, bounds, stage_peaks, peaks = fitted
+            found = _screen(state, chosen, bounds)
+            survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
+    return _Screen(survivors=survivors, considered=considered, over=over, least=least)
+
+
+def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """The best `request.top` layouts, and why every other candidate lost."""
+    state = SearchContext(request)
+    screen = _screen_all(state)
+    ranked = _rank(state, screen.survivors, progress)
+    losses = dict.fromkeys(LOSSES, 0)
+    losses["over memory"] = screen.over + len(ranked.over)
+    decided = {id(p.candidate) for p in (*ranked.best, *ranked.over)}
+    for plan in ranked.plans:
+        if id(plan.candidate) not in decided:
+            losses[_loss(plan, ranked.best[0] if ranked.best else plan)] += 1
+    least = min([screen.least, *(max(p.rank_peaks) for p in ranked.over)])
+    return PlanResult(
+        request=request,
+        plans=ranked.best,
+        considered=screen.considered,
+        losses=losses,
+        least_memory=None if ranked.best or least == math.inf else int(least),
+    )
+
+
+def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
+    """The plan with the exact replay's peaks (`estimate_memory`, as `meshpipe memory`
+    prints them)."""
+    fields = layout_fields(request, plan.candidate, plan.boundaries)
+    report = estimate_memory(MemoryConfig.of(device=request.device, **fields))
+    stages = tuple(s.peak for s in report.stages)
+    return replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
+
+
+def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
+    """One given layout's prediction (balanced boundaries, its own recompute), memory by the
+    fast screen: what the search computes for each candidate, for comparing a hand choice."""
+    state = SearchContext(request)
+    pipeline = state.pipeline(candidate)
+    bounds = state.boundaries(pipeline.shape.num_stages)
+    stage_peaks, peaks = rank_peaks(
+        state.sums(candidate),
+        pipeline.shape,
+        pipeline.counts,
+        bounds,
+        micro_batches=candidate.micro_batches,
+        micro_batch_size=candidate.micro_batch_size,
+        recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
+        reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
+    )
+    screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
+    return _predict(state, screened, _simulate(state, screened))
+
+
+def _mesh_candidates(state: SearchContext, mesh: Mesh) -> list[Candidate]:
+    request = state.request
+    found = []
+    for c in candidates(
+        mesh,
+        global_batch=request.global_batch,
+        num_layers=len(state.specs),
+        micro_batch_sizes=request.micro_batch_sizes,
+        schedules=request.schedules,
+    ):
+        try:
+            state.pipeline(c)
+        except ValueError:
+            continue
+        found.append(c)
+    return found
+
+
+_REPLAYS = 12
+"""Most exact replays one search runs before it gives up on the fast screen's choices."""
+
+
+def _key(c: Candidate) -> tuple[object, ...]:
+    """Plans of one key differ only in ZeRO level or recompute: variants, not other plans."""
+    return (c.mesh, c.schedule, c.stages_per_rank, c.micro_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ranked:
+    plans: list[Prediction]
+    """Every survivor of the screen, simulated or at its lower bound."""
+    best: tuple[Prediction, ...]
+    """The fastest of distinct keys the replay fits, fastest first, with its peaks."""
+    over: list[Prediction]
+    """Those the replay put over the budget."""
+
+
+def _rank(
+    state: SearchContext, screened: list[_Screened], progress: Callable[[int, int], None] | None
+) -> _Ranked:
+    """Survivors simulated in the order of their lower bound while it could still enter the
+    best `top`, each that would enter replayed exactly (`_replayed`); the rest at their bound."""
+    top = state.request.top
+    order = sorted(screened, key=lambda s: s.bound)
+    best: dict[tuple[object, ...], Prediction] = {}
+    plans: list[Prediction] = []
+    over: list[Prediction] = []
+    for done, s in enumerate(order):
+        if progress is not None:
+            progress(done + 1, len(order))
+        worst = max(p.step_time for p in best.values()) if len(best) == top else math.inf
+        if s.bound >= worst:
+            plans.append(_predict(state, s, None))
+            continue
+        plan = _predict(state, s, _simulate(state, s))
+        plans.append(plan)
+        known = best.get(_key(plan.candidate))
+        entering = plan.step_time < worst and (known is None or plan.step_time < known.step_time)
+        if not entering or len(over) + len(best) >= _REPLAYS:
+            continue
+        exact = _replayed(state.request, plan)
+        if max(exact.rank_peaks) > state.request.device_memory:
+            over.append(exact)
+            continue
+        best[_key(plan.candidate)] = exact
+        if len(best) > top:
+            del best[max(best, key=lambda k: best[k].step_time)]
+    chosen = tuple(sorted(best.values(), key=lambda p: p.step_time))
+    return _Ranked(plans=plans, best=chosen, over=over)

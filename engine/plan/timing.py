@@ -1,0 +1,150 @@
+"""Step time of a candidate layout: per-stage action costs and communication, then the simulator.
+
+Compute: a layer's forward is its FLOPs (`LayerSpec.forward_flops`, split `tp` ways) at the
+device's achieved rate, or its time measured here (`--profile`); a backward is twice a
+forward, its I and W halves one forward each, and full recompute adds a forward to each
+backward. Communication, from message sizes and the `Hardware` bandwidths:
+- tensor parallelism: an all-reduce of the layer's output per row-wise (or vocabulary) split
+  in each forward, the same in each backward;
+- pipeline: each boundary's activation (split `tp` ways along the sequence), the simulator's
+  send-to-receive delay;
+- data parallelism, after a rank's last backward: the fp32 gradient all-reduce (ZeRO-0/1),
+  reduce-scatter (ZeRO-2/3), then the updated weights all-gathered (ZeRO-1/2) or, under ZeRO-3,
+  the compute-dtype gather of every layer once per step (or per forward and backward,
+  resharded per micro-batch, with a reduce-scatter per backward).
+The step is the latest rank's simulated end plus its data-parallel tail.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.plan.hardware import (
+    Hardware,
+    all_gather_time,
+    all_reduce_time,
+    reduce_scatter_time,
+)
+from engine.schedule import ActionCosts, Schedule, SimResult, simulate
+from models import LayerSpec
+
+__all__ = [
+    "StageTimes",
+    "Timed",
+    "collectives_per_layer",
+    "dp_tail",
+    "layer_flops",
+    "simulate_stages",
+    "stage_times",
+    "with_tails",
+]
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_flops(spec: LayerSpec, seq_len: int) -> int:
+    """Forward FLOPs of one sequence through the layer."""
+    return spec.forward_flops(1, seq_len)
+
+
+def collectives_per_layer(spec: LayerSpec) -> int:
+    """All-reduces of the layer's output one tensor-parallel forward runs: one per row-wise
+    Linear and per vocabulary-split embedding (the head's loss reduces scalars per token)."""
+    plan = getattr(spec.module_cls, "tp_plan", {})
+    return sum(role in ("rowwise", "vocab_embedding") for role in plan.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTimes:
+    """Seconds of one stage's actions and of what its rank communicates."""
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    tp_comm: float
+    """Of the forward plus backward: tensor-parallel all-reduces."""
+    recompute: float
+    """Of the backward: the forward it runs again."""
+
+
+def stage_times(
+    forward: Sequence[float],
+    specs: Sequence[LayerSpec],
+    layers: range,
+    *,
+    hardware: Hardware,
+    activation_bytes: float,
+    tp: int,
+    recompute: bool,
+    zero_turn: tuple[float, float] = (0.0, 0.0),
+) -> StageTimes:
+    """`forward[i]`: seconds of layer i's forward on one device (already split `tp` ways);
+    `activation_bytes`: one micro-batch's hidden state; `zero_turn`: ZeRO-3 resharded per
+    micro-batch, the gather before each forward and the gather plus gradient reduce-scatter
+    around each backward."""
+    f = sum(forward[i] for i in layers)
+    calls = sum(collectives_per_layer(specs[i]) for i in layers)
+    one = all_reduce_time(activation_bytes, tp, hardware.link_bandwidth, hardware.latency)
+    tp_f = calls * one
+    extra = f + tp_f if recompute else 0.0
+    return StageTimes(
+        forward=f + tp_f + zero_turn[0],
+        backward=2 * f + tp_f + extra + zero_turn[1],
+        input_grad=f + tp_f + extra + zero_turn[1],
+        weight_grad=f,
+        tp_comm=2 * tp_f,
+        recompute=extra,
+    )
+
+
+def dp_tail(
+    params: float, *, size: int, dp: int, zero: int, reshard: str, hardware: Hardware, width: int
+) -> float:
+    """Seconds of a rank's data-parallel work after its last backward, for `params`
+    parameters: fp32 gradients, weights gathered in the compute dtype (`size` bytes each);
+    the replica group spans `width` consecutive global ranks."""
+    bandwidth, latency = hardware.bandwidth(width), hardware.latency
+    grads, param_bytes = 4 * params, size * params
+    if zero == 0:
+        return all_reduce_time(grads, dp, bandwidth, latency)
+    if zero == 1:
+        return all_reduce_time(grads, dp, bandwidth, latency) + all_gather_time(
+            param_bytes, dp, bandwidth, latency
+        )
+    if zero == 2:
+        return reduce_scatter_time(grads, dp, bandwidth, latency) + all_gather_time(
+            param_bytes, dp, bandwidth, latency
+        )
+    if reshard == "micro-batch":
+        return 0.0
+    return reduce_scatter_time(grads, dp, bandwidth, latency) + all_gather_time(
+        param_bytes, dp, bandwidth, latency
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timed:
+    """A simulated step: its time and bubble with each rank's data-parallel tail."""
+
+    step: float
+    bubble: float
+    result: SimResult
+
+
+def simulate_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float) -> SimResult:
+    """The schedule's step under the stages' action costs and the transfer delay `p2p`."""
+    costs = ActionCosts(
+        per_stage=tuple((s.forward, s.backward, s.input_grad, s.weight_grad) for s in stages),
+        comm=p2p,
+    )
+    return simulate(schedule, costs)
+
+
+def with_tails(result: SimResult, tails: Sequence[float]) -> Timed:
+    """The step with each rank's data-parallel tail added after its last action."""
+    ends = [max((t.end for t in row), default=0.0) for row in result.timeline]
+    step = max(end + tail for end, tail in zip(ends, tails, strict=True))
+    bubble = 1 - sum(result.busy) / (len(ends) * step) if step > 0 else 0.0
+    return Timed(step=step, bubble=bubble, result=result)

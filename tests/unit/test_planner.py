@@ -1,0 +1,297 @@
+"""`meshpipe plan --devices`: the search, its plan file, and `train`/`memory --plan`."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import build_parser, main
+from engine.cli.train import train_config
+from engine.plan import (
+    PLAN_VERSION,
+    PlanRequest,
+    PlanResult,
+    plan_fields,
+    read_plan,
+    search,
+    write_plan,
+)
+from engine.plan.candidates import Candidate, Mesh, candidates, meshes
+from engine.plan.context import SearchContext
+from engine.plan.request import layout_fields
+from engine.plan.search import _fit, _predict, _replayed, _screen, _simulate, predict
+from engine.schedule import ActionCosts, make_schedule, simulate
+from engine.training.config import TrainConfig
+from tests.unit.cli_error import cli_error
+
+SMALL = PlanRequest(
+    model="gpt-tiny",
+    devices=4,
+    device_memory=2**30,
+    global_batch=8,
+    seq_len=32,
+    micro_batch_sizes=(1, 2),
+    top=2,
+)
+
+
+@pytest.fixture(scope="module")
+def small_result() -> PlanResult:
+    return search(SMALL)
+
+
+def _brute_force_best(request: PlanRequest) -> float:
+    """Every candidate simulated in full, fastest first, the first the replay fits."""
+    state = SearchContext(request)
+    timed = []
+    for mesh in meshes(
+        request.model,
+        request.devices,
+        num_layers=len(state.specs),
+        seq_len=request.seq_len,
+        gpus_per_node=request.hardware.gpus_per_node,
+    ):
+        for c in candidates(
+            mesh,
+            global_batch=request.global_batch,
+            num_layers=len(state.specs),
+            micro_batch_sizes=request.micro_batch_sizes,
+        ):
+            try:
+                state.pipeline(c)
+            except ValueError:
+                continue
+            fitted = _fit(state, c, request.device_memory)
+            if isinstance(fitted, int):
+                continue
+            screened = replace(
+                _screen(state, fitted[0], fitted[1]), stage_peaks=fitted[2], rank_peaks=fitted[3]
+            )
+            timed.append(_predict(state, screened, _simulate(state, screened)))
+    timed.sort(key=lambda p: p.step_time)
+    fitting = (p for p in timed if max(_replayed(request, p).rank_peaks) <= request.device_memory)
+    return next(fitting).step_time
+
+
+def test_the_search_finds_what_simulating_every_candidate_finds(small_result: PlanResult) -> None:
+    assert small_result.plans[0].step_time == pytest.approx(_brute_force_best(SMALL))
+
+
+def test_the_plans_are_fastest_first_and_fit_the_exact_replay(small_result: PlanResult) -> None:
+    times = [p.step_time for p in small_result.plans]
+    assert times == sorted(times) and len(times) == 2
+    assert all(max(p.rank_peaks) <= SMALL.device_memory for p in small_result.plans)
+
+
+@pytest.mark.parametrize(
+    ("name", "v"), [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("zb_h2", 1), ("looped_bfs", 2)]
+)
+def test_a_long_step_extended_from_two_samples_is_its_full_simulation_within_half_a_percent(
+    name: str, v: int
+) -> None:
+    rng = random.Random(0)
+    costs = ActionCosts(
+        per_stage=tuple((f, 2 * f, f, f) for f in (rng.uniform(0.8, 1.2) for _ in range(4 * v))),
+        comm=0.05,
+    )
+    full = simulate(make_schedule(name, num_ranks=4, micro_batches=40, stages_per_rank=v), costs)
+    low, high = (
+        simulate(make_schedule(name, num_ranks=4, micro_batches=k, stages_per_rank=v), costs)
+        for k in (12, 16)
+    )
+    extended = low.step_time + (high.step_time - low.step_time) / 4 * (40 - 12)
+    assert extended == pytest.approx(full.step_time, rel=5e-3)
+
+
+def test_only_the_stages_over_the_budget_recompute() -> None:
+    request = PlanRequest(
+        model="gpt-small", devices=2, device_memory=2**40, global_batch=8, seq_len=256
+    )
+    state = SearchContext(request)
+    c = Candidate(
+        mesh=Mesh(pp=2, dp=1, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8,
+        micro_batch_size=1,
+    )
+    roomy = _fit(state, c, 2**40)
+    assert not isinstance(roomy, int) and roomy[0].recompute == ()
+    first, second = roomy[3]
+    budget = (first + second) // 2 if first > second else first - 1
+    fitted = _fit(state, c, budget)
+    assert not isinstance(fitted, int) and fitted[0].recompute == (0,)
+
+
+def test_tensor_parallel_candidates_shard_only_with_zero3() -> None:
+    found = [
+        c
+        for mesh in meshes("llama-tiny", 8, num_layers=7, seq_len=32, gpus_per_node=8)
+        for c in candidates(mesh, global_batch=16, num_layers=7, micro_batch_sizes=(1, 2))
+    ]
+    assert any(c.mesh.tp > 1 for c in found) and any(c.zero for c in found)
+    assert {c.zero for c in found if c.mesh.tp > 1 and c.mesh.dp > 1} == {0, 3}
+    assert not any(c.zero and c.mesh.dp == 1 for c in found)
+
+
+def test_every_plan_is_a_layout_train_accepts(small_result: PlanResult) -> None:
+    for plan in small_result.plans:
+        config = TrainConfig.of(**plan_fields(SMALL, plan))
+        assert config.parallel.world_size == SMALL.devices
+
+
+def test_an_emitted_plan_reads_back_as_its_settings(
+    small_result: PlanResult, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    write_plan(path, SMALL, small_result.plans[0])
+    assert read_plan(path) == plan_fields(SMALL, small_result.plans[0])
+    assert json.loads(path.read_text())["version"] == PLAN_VERSION
+
+
+def _train(argv: list[str]) -> TrainConfig:
+    return train_config(build_parser().parse_args(["train", *argv]), ["train", *argv])
+
+
+def _explicit(settings: dict[str, object]) -> list[str]:
+    argv = []
+    for name, value in settings.items():
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def test_train_with_a_plan_equals_train_with_its_flags(
+    small_result: PlanResult, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    write_plan(path, SMALL, small_result.plans[0])
+    settings = plan_fields(SMALL, small_result.plans[0])
+    assert _train(["--plan", str(path), "--steps", "2"]) == _train(
+        [*_explicit(settings), "--steps", "2"]
+    )
+
+
+def test_a_flag_that_contradicts_the_plan_is_refused_by_name(
+    small_result: PlanResult, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    write_plan(path, SMALL, small_result.plans[0])
+    other = 3 - small_result.plans[0].candidate.micro_batches % 2
+    with pytest.raises(ValueError, match=r"--micro-batches \d+ contradicts --plan"):
+        _train(["--plan", str(path), "--micro-batches", str(other * 16)])
+
+
+def test_a_flag_that_agrees_with_the_plan_is_accepted(
+    small_result: PlanResult, tmp_path: Path
+) -> None:
+    path = tmp_path / "plan.json"
+    write_plan(path, SMALL, small_result.plans[0])
+    pp = small_result.plans[0].candidate.mesh.pp
+    assert _train(["--plan", str(path), "--pp", str(pp)]).parallel.pp == pp
+
+
+def test_a_plan_of_another_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"kind": "meshpipe-plan", "version": 99, "settings": {}}))
+    with pytest.raises(ValueError, match="version 99, this meshpipe reads version 1"):
+        read_plan(path)
+
+
+def test_memory_takes_the_plan(
+    small_result: PlanResult, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "plan.json"
+    write_plan(path, SMALL, small_result.plans[0])
+    assert main(["memory", "--plan", str(path)]) == 0
+    pp = small_result.plans[0].candidate.mesh.pp
+    assert f"gpt-tiny: pp {pp} × dp" in capsys.readouterr().out
+
+
+def test_plan_cli_prints_the_best_plans_and_why_the_others_lost(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
+    argv += ["--global-batch", "4", "--seq-len", "32", "--top", "2"]
+    assert main([*argv, "--emit", str(tmp_path / "p.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "meshpipe plan: gpt-tiny on 2 devices of 953.7 MiB, global batch 4 × 32 tokens"
+    )
+    assert lines[1].startswith("searched ") and "the others lost: " in lines[1]
+    assert "over memory" in lines[1] and "more communication" in lines[1]
+    assert lines[3].split() == ["#", "layout", "step", "tokens/s", "bubble", "MFU", "peak"]
+    assert lines[4].startswith("1  pp") and lines[5].startswith("2  pp")
+    assert lines[7].startswith("plan 1 peak per stage: ")
+    assert lines[-1].startswith("wrote ") and (tmp_path / "p.json").is_file()
+
+
+def test_no_layout_that_fits_names_the_memory_that_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "100kB"]
+    code, err = cli_error([*argv, "--global-batch", "4", "--seq-len", "32"], capsys)
+    assert code == 2
+    assert "no layout of gpt-tiny fits 2 devices of 97.7 KiB" in err
+    assert "the leanest needs" in err and "--device-memory" in err
+
+
+def test_a_batch_no_layout_splits_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
+    argv += ["--global-batch", "3", "--micro-batch-sizes", "2"]
+    code, err = cli_error(argv, capsys)
+    assert code == 2 and "--global-batch 3 splits over no layout of 2 devices" in err
+
+
+def test_a_split_flag_with_devices_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--devices", "2", "--device-memory", "1GB", "--global-batch", "4"]
+    code, err = cli_error([*argv, "--pp", "2"], capsys)
+    assert code == 2 and "--pp with --devices: the planner chooses the layout" in err
+
+
+def test_planner_flags_without_devices_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = cli_error(["plan", "--emit", "x.json"], capsys)
+    assert code == 2 and "--emit: the planner's, which runs with --devices N" in err
+
+
+def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
+    c = Candidate(
+        mesh=Mesh(pp=2, dp=1, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=4,
+        micro_batch_size=2,
+        recompute=(0, 1),
+    )
+    fields = layout_fields(SMALL, c, (0, 3, 7))
+    assert fields["recompute"] == "full" and fields["recompute_stages"] is None
+    some = layout_fields(SMALL, Candidate(**{**c.__dict__, "recompute": (0,)}), (0, 3, 7))
+    assert some["recompute_stages"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "schedule", "zero"),
+    [(Mesh(pp=2, dp=2, tp=1), "1f1b", 0), (Mesh(pp=2, dp=2, tp=1), "gpipe", 3)],
+)
+def test_the_memory_screen_is_within_ten_percent_of_the_replay(
+    mesh: Mesh, schedule: str, zero: int
+) -> None:
+    request = PlanRequest(
+        model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
+    )
+    layout = Candidate(
+        mesh=mesh,
+        schedule=schedule,
+        stages_per_rank=1,
+        micro_batches=4,
+        micro_batch_size=2,
+        zero=zero,
+    )
+    screened = predict(request, layout)
+    replayed = _replayed(request, screened)
+    for fast, exact in zip(screened.rank_peaks, replayed.rank_peaks, strict=True):
+        assert fast == pytest.approx(exact, rel=0.1)
