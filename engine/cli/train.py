@@ -121,7 +121,8 @@ def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
     """Rank 0's result of a run on local ranks: a refusal (bad input) is never retried, and
     a failure after the last restart says so and where to resume from."""
     from engine.comm.launch import RankFailed, launch_local
-    from engine.training.loop import Refused, TrainResult, local_worker
+    from engine.training.loop import TrainResult
+    from engine.training.workers import Refused, local_worker
 
     restarts = config.run.max_restarts
     try:
@@ -145,8 +146,8 @@ def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.comm.launch import is_launched
     from engine.comm.mesh import launcher_world_size
-    from engine.training.loop import train_worker
     from engine.training.preflight import preflight
+    from engine.training.workers import train_worker
 
     ranks = config.parallel.world_size
     preflight(config, args.deepspeed_config)

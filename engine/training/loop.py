@@ -13,7 +13,6 @@ watch a real crash. Nothing else reads these variables; never set them outside t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -25,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from engine.checkpoint import (
@@ -35,11 +33,10 @@ from engine.checkpoint import (
     load_model_weights,
     save_checkpoint,
 )
-from engine.checkpoint.files import CheckpointError
 from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.owner import holding_folder
-from engine.comm.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, step_begins
-from engine.comm.mesh import Mesh, coordinates, init_mesh
+from engine.comm.heartbeat import step_begins
+from engine.comm.mesh import Mesh, init_mesh
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
@@ -68,12 +65,9 @@ from partitioners import Partition
 __all__ = [
     "KILL_AT_STEP_ENV",
     "KILL_RANK_ENV",
-    "Refused",
     "TrainResult",
-    "local_worker",
     "open_dataset",
     "train",
-    "train_worker",
 ]
 
 KILL_AT_STEP_ENV = "MESHPIPE_TEST_KILL_AT_STEP"
@@ -468,61 +462,3 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         first_step=first,
         val_loss=val_losses[-1] if val_losses else None,
     )
-
-
-def _heartbeat(config: TrainConfig) -> contextlib.AbstractContextManager[object]:
-    """This rank's heartbeat record where the local launcher reads them (else nothing)."""
-    folder = os.environ.get(HEARTBEAT_DIR_ENV)
-    if folder is None or "RANK" not in os.environ:
-        return contextlib.nullcontext()
-    rank = int(os.environ["RANK"])
-    layout = config.parallel
-    pp_rank, dp_rank, tp_rank = coordinates(
-        rank, dp=layout.dp, tp=layout.tp, pp=layout.pp, order=layout.mesh_order
-    )
-    stages = config.schedule.stages_per_rank
-    where = (
-        f"stage {pp_rank} of {layout.pp}"
-        if stages == 1
-        else f"pipeline rank {pp_rank} of {layout.pp} ({stages} stages each)"
-    )
-    where += f", dp replica {dp_rank}" if layout.dp > 1 else ""
-    where += f", tp rank {tp_rank}" if layout.tp > 1 else ""
-    return Heartbeat(folder, rank=rank, where=where)
-
-
-def train_worker(config: TrainConfig, progress: bool) -> TrainResult:
-    """Entry point of each locally launched rank. Ctrl-C reaches every rank of the terminal's
-    process group; the launcher reports it once, so a rank ends without a traceback."""
-    try:
-        with _heartbeat(config):
-            return train(config, progress=progress)
-    except KeyboardInterrupt:
-        if "LOCAL_RANK" not in os.environ:
-            raise
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent passes the signal on too
-        sys.exit(130)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A checkpoint's error (corrupt, incomplete, another model), returned instead of raised
-    under the local launcher: its agent restarts failed ranks (--max-restarts), and the same
-    checkpoint would fail the same way each time."""
-
-    error: str
-    """"CheckpointError: message"."""
-
-
-def local_worker(config: TrainConfig, progress: bool) -> TrainResult | Refused:
-    """Entry point of each rank `meshpipe train` launches itself: `train_worker`, with a
-    `CheckpointError` returned as `Refused`. Every rank raises a checkpoint's error together
-    (they agree on each load and save), so all of them return; other errors may strike one
-    rank alone, whose peers would then wait out --timeout for it: those still fail the rank."""
-    try:
-        return train_worker(config, progress)
-    except CheckpointError as error:
-        return Refused(f"{type(error).__name__}: {error}")

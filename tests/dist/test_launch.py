@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.training.workers
 from engine.cli.main import main
 from engine.training.config import TrainConfig
 from engine.training.data import prepare
@@ -145,7 +146,7 @@ def test_ctrl_c_in_one_process_says_no_checkpoint_was_written(
     def interrupted(*_: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", interrupted)
+    monkeypatch.setattr(engine.training.workers, "train_worker", interrupted)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *ARGS])
     assert exit_info.value.code == 130

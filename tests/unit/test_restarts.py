@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 import engine.comm.launch
+import engine.training.workers
 from engine.checkpoint.files import CheckpointError
 from engine.comm.launch import RankFailed
-from engine.training.loop import Refused, local_worker
+from engine.training.workers import Refused, local_worker
 from tests.unit.cli_error import cli_error
 
 ARGV = ["train", "--model", "gpt-tiny", "--pp", "2", "--steps", "4", "--max-restarts", "2",
@@ -24,7 +25,7 @@ def test_a_locally_launched_rank_returns_a_checkpoint_error_instead_of_failing(
     def corrupt(*_: object) -> None:
         raise CheckpointError("step-00000002/trainer.json: sha256 does not match")
 
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", corrupt)
+    monkeypatch.setattr(engine.training.workers, "train_worker", corrupt)
     refused = local_worker(None, False)  # type: ignore[arg-type]
     assert refused == Refused("CheckpointError: step-00000002/trainer.json: sha256 does not match")
 
@@ -35,7 +36,7 @@ def test_other_errors_still_fail_the_rank_so_its_peers_are_stopped(
     def bad_batch(*_: object) -> None:
         raise ValueError("the batch does not split into micro-batches")
 
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", bad_batch)
+    monkeypatch.setattr(sys.modules["engine.training.workers"], "train_worker", bad_batch)
     with pytest.raises(ValueError, match="does not split"):
         local_worker(None, False)  # type: ignore[arg-type]
 
