@@ -75,18 +75,12 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         self.replica_sync = replica_sync or ReplicaSync()
         """How this stage's replicas stay together: every step, or every H steps."""
-        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
+        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options.zero)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
         self.schedule, self.eval_schedule = lowered_schedules(
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        if mesh.tp > 1 and self.options.zero in (1, 2):
-            raise ValueError(
-                f"tp={mesh.tp} with ZeRO-{self.options.zero}: the flat buffers of ZeRO-1 and 2 "
-                "hold plain tensors, not tensor-parallel (DTensor) shards; use zero=3 (FSDP2 "
-                "over the (dp, tp) mesh), zero=0 or tp=1"
-            )
         self.stages = self._build_stages(specs, partition, seed, loss_fn)
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
@@ -108,15 +102,7 @@ class PipelineEngine:
         """ZeRO-1/2: the flat buffers, sharded masters and their optimizer (`engine.parallel`)."""
         self.optimizer = self._build_optimizer(optimizer)
         self._previous_figures: Callable[[], tuple[float, float]] | None = None
-        self.gradients = StepGradients(
-            self.module,
-            specs,
-            group=mesh.pp_group if mesh.pp > 1 else None,
-            clip_grad_norm=self.options.clip_grad_norm,
-            sharded=self.sharded,
-            dp_group=self.mesh.dp_group if self.fsdp is not None else None,
-            tp_group=self.mesh.tp_group if self.fsdp is not None and mesh.tp > 1 else None,
-        )
+        self.gradients = self._build_gradients(specs)
         self.scaler = LossScaler.of(self.options)
         self.skipped_steps = 0
 
@@ -221,6 +207,20 @@ class PipelineEngine:
                 timeout=timedelta(seconds=self.timeout_s),
             )
         return TiedWeights(tied, groups, timeout_s=self.timeout_s)
+
+    def _build_gradients(self, specs: Sequence[LayerSpec]) -> StepGradients:
+        """Norms, clipping and the skip verdict over this rank's gradients: ZeRO-1/2's
+        buffers, ZeRO-3's shards (over dp, and tp), or the parameters' own `.grad`."""
+        mesh, fsdp = self.mesh, self.fsdp is not None
+        return StepGradients(
+            self.module,
+            specs,
+            group=mesh.pp_group if mesh.pp > 1 else None,
+            clip_grad_norm=self.options.clip_grad_norm,
+            sharded=self.sharded,
+            dp_group=mesh.dp_group if fsdp else None,
+            tp_group=mesh.tp_group if fsdp and mesh.tp > 1 else None,
+        )
 
     def _build_optimizer(
         self, optimizer: OptimizerFactory | OptimizerSpec | None
@@ -534,7 +534,14 @@ def _check_layout(
     partition: Partition,
     micro_batches: int,
     stages_per_rank: int,
+    zero: int,
 ) -> None:
+    if mesh.tp > 1 and zero in (1, 2):
+        raise ValueError(
+            f"tp={mesh.tp} with ZeRO-{zero}: the flat buffers of ZeRO-1 and 2 hold plain "
+            "tensors, not tensor-parallel (DTensor) shards; use zero=3 (FSDP2 over the (dp, tp) "
+            "mesh), zero=0 or tp=1"
+        )
     if partition.num_layers != len(specs):
         raise ValueError(
             f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
