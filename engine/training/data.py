@@ -4,6 +4,7 @@ raw `.bin` files read as they are."""
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -224,18 +225,28 @@ def prepare(
     return _write_token_file(documents(files, text_field), out, max_bytes, source, chosen)
 
 
-def _require_text(file: Path) -> None:
+def _require_text(file: Path, chunk: int = 1 << 24) -> None:
     """Refuse a file that is not UTF-8 text: its bytes would train as tokens all the same,
-    and an archive or a binary given by mistake would go unnoticed."""
-    data = file.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"source {str(file)!r} is not UTF-8 text (byte {error.start} is "
-            f"{data[error.start]:#04x}): give text files, or convert this one first "
-            f"(iconv -t UTF-8 {_quote(file)})"
-        ) from None
+    and an archive or a binary given by mistake would go unnoticed. Read in chunks, so a
+    corpus of many GB is checked in constant memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with file.open("rb") as f:
+        while True:
+            data = f.read(chunk)
+            pending = len(decoder.getstate()[0])  # a character cut by the previous chunk
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as error:
+                at = offset - pending + error.start
+                raise ValueError(
+                    f"source {str(file)!r} is not UTF-8 text (byte {at} is "
+                    f"{error.object[error.start]:#04x}): give text files, or convert this one "
+                    f"first (iconv -t UTF-8 {_quote(file)})"
+                ) from None
+            if not data:
+                return
+            offset += len(data)
 
 
 def _cache_root(cache_dir: Path | None) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.training.workers
 from engine.cli.main import main
 from engine.cli.train import interrupt_advice
 from engine.comm.launch import names_a_value_error
@@ -86,7 +87,7 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_first_step(
     def no_training(*_: object) -> None:
         raise AssertionError("training started")
 
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", no_training)
+    monkeypatch.setattr(engine.training.workers, "train_worker", no_training)
     code, err = cli_error(["train", "--steps", "1", flag, path], capsys)
     assert code == 2
     assert re.search(message, err), err

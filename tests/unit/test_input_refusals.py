@@ -5,7 +5,6 @@ not fit the model."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import engine.comm.launch
+import engine.training.workers
 from engine.checkpoint.save import save_weights
 from engine.training.data import load_tokens, prepare
 from models import MODEL_CONFIGS
@@ -30,7 +30,7 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("ranks started")
 
     monkeypatch.setattr(engine.comm.launch, "launch_local", started)
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", started)
+    monkeypatch.setattr(engine.training.workers, "train_worker", started)
 
 
 def _tokens(prefix: Path, *, vocab: int, dtype: str, count: int = 4096) -> Path:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+import engine.training.workers
 from engine.checkpoint.files import LATEST, TRAINER_FILE
 from engine.cli.main import main
 from engine.training.data import prepare
@@ -32,7 +32,7 @@ def at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     def no_training(*_: object) -> None:
         raise AssertionError("training started")
 
-    monkeypatch.setattr(sys.modules["engine.training.loop"], "train_worker", no_training)
+    monkeypatch.setattr(engine.training.workers, "train_worker", no_training)
     return tmp_path
 
 
