@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -13,13 +12,12 @@ from safetensors.torch import load_file
 
 from engine.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from engine.checkpoint.files import MODEL_INDEX, TensorReader
-from engine.cli.main import main
 from engine.comm.mesh import init_mesh
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_optimizer
 from engine.training.config import TrainConfig
 from engine.training.data import prepare
-from engine.training.loop import KILL_AT_STEP_ENV, train
+from engine.training.loop import train
 from models import layer_specs
 from partitioners import partition_model
 from tests.dist.harness import RanksFailed, run_ranks
@@ -203,53 +201,6 @@ def _uninterrupted(data: str, root: Path) -> tuple[float, ...]:
         checkpoint_dir=str(root),
     )
     return train(config, progress=False).losses
-
-
-@pytest.mark.slow
-def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(
-    tmp_path: Path, tokens: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(KILL_AT_STEP_ENV, "5")
-    argv = [
-        "train",
-        "--model",
-        "llama-tiny",
-        "--steps",
-        "8",
-        "--global-batch",
-        "8",
-        "--micro-batches",
-        "2",
-        "--seq-len",
-        "32",
-        "--threads",
-        "1",
-        "--no-progress",
-        "--data",
-        tokens,
-        "--pp",
-        "2",
-        "--checkpoint-dir",
-        str(tmp_path / "killed"),
-        "--save-every",
-        "2",
-        "--resume",
-        "--max-restarts",
-        "1",
-    ]
-    assert main(argv) == 0
-    out = capfd.readouterr()
-    assert "resumed from step 4" in out.err
-    monkeypatch.delenv(KILL_AT_STEP_ENV)
-    losses = _uninterrupted(tokens, tmp_path / "reference")
-    assert f"final loss {losses[-1]:.4f}" in out.out
-    reference = load_file(tmp_path / "reference" / "step-00000008" / "model-stage000.safetensors")
-    killed: dict[str, Any] = {}
-    for stage in (0, 1):
-        path = tmp_path / "killed" / "step-00000008" / f"model-stage{stage:03d}.safetensors"
-        killed.update(load_file(path))
-    assert killed.keys() == reference.keys()
-    assert all(torch.equal(killed[k], reference[k]) for k in reference)
 
 
 def _load_where_rank1_sees_no_latest(

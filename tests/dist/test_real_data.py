@@ -48,7 +48,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SHAPE = {"steps": 2, "global_batch": 4, "micro_batches": 2, "seq_len": 32, "threads": 1}
 Trained = tuple[Path, tuple[float, ...], float | None]
 """A training run's checkpoint, losses and final validation loss."""
-PACKED = {"pack_documents": True, "val_fraction": 0.1, "eval_batches": 2, **SHAPE}
+PACKED = {"pack_documents": True, "val_fraction": 0.1, "eval_every": 1, "eval_batches": 2}
+PACKED |= SHAPE
 
 
 @pytest.fixture(scope="module")
