@@ -168,6 +168,21 @@ def test_a_schedule_file_trains_as_the_schedule_it_was_saved_from(
     assert runs[str(path)] == runs["zb_h1"]
 
 
+@pytest.mark.parametrize(
+    "flags", [["--schedule", "zb_v"], ["--schedule", "looped_bfs", "--placement", "v"]]
+)
+def test_v_placed_stages_train_from_the_command_line_as_one_process(
+    tokens: str, tmp_path: Path, flags: list[str]
+) -> None:
+    """Two stages per rank placed as a V (rank 0 holds the first and the last): llama-tiny
+    has no weight tied across stages, so every loss equals the single process's."""
+    metrics = tmp_path / "v.jsonl"
+    argv = ["train", *ARGS, "--data", tokens, "--pp", "2", "--stages-per-rank", "2", *flags]
+    assert main([*argv, "--metrics-file", str(metrics)]) == 0
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert tuple(losses) == _single_process_losses(tokens)
+
+
 def test_a_finished_local_run_leaves_no_rank_folders_behind(
     tokens: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
