@@ -44,46 +44,75 @@ WINDOW = 10
 """Steps the training loss is averaged over at each mark."""
 
 
-def _slow_dp_link(groups: list[Any], latency: float, bandwidth: float, sent: list[int]) -> None:
-    """Count (and, with a latency or a bandwidth, delay) every all-reduce and send over
-    `groups` (the dp group, a parameter server's pair groups)."""
-    import torch.distributed as dist
+class _SlowDpLink:
+    """Counts (and, with a latency or a bandwidth, delays) every all-reduce and send over
+    `groups` (the dp group, a parameter server's pair groups), set for each run."""
 
-    lock = threading.Lock()
+    def __init__(self) -> None:
+        import torch.distributed as dist
 
-    def slowed(real: Any, position: int) -> Any:
+        self.groups: list[Any] = []
+        self.latency = self.bandwidth = 0.0
+        self.sent = 0
+        self._lock = threading.Lock()
+        dist.all_reduce = self._slowed(dist.all_reduce)  # type: ignore[assignment]
+        dist.send = self._slowed(dist.send)  # type: ignore[assignment]
+
+    def _slowed(self, real: Any) -> Any:
         def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group", args[position] if len(args) > position else None)
-            if any(group is g for g in groups):
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if any(group is g for g in self.groups):
                 size = tensor.numel() * tensor.element_size()
-                with lock:
-                    sent[0] += size
-                if latency or bandwidth:
-                    time.sleep(latency + (size / bandwidth if bandwidth else 0.0))
+                with self._lock:
+                    self.sent += size
+                if self.latency or self.bandwidth:
+                    time.sleep(self.latency + (size / self.bandwidth if self.bandwidth else 0))
             return real(tensor, *args, **kwargs)
 
         return call
 
-    dist.all_reduce = slowed(dist.all_reduce, 1)  # type: ignore[assignment]
-    dist.send = slowed(dist.send, 1)  # type: ignore[assignment]
+
+def _sync(mode: str, every: int) -> Any:
+    from engine.config import ReplicaSync
+
+    if mode == "parameter-server":
+        return ReplicaSync(dp_sync=mode, max_staleness=every)
+    return ReplicaSync(dp_sync=mode, sync_every=every) if mode != "every-step" else None
 
 
-def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, args: dict[str, Any], runs: list[tuple[str, int, str]]
+) -> list[dict[str, Any]]:
+    """Every run in one launch (starting four ranks costs minutes on a loaded machine)."""
     from engine.comm.mesh import init_mesh
-    from engine.config import OptimizerSpec, ReplicaSync
+
+    mesh = init_mesh(2, 2, timeout_s=600)
+    link = _SlowDpLink()
+    results = []
+    for mode, every, speed in runs:
+        slow = speed == "slow"
+        link.latency, link.bandwidth = args["latency"] * slow, args["bandwidth"] * slow
+        results.append(_one_run(mesh, args, _sync(mode, every), link))
+        if rank == 0:
+            mine = results[-1]
+            tail = statistics.mean(mine["losses"][-WINDOW:])
+            print(
+                f"  done: {mode} {every} {speed}: {mine['ends'][-1]:.0f}s, replica 0's loss "
+                f"{tail:.3f} (last {WINDOW}), held-out {mine['eval']:.3f}",
+                flush=True,
+            )
+    return results
+
+
+def _one_run(mesh: Any, args: dict[str, Any], sync: Any, link: _SlowDpLink) -> dict[str, Any]:
+    from engine.config import OptimizerSpec
     from engine.runtime.engine import PipelineEngine
     from engine.training.batches import BatchLoader
     from engine.training.data import default_corpus, load_tokens
     from models import layer_specs
     from partitioners import partition_model
 
-    mesh = init_mesh(2, 2, timeout_s=600)
     specs = layer_specs(args["model"])
-    sync = None
-    if mode == "parameter-server":
-        sync = ReplicaSync(dp_sync=mode, max_staleness=every)
-    elif mode != "every-step":
-        sync = ReplicaSync(dp_sync=mode, sync_every=every)
     engine = PipelineEngine(
         specs,
         mesh,
@@ -101,10 +130,9 @@ def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) 
         dp_rank=mesh.dp_rank,
         dp_size=2,
     )
-    sent = [0]
     server = engine.param_server
-    groups = [mesh.dp_group, *(server.groups if server is not None else [])]
-    _slow_dp_link(groups, args["latency"], args["bandwidth"], sent)
+    link.groups = [mesh.dp_group, *(server.groups if server is not None else [])]
+    link.sent = 0
     losses, ends = [], []
     start = time.perf_counter()
     for step in range(args["steps"]):
@@ -118,7 +146,7 @@ def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) 
         "losses": losses,
         "ends": ends,
         "eval": statistics.mean(held_out),
-        "bytes_per_step": sent[0] / args["steps"],
+        "bytes_per_step": link.sent / args["steps"],
     }
 
 
@@ -175,16 +203,15 @@ def main() -> None:
     print(f"({tokens} tokens per step)\n")
     print("| sync | dp link | loss @ wall time | held-out loss | wall s | KiB sent/step/rank |")
     print("| --- | --- | --- | --- | --- | --- |")
+    runs = [(mode, every, link) for link in args["links"].split(",") for mode, every in modes]
+    per_rank = run_ranks(_worker, 4, args, runs, timeout_s=4 * 3600)
+    label = f"+{args['latency'] * 1e3:.0f} ms, {args['bandwidth'] / 1e6:.0f} MB/s"
     results = {}
-    for link in args["links"].split(","):
-        slow = link == "slow"
-        run = {**args, "latency": args["latency"] * slow, "bandwidth": args["bandwidth"] * slow}
-        label = f"+{args['latency'] * 1e3:.0f} ms, {args['bandwidth'] / 1e6:.0f} MB/s"
-        for mode, every in modes:
-            ranks = run_ranks(_worker, 4, run, mode, every, timeout_s=3600)
-            result = _summary(ranks, args)
-            results[f"{mode}:{every}:{link}"] = result
-            print(_row(mode, every, label if slow else "local", result, marks), flush=True)
+    for i, (mode, every, link) in enumerate(runs):
+        result = _summary([rank[i] for rank in per_rank], args)
+        results[f"{mode}:{every}:{link}"] = result
+        shown = label if link == "slow" else "local"
+        print(_row(mode, every, shown, result, marks), flush=True)
     if args["json"]:
         Path(args["json"]).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -169,11 +169,15 @@ class ParameterServer:
         self._received: tuple[int, torch.Tensor | None] = (0, None)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        # the lr scheduler drives `lead`, which never steps (the server does): no warning
+        lead._opt_called = True  # type: ignore[attr-defined]
         if dp_rank == 0:
             self.state = ServerState(
                 params, lead, dp=dp, max_staleness=max_staleness, timeout_s=timeout_s
             )
-            targets = [(self._serve, (group, peer, rank)) for rank, (group, peer) in links.items()]
+            targets: list[tuple[Callable[..., None], tuple[object, ...]]] = [
+                (self._serve, (group, peer, rank)) for rank, (group, peer) in links.items()
+            ]
         else:
             group, server = links[0]
             targets = [(self._send, (group, server))]
