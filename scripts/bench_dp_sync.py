@@ -1,12 +1,13 @@
-"""Every-step data parallelism against local SGD and DiLoCo (--dp-sync), pp 2 × dp 2 on the CPU:
-loss against tokens and wall time, the bytes each rank sends over the dp group per step, with
-and without a simulated slow link between the two replicas.
+"""Every-step data parallelism against local SGD, DiLoCo and the parameter server (--dp-sync),
+pp 2 × dp 2 on the CPU: loss against tokens and wall time, the bytes each rank sends between
+the replicas per step, with and without a simulated slow link between the two replicas.
 
-The slow link is a sleep before each exchange over the dp group (every all-reduce the replicas
-of a stage make: gradients, the loss, a meeting's weights): `--latency` seconds plus the bytes
-over `--bandwidth` bytes/s. Training loss is the global batch's (the mean of the replicas'
-own losses); the held-out loss is measured after the last step, when the replicas have just
-met and hold the same weights.
+The slow link is a sleep before each exchange between the replicas of a stage (every
+all-reduce over the dp group: gradients, the loss, a meeting's weights; every send over a
+parameter server's pair groups: a push, a reply with weights), in the thread that sends:
+`--latency` seconds plus the bytes over `--bandwidth` bytes/s. Training loss is the global
+batch's (the mean of the replicas' own losses); the held-out loss is measured after the last
+step on each replica's weights (the same on both after a meeting, or with K = 0) and averaged.
 
 python scripts/bench_dp_sync.py --model gpt-tiny --steps 200 --json out.json
 """
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,41 +34,85 @@ MODES = [
     ("local-sgd", 50),
     ("diloco", 10),
     ("diloco", 50),
+    ("parameter-server", 0),
+    ("parameter-server", 1),
+    ("parameter-server", 4),
 ]
+"""(--dp-sync, H for local-sgd and diloco or K for parameter-server)."""
 EVAL_BATCHES = 4
 WINDOW = 10
 """Steps the training loss is averaged over at each mark."""
 
 
-def _slow_dp_link(group: Any, latency: float, bandwidth: float, sent: list[int]) -> None:
-    """Count (and, with a latency or a bandwidth, delay) every all-reduce over `group`."""
-    import torch.distributed as dist
+class _SlowDpLink:
+    """Counts (and, with a latency or a bandwidth, delays) every all-reduce and send over
+    `groups` (the dp group, a parameter server's pair groups), set for each run."""
 
-    real = dist.all_reduce
+    def __init__(self) -> None:
+        import torch.distributed as dist
 
-    def all_reduce(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
-            size = tensor.numel() * tensor.element_size()
-            sent[0] += size
-            if latency or bandwidth:
-                time.sleep(latency + (size / bandwidth if bandwidth else 0.0))
-        return real(tensor, *args, **kwargs)
+        self.groups: list[Any] = []
+        self.latency = self.bandwidth = 0.0
+        self.sent = 0
+        self._lock = threading.Lock()
+        dist.all_reduce = self._slowed(dist.all_reduce)  # type: ignore[assignment]
+        dist.send = self._slowed(dist.send)  # type: ignore[assignment]
 
-    dist.all_reduce = all_reduce  # type: ignore[assignment]
+    def _slowed(self, real: Any) -> Any:
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if any(group is g for g in self.groups):
+                size = tensor.numel() * tensor.element_size()
+                with self._lock:
+                    self.sent += size
+                if self.latency or self.bandwidth:
+                    time.sleep(self.latency + (size / self.bandwidth if self.bandwidth else 0))
+            return real(tensor, *args, **kwargs)
+
+        return call
 
 
-def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) -> dict[str, Any]:
+def _sync(mode: str, every: int) -> Any:
+    from engine.config import ReplicaSync
+
+    if mode == "parameter-server":
+        return ReplicaSync(dp_sync=mode, max_staleness=every)
+    return ReplicaSync(dp_sync=mode, sync_every=every) if mode != "every-step" else None
+
+
+def _worker(
+    rank: int, world: int, args: dict[str, Any], runs: list[tuple[str, int, str]]
+) -> list[dict[str, Any]]:
+    """Every run in one launch (starting four ranks costs minutes on a loaded machine)."""
     from engine.comm.mesh import init_mesh
-    from engine.config import OptimizerSpec, ReplicaSync
+
+    mesh = init_mesh(2, 2, timeout_s=600)
+    link = _SlowDpLink()
+    results = []
+    for mode, every, speed in runs:
+        slow = speed == "slow"
+        link.latency, link.bandwidth = args["latency"] * slow, args["bandwidth"] * slow
+        results.append(_one_run(mesh, args, _sync(mode, every), link))
+        if rank == 0:
+            mine = results[-1]
+            tail = statistics.mean(mine["losses"][-WINDOW:])
+            print(
+                f"  done: {mode} {every} {speed}: {mine['ends'][-1]:.0f}s, replica 0's loss "
+                f"{tail:.3f} (last {WINDOW}), held-out {mine['eval']:.3f}",
+                flush=True,
+            )
+    return results
+
+
+def _one_run(mesh: Any, args: dict[str, Any], sync: Any, link: _SlowDpLink) -> dict[str, Any]:
+    from engine.config import OptimizerSpec
     from engine.runtime.engine import PipelineEngine
     from engine.training.batches import BatchLoader
     from engine.training.data import default_corpus, load_tokens
     from models import layer_specs
     from partitioners import partition_model
 
-    mesh = init_mesh(2, 2, timeout_s=600)
     specs = layer_specs(args["model"])
-    sync = ReplicaSync(dp_sync=mode, sync_every=every) if mode != "every-step" else None
     engine = PipelineEngine(
         specs,
         mesh,
@@ -84,8 +130,9 @@ def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) 
         dp_rank=mesh.dp_rank,
         dp_size=2,
     )
-    sent = [0]
-    _slow_dp_link(mesh.dp_group, args["latency"], args["bandwidth"], sent)
+    server = engine.param_server
+    link.groups = [mesh.dp_group, *(server.groups if server is not None else [])]
+    link.sent = 0
     losses, ends = [], []
     start = time.perf_counter()
     for step in range(args["steps"]):
@@ -94,11 +141,12 @@ def _worker(rank: int, world: int, args: dict[str, Any], mode: str, every: int) 
     held_out = [engine.eval_step(*loader.batch_at(10**6 + i)) for i in range(EVAL_BATCHES)]
     engine.close()
     return {
+        "staleness": max(server.staleness) if server is not None else 0,
         "dp": mesh.dp_rank,
         "losses": losses,
         "ends": ends,
         "eval": statistics.mean(held_out),
-        "bytes_per_step": sent[0] / args["steps"],
+        "bytes_per_step": link.sent / args["steps"],
     }
 
 
@@ -115,6 +163,7 @@ def _summary(ranks: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any
         "eval": statistics.mean(r["eval"] for r in replicas),
         "bytes_per_step": max(r["bytes_per_step"] for r in ranks),
         "wall_s": ends[-1],
+        "staleness": max(r["staleness"] for r in ranks),
     }
 
 
@@ -122,7 +171,11 @@ def _row(mode: str, every: int, link: str, result: dict[str, Any], marks: list[i
     losses, ends = result["losses"], result["ends"]
     at = [statistics.mean(losses[max(0, m - WINDOW) : m]) for m in marks]
     curve = " / ".join(f"{loss:.3f} @{ends[m - 1]:.0f}s" for loss, m in zip(at, marks, strict=True))
-    label = mode if mode == "every-step" else f"{mode} H={every}"
+    label = {"every-step": mode, "parameter-server": f"{mode} K={every}"}.get(
+        mode, f"{mode} H={every}"
+    )
+    if mode == "parameter-server":
+        label += f" (max lag {result['staleness']})"
     kib = result["bytes_per_step"] / 1024
     return (
         f"| {label} | {link} | {curve} | {result['eval']:.3f} | {result['wall_s']:.0f} | "
@@ -140,6 +193,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.05, help="slow link: s per exchange")
     parser.add_argument("--bandwidth", type=float, default=50e6, help="slow link: bytes/s")
     parser.add_argument("--modes", default=",".join(f"{m}:{h}" for m, h in MODES))
+    parser.add_argument("--links", default="fast,slow", help="fast, slow or both")
     parser.add_argument("--json", default=None, help="write every curve here")
     args = vars(parser.parse_args())
     modes = [(m, int(h)) for m, h in (item.split(":") for item in args["modes"].split(","))]
@@ -149,16 +203,15 @@ def main() -> None:
     print(f"({tokens} tokens per step)\n")
     print("| sync | dp link | loss @ wall time | held-out loss | wall s | KiB sent/step/rank |")
     print("| --- | --- | --- | --- | --- | --- |")
+    runs = [(mode, every, link) for link in args["links"].split(",") for mode, every in modes]
+    per_rank = run_ranks(_worker, 4, args, runs, timeout_s=4 * 3600)
+    label = f"+{args['latency'] * 1e3:.0f} ms, {args['bandwidth'] / 1e6:.0f} MB/s"
     results = {}
-    for link in ("fast", "slow"):
-        slow = link == "slow"
-        run = {**args, "latency": args["latency"] * slow, "bandwidth": args["bandwidth"] * slow}
-        label = f"+{args['latency'] * 1e3:.0f} ms, {args['bandwidth'] / 1e6:.0f} MB/s"
-        for mode, every in modes:
-            ranks = run_ranks(_worker, 4, run, mode, every, timeout_s=3600)
-            result = _summary(ranks, args)
-            results[f"{mode}:{every}:{link}"] = result
-            print(_row(mode, every, label if slow else "local", result, marks), flush=True)
+    for i, (mode, every, link) in enumerate(runs):
+        result = _summary([rank[i] for rank in per_rank], args)
+        results[f"{mode}:{every}:{link}"] = result
+        shown = label if link == "slow" else "local"
+        print(_row(mode, every, shown, result, marks), flush=True)
     if args["json"]:
         Path(args["json"]).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
 

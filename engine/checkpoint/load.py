@@ -85,7 +85,11 @@ class _Staged:
 
 def _rejoin_meetings(engine: PipelineEngine, outer: dict[int, torch.Tensor] | None) -> None:
     """Semi-synchronous replicas: the loaded weights are the last meeting's (DiLoCo's anchors),
-    with the outer momentum the checkpoint kept (from zero when it kept none)."""
+    with the outer momentum the checkpoint kept (from zero when it kept none); a parameter
+    server's masters become the loaded weights."""
+    server = getattr(engine, "param_server", None)
+    if server is not None:
+        server.reload()
     meetings = getattr(engine, "meetings", None)
     if meetings is None:
         return

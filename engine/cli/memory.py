@@ -34,6 +34,7 @@ _NOT_MEMORY = frozenset(
     {
         *("global_batch", "lr", "weight_decay", "betas", "momentum", "adam_eps"),
         *("clip_grad_norm", "no_nonfinite_guard", "mesh_order"),
+        *("sync_every", "outer_lr", "max_staleness"),  # --dp-sync's copies do not depend on them
         "device_memory",  # its own flag below: the fit to check, and --partition memory's budget
     }
 )

@@ -23,8 +23,10 @@ from engine.config import (
     OptimizerSpec,
     ParallelConfig,
     PartitionConfig,
+    ReplicaSync,
     ScheduleConfig,
     check_layout,
+    check_replica_sync,
     format_size,
     from_flat,
     recompute_groups,
@@ -49,6 +51,7 @@ from engine.memory.states import (
     ParamInfo,
     StateLayout,
     optimizer_bytes,
+    replica_sync_bytes,
     stage_params,
     tail_peak,
 )
@@ -94,6 +97,8 @@ class MemoryConfig:
     batch: BatchConfig = field(default_factory=lambda: BatchConfig(global_batch=4))
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(precision="bf16"))
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    replica_sync: ReplicaSync = field(default_factory=ReplicaSync)
+    """How the replicas stay together: DiLoCo and the parameter server keep more copies."""
     device: str = "cuda"
     """Device model: cuda (512-byte allocator blocks, CUDA's kernels) or cpu (exact bytes)."""
 
@@ -128,6 +133,14 @@ class MemoryConfig:
             schedule=self.schedule,
             batch=self.batch,
             engine=self.engine,
+        )
+        check_replica_sync(
+            self.replica_sync,
+            dp=self.parallel.dp,
+            zero=self.engine.zero,
+            saves=False,
+            save_every=1,
+            steps=1,
         )
 
     @staticmethod
@@ -191,10 +204,18 @@ class StageMemory:
     step_peak: int
     """Peak over the step on top of weights and optimizer states: activations, gradients,
     buffers, the DP all-reduce and the optimizer's temporaries."""
+    replica_copies: int = 0
+    """Kept across steps by `--dp-sync`: DiLoCo's last-meeting weights and outer momentum,
+    the parameter server's fp32 masters on its rank (`replica_sync_bytes`)."""
+
+    @property
+    def kept(self) -> int:
+        """Bytes kept across steps: weights, optimizer states and the dp sync's copies."""
+        return self.weights + self.optimizer + self.replica_copies
 
     @property
     def peak(self) -> int:
-        return self.weights + self.optimizer + self.step_peak
+        return self.kept + self.step_peak
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -429,7 +450,7 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     )
     rank_peaks = tuple(
         _step_peak(config, layout, layout.schedule.stages_of(r), traces)
-        + sum(stages[s].weights + stages[s].optimizer for s in layout.schedule.stages_of(r))
+        + sum(stages[s].kept for s in layout.schedule.stages_of(r))
         for r in range(config.parallel.pp)
     )
     return MemoryReport(
@@ -482,4 +503,5 @@ def stage_memory(
         weight_copies=weight_copies,
         in_flight=in_flight(stage_actions(layout.schedule, stage)),
         step_peak=step_peak,
+        replica_copies=replica_sync_bytes(params, config.replica_sync, layout.block),
     )

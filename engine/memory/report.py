@@ -58,11 +58,13 @@ def _title(report: MemoryReport) -> str:
 def format_report(report: MemoryReport, device_memory: int | None = None) -> str:
     """The per-stage table, the rank peaks when ranks hold several stages, and the fit."""
     header = ["stage", "rank", "layers", "params", "weights", "grads", "optimizer"]
+    copies = any(s.replica_copies for s in report.stages)
+    header += ["dp-sync copies"] * copies
     header += ["kept/µb", "weight copies", "in flight", "step peak", "peak"]
     rows = [header]
     for s in report.stages:
-        sizes = [s.weights, s.gradients, s.optimizer, s.kept_per_micro_batch]
-        sizes += [s.weight_copies]
+        sizes = [s.weights, s.gradients, s.optimizer, *[s.replica_copies] * copies]
+        sizes += [s.kept_per_micro_batch, s.weight_copies]
         rows.append(
             [str(s.stage), str(s.rank), f"[{s.layers[0]}, {s.layers[1]})", _count(s.parameters)]
             + [format_size(n) for n in sizes]

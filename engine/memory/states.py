@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from engine.config import ReplicaSync
 from engine.memory.tp_shards import shard_for_tp
 from engine.memory.tracker import round_up
 from engine.parallel import castable_linear_params
@@ -30,6 +31,7 @@ __all__ = [
     "megatron_activations",
     "optimizer_bytes",
     "param_info",
+    "replica_sync_bytes",
     "stage_params",
     "tail_peak",
 ]
@@ -150,6 +152,18 @@ def optimizer_bytes(params: Sequence[ParamInfo], states: StateLayout) -> int:
         sum(2 * round_up(4 * p.numel, states.block) + step for p in shard)
         for shard in _own(params, states)
     )
+
+
+def replica_sync_bytes(params: Sequence[ParamInfo], sync: ReplicaSync, block: int = 1) -> int:
+    """What a `--dp-sync` keeps beside the replica's own states, per parameter of the stage:
+    DiLoCo the weights of the last meeting and, with outer momentum, its buffer (fp32 each);
+    the parameter server its fp32 masters on the server rank (dp rank 0), whose optimizer
+    states are the `optimizer` bytes (the replicas' own optimizers never step, so hold none)."""
+    copies = {
+        "diloco": 1 + (sync.outer_momentum > 0),
+        "parameter-server": 1,
+    }.get(sync.dp_sync, 0)
+    return copies * sum(round_up(4 * p.numel, block) for p in params)
 
 
 def dp_buckets(params: Sequence[ParamInfo]) -> list[list[ParamInfo]]:

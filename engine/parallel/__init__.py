@@ -1,10 +1,11 @@
 """What shards a stage across ranks: tensor-parallel plans (DTensor) over the mesh's `tp`
 dimension; over its `dp` replicas, ZeRO-1/2 flat buffers with sharded fp32 masters and
 optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2; or replicas that
-train alone and meet every H steps (local SGD, DiLoCo)."""
+train alone and meet every H steps (local SGD, DiLoCo), or push to a parameter server."""
 
 from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
 from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
+from engine.parallel.param_server import ParameterServer
 from engine.parallel.replica_meeting import ReplicaMeetings
 from engine.parallel.tensor_parallel import (
     SequenceShards,
@@ -25,6 +26,7 @@ __all__ = [
     "FlatGroup",
     "FullyShardedLayers",
     "OptimizerBuilder",
+    "ParameterServer",
     "ReplicaMeetings",
     "SequenceShards",
     "ShardedOptimizer",

@@ -27,6 +27,7 @@ from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied
 from engine.config import EngineOptions, OptimizerSpec, ReplicaSync, check_zero_optimizer
 from engine.parallel import (
     FullyShardedLayers,
+    ParameterServer,
     ReplicaMeetings,
     SequenceShards,
     ShardedOptimizer,
@@ -101,6 +102,8 @@ class PipelineEngine:
         self.sharded: ShardedOptimizer | None = None
         """ZeRO-1/2: the flat buffers, sharded masters and their optimizer (`engine.parallel`)."""
         self.optimizer = self._build_optimizer(optimizer)
+        self.param_server = self._build_param_server()
+        """--dp-sync parameter-server: this rank's side of its stage's server (else None)."""
         self._previous_figures: Callable[[], tuple[float, float]] | None = None
         self.gradients = self._build_gradients(specs)
         self.scaler = LossScaler.of(self.options)
@@ -184,6 +187,40 @@ class PipelineEngine:
             )
         params = list(self.module.parameters())
         return ReplicaMeetings(params, self.mesh.dp_group, sync, dp=self.mesh.dp)
+
+    def _build_param_server(self) -> ParameterServer | None:
+        """Pair groups (server, replica) for every stage's dp group, made by every rank in
+        one order; this rank's side of its own stage's server."""
+        sync, mesh = self.replica_sync, self.mesh
+        if sync.dp_sync != "parameter-server" or mesh.dp == 1 or self.optimizer is None:
+            return None
+        if self.options.zero:
+            raise ValueError(
+                f"dp_sync='parameter-server' with zero={self.options.zero}: the server holds "
+                "each stage's whole optimizer state; use zero=0 or every-step"
+            )
+        links: dict[int, tuple[dist.ProcessGroup, int]] = {}
+        for pp_rank in range(mesh.pp):
+            for tp_rank in range(mesh.tp):
+                ranks = [
+                    mesh.global_rank(pp_rank=pp_rank, dp_rank=d, tp_rank=tp_rank)
+                    for d in range(mesh.dp)
+                ]
+                for d in range(1, mesh.dp):
+                    group = dist.new_group([ranks[0], ranks[d]], timeout=timedelta(days=1))
+                    if mesh.rank == ranks[0]:
+                        links[d] = (group, ranks[d])
+                    elif mesh.rank == ranks[d]:
+                        links[0] = (group, ranks[0])
+        return ParameterServer(
+            list(self.module.parameters()),
+            self.optimizer,
+            dp_rank=mesh.dp_rank,
+            dp=mesh.dp,
+            max_staleness=sync.max_staleness,
+            links=links,
+            timeout_s=self.timeout_s,
+        )
 
     def _build_ties(self, specs: Sequence[LayerSpec], partition: Partition) -> TiedWeights:
         tied: dict[str, nn.Parameter] = {}
@@ -329,7 +366,10 @@ class PipelineEngine:
     def _optimizer_step(self, skipped: bool) -> float:
         """Step (unless skipped) and update fp16's loss scale; returns the scale this step
         used (1 without one)."""
-        if self.sharded is not None and not skipped:
+        if self.param_server is not None:
+            with naming_failures("the parameter server (--dp-sync)", timeout_s=self.timeout_s):
+                self.param_server.step(skipped)
+        elif self.sharded is not None and not skipped:
             self.sharded.step()
         elif self.optimizer is not None and not skipped:
             self.optimizer.step()
@@ -457,7 +497,7 @@ class PipelineEngine:
         return timings, self._global_loss()
 
     def _step_context(self, schedule: Schedule) -> StepContext:
-        every_step = self.mesh.dp > 1 and self.meetings is None
+        every_step = self.mesh.dp > 1 and not self.replica_sync.alone
         dp_reduce = self._dp_reduce.start if every_step else lambda: None
         if self.mesh.tp > 1:
             dp_reduce = functools.partial(
@@ -492,10 +532,10 @@ class PipelineEngine:
         return self.sharded is not None and self.sharded.level == 2 and bool(self.ties.groups)
 
     def _global_loss(self) -> float:
-        """The batch's mean loss; a semi-synchronous replica's own (the dp group stays idle
-        between meetings)."""
+        """The batch's mean loss; a replica's own when replicas step alone (semi-synchronous
+        ones leave the dp group idle between meetings, a parameter server's never use it)."""
         loss = self.reports.loss().clone()
-        if self.mesh.dp > 1 and self.meetings is None:
+        if self.mesh.dp > 1 and not self.replica_sync.alone:
             with naming_failures("the loss's data-parallel mean", timeout_s=self.timeout_s):
                 dist.all_reduce(loss, group=self.mesh.dp_group)
             loss /= self.mesh.dp
@@ -510,6 +550,8 @@ class PipelineEngine:
         if self.closed:
             return
         self.closed = True
+        if self.param_server is not None:
+            self.param_server.close(wait=wait_for_peers)
         if wait_for_peers and self.mesh.world_size > 1:
             with naming_failures("closing the engine (a barrier)", timeout_s=self.timeout_s):
                 self.exchange.wait_sends()
@@ -518,6 +560,7 @@ class PipelineEngine:
                 dist.barrier()
         groups = [*self.channels.edges.values(), self.channels.reports]
         groups += self.ties.groups.values()
+        groups += self.param_server.groups if self.param_server is not None else []
         for group in {id(g): g for g in groups if g is not None}.values():
             dist.destroy_process_group(group)
 

@@ -84,6 +84,7 @@ def _memory_partition(config: TrainConfig) -> Partition:
             batch=config.batch,
             engine=config.engine,
             optimizer=config.optimizer,
+            replica_sync=config.replica_sync,
             device="cuda" if gpu else "cpu",
         )
         return resolve(memory).partition

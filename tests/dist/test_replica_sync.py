@@ -1,8 +1,11 @@
-"""Semi-synchronous data parallelism (local SGD, DiLoCo) on pp 2 × dp 2: what the algorithms
-promise, against every-step sync on the same four ranks, all runs in one launch.
+"""Semi-synchronous data parallelism (local SGD, DiLoCo) and the parameter server on pp 2 ×
+dp 2: what the algorithms promise, against every-step sync on the same four ranks, all runs in
+one launch.
 
 Plain SGD (no momentum, no weight decay) makes one local step and an average of the weights
-the same update as a step on the averaged gradients, up to the order of float sums.
+the same update as a step on the averaged gradients, up to the order of float sums. A
+parameter server with K = 0 steps the mean of the replicas' gradients before any replica
+computes the next step: every-step sync, up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ SYNCS = {
     "diloco H=1 lr=1 m=0": ReplicaSync(dp_sync="diloco", outer_lr=1.0, outer_momentum=0.0),
     "diloco H=2": ReplicaSync(dp_sync="diloco", sync_every=2),
     "local-sgd H=3": ReplicaSync(dp_sync="local-sgd", sync_every=3),
+    "ps K=0": ReplicaSync(dp_sync="parameter-server"),
+    "ps K=1": ReplicaSync(dp_sync="parameter-server", max_staleness=1),
 }
 RESUMED = ReplicaSync(dp_sync="diloco", sync_every=2, outer_momentum=0.9)
 
@@ -87,8 +92,16 @@ def _train(sync: ReplicaSync) -> dict[str, Any]:
     engine = _engine(sync)
     with _counting_exchanges(engine.mesh.dp_group) as dp_exchanges:
         params = _steps(engine, range(STEPS))
+    server = engine.param_server
     engine.close()
-    return {"dp": engine.mesh.dp_rank, "params": params, "dp_exchanges": dp_exchanges[0]}
+    return {
+        "dp": engine.mesh.dp_rank,
+        "params": params,
+        "dp_exchanges": dp_exchanges[0],
+        "staleness": server.staleness if server is not None else [],
+        "bytes_per_step": server.bytes_per_step if server is not None else 0.0,
+        "server_bytes": server.server_bytes() if server is not None else 0,
+    }
 
 
 def _resume(root: str) -> dict[str, Any]:
@@ -167,3 +180,32 @@ def test_a_diloco_resume_keeps_the_outer_momentum_and_equals_the_uninterrupted_r
         straight, again = rank["uninterrupted"], rank["resumed"]
         assert straight.keys() == again.keys()
         assert all(torch.equal(straight[n], again[n]) for n in straight)
+
+
+def test_a_parameter_server_with_staleness_0_equals_every_step_sync(runs: Any) -> None:
+    for dp in (0, 1):
+        _close(_replica(runs["ps K=0"], dp), _replica(runs["every-step"], 0))
+
+
+def test_staleness_0_computes_every_step_on_the_current_weights(runs: Any) -> None:
+    assert all(rank["staleness"] == [0] * STEPS for rank in runs["ps K=0"])
+
+
+def test_no_replica_runs_more_than_k_updates_ahead_of_the_server(runs: Any) -> None:
+    assert all(len(rank["staleness"]) == STEPS for rank in runs["ps K=1"])
+    assert all(0 <= lag <= 1 for rank in runs["ps K=1"] for lag in rank["staleness"])
+
+
+def test_a_parameter_server_leaves_the_dp_group_idle_and_moves_a_stage_each_way(
+    runs: Any,
+) -> None:
+    """Its pair groups carry the traffic: each replica other than the server's pushes its
+    stage's fp32 gradients (after a 24-byte header) and pulls its weights (after an 8-byte
+    answer) every step with K = 0; the server's rank keeps the fp32 masters (plain SGD keeps
+    no state), the other replica nothing."""
+    for rank in runs["ps K=0"]:
+        numel = sum(t.numel() for t in rank["params"].values())
+        assert rank["dp_exchanges"] == 0
+        if rank["dp"] == 1:
+            assert rank["bytes_per_step"] == 2 * 4 * numel + 24 + 8
+        assert rank["server_bytes"] == (4 * numel if rank["dp"] == 0 else 0)

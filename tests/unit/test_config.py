@@ -70,6 +70,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "sync_every",
         "outer_lr",
         "outer_momentum",
+        "max_staleness",
         "data_order",
         "pack_documents",
         "val_data",
