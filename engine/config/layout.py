@@ -70,9 +70,3 @@ def _check_tensor_parallel_options(
         f"rank sends 1/{tp} of the activation, split along the sequence; use a --seq-len that "
         f"is a multiple of {tp}",
     )
-    require(
-        engine.zero in (0, 3),
-        f"--tp {tp} with --zero {engine.zero}: the flat buffers of ZeRO-1 and 2 hold plain "
-        "tensors, not tensor-parallel (DTensor) shards; use --zero 3 (FSDP2 over the (dp, tp) "
-        "mesh), drop --zero or use --tp 1",
-    )

@@ -216,7 +216,7 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
     level, or half the replicas traded for twice the pipeline stages or the tensor-parallel
     width (with twice the micro-batches per replica). A user with 64 GPUs asks how to place
     the model on them, not on more; one the configuration refuses (tp not dividing the heads,
-    ZeRO with tp, more stages than layers) is no candidate."""
+    more stages than layers) is no candidate."""
     parallel, micro_batches = config.parallel, config.schedule.micro_batches
     changes: list[tuple[str, dict[str, object], str]] = [
         (f"--zero {level}", {"zero": level}, _ZERO_NOTES.get(level, ""))

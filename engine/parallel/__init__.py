@@ -3,7 +3,12 @@ dimension; over its `dp` replicas, ZeRO-1/2 flat buffers with sharded fp32 maste
 optimizer state (Megatron's distributed optimizer) and ZeRO-3 through FSDP2; or replicas that
 train alone and meet every H steps (local SGD, DiLoCo), or push to a parameter server."""
 
-from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
+from engine.parallel.flat import (
+    FlatGroup,
+    add_into_main_grad,
+    castable_linear_params,
+    local_gradient,
+)
 from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
 from engine.parallel.param_server import ParameterServer
 from engine.parallel.replica_meeting import ReplicaMeetings
@@ -37,6 +42,7 @@ __all__ = [
     "castable_linear_params",
     "check_unshared",
     "full_tensor",
+    "local_gradient",
     "local_tensor",
     "parallelize_layers",
     "shard_layers",

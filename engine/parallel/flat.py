@@ -6,6 +6,11 @@ into it updates every layer at once. Each parameter's fp32 gradient accumulates 
 of a flat fp32 buffer (`main_grad`), whatever dtype the weight is kept in: a low-precision
 weight's gradient is added there by a hook, as `WeightCopies` adds it into the master, and an
 fp32 weight's `.grad` is that view itself (autograd adds in place).
+
+Under tensor parallelism the parameters are DTensors and each tp rank flattens its local
+shards: the buffers are plain tensors of this rank's slices, reduced over the dp replicas of
+its (stage, tp coordinate), and each DTensor is swapped in place (identity kept, so ties and
+module references hold) for one whose local tensor is its view of the buffer.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["FlatGroup", "add_into_main_grad", "castable_linear_params"]
+from engine.parallel.tensor_parallel import local_tensor
+
+__all__ = ["FlatGroup", "add_into_main_grad", "castable_linear_params", "local_gradient"]
 
 
 def castable_linear_params(module: nn.Module) -> list[nn.Parameter]:
@@ -44,6 +52,8 @@ class _Slot:
     param: nn.Parameter
     start: int
     numel: int
+    shape: torch.Size
+    """The parameter's local shape (its tp shard's, or its own)."""
 
     @property
     def stop(self) -> int:
@@ -65,19 +75,20 @@ class FlatGroup:
         self.dtype = dtype
         slots, offset = [], 0
         for param in params:
-            slots.append(_Slot(param, offset, param.numel()))
-            offset += param.numel()
+            local = local_tensor(param)
+            slots.append(_Slot(param, offset, local.numel(), local.shape))
+            offset += local.numel()
         self.slots: tuple[_Slot, ...] = tuple(slots)
         self.numel = offset
         padded = -(-offset // dp) * dp
         self.shard_numel = padded // dp
         self.shard = slice(dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel)
         self.weights = torch.zeros(padded, dtype=dtype, device=params[0].device)
-        full = self.flatten(lambda p: p.detach())
+        full = self.flatten(lambda p: local_tensor(p.detach()))
         with torch.no_grad():
             self.weights.copy_(full)
             for slot in self.slots:
-                slot.param.data = self.weights[slot.start : slot.stop].view_as(slot.param)
+                _rebind(slot.param, self.weights[slot.start : slot.stop].view(slot.shape))
         narrow = dtype != torch.float32
         self.master = full[self.shard].clone() if narrow else self.weights[self.shard]
         """This rank's fp32 master shard: what the optimizer steps."""
@@ -111,9 +122,10 @@ class FlatGroup:
         an fp32 parameter's `.grad` too (autograd adds into it in place, as into `.grad`)."""
         self.grads = torch.zeros(self.padded, dtype=torch.float32, device=self.weights.device)
         for slot in self.slots:
-            view = self.grads[slot.start : slot.stop].view_as(slot.param)
+            view = self.grads[slot.start : slot.stop].view(slot.shape)
             slot.param.main_grad = view  # type: ignore[attr-defined]
-            slot.param.grad = view if slot.param.dtype == torch.float32 else None
+            fp32 = slot.param.dtype == torch.float32
+            slot.param.grad = _laid_out_as(slot.param, view) if fp32 else None
 
     def end_accumulation(self) -> None:
         """Drop the full gradient buffer and every view of it (ZeRO-2 keeps only its shard)."""
@@ -127,17 +139,17 @@ class FlatGroup:
         return full[self.shard]
 
     def flatten(self, per_param: Callable[[nn.Parameter], torch.Tensor]) -> torch.Tensor:
-        """A full flat fp32 tensor built from one tensor per parameter (padding zero)."""
+        """A full flat fp32 tensor built from one tensor per parameter, of its local shape
+        (padding zero)."""
         out = torch.zeros(self.padded, dtype=torch.float32, device=self.weights.device)
         for slot in self.slots:
             out[slot.start : slot.stop].copy_(per_param(slot.param).reshape(-1))
         return out
 
     def unflatten(self, full: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Each parameter's part of a full flat tensor (views), by parameter id."""
+        """Each parameter's part of a full flat tensor (views of its local shape), by id."""
         return {
-            id(slot.param): full[slot.start : slot.stop].view(slot.param.shape)
-            for slot in self.slots
+            id(slot.param): full[slot.start : slot.stop].view(slot.shape) for slot in self.slots
         }
 
 
@@ -147,4 +159,41 @@ def add_into_main_grad(param: torch.Tensor) -> None:
     grad, param.grad = param.grad, None
     main = getattr(param, "main_grad", None)
     if grad is not None and main is not None:
-        main.add_(grad)
+        main.add_(local_gradient(param, grad))
+
+
+def local_gradient(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`grad` as a tensor of `param`'s local shape, to add into its `main_grad`: a DTensor
+    gradient laid out as the parameter first (DTensor's backward may leave a sharded weight's
+    gradient replicated or partial), then its local tensor; a plain one as it is."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad.to_local()
+
+
+def _laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (of `param`'s local shape) as a tensor laid out as `param`: a DTensor on its
+    mesh and placements, or `local` itself."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )
+
+
+def _rebind(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make `view` (of the flat buffer) the parameter's storage, keeping its identity: a plain
+    one by `.data`; a DTensor is swapped for one whose local tensor is the view (a DTensor's
+    `.data` would change its dtype, not its local tensor)."""
+    if not isinstance(param, DTensor):
+        param.data = view
+        return
+    new = nn.Parameter(_laid_out_as(param, view), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)

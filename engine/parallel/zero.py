@@ -13,6 +13,11 @@ reduce-scatters them, and each rank keeps only its shard's gradient. Both start 
 stage's last backward of the step is done and are waited for before the norm. After the
 optimizer steps each rank's shard (the same torch optimizer class as the reference, on flat
 shard tensors), the updated masters are cast to the weights' dtype and all-gathered into them.
+
+With tensor parallelism each tp rank flattens its local shards (`FlatGroup`) and `group` is
+the dp group of its (stage, tp coordinate): the replicas of one tp slice. Norms count a
+tp-split weight as the sum of its shards' squares over the tp group and a replicated one
+once; whole masters and optimizer state (checkpoints) are gathered over dp, then over tp.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
+from engine.parallel.tensor_parallel import shard_like, split_over_tp
 
 __all__ = ["OptimizerBuilder", "ShardedOptimizer"]
 
@@ -40,7 +47,8 @@ class ShardedOptimizer:
     `param_groups` are the reference optimizer's groups (parameters and hyper-parameters);
     `dtype` is the compute dtype (fp32 keeps every weight fp32). The torch optimizer it steps
     is `optimizer`: an ordinary one over this rank's flat master shards, so learning-rate
-    schedules and hyper-parameter checks work on it as on any other.
+    schedules and hyper-parameter checks work on it as on any other. `tp_group`: the
+    tensor-parallel ranks of this stage when its parameters are tp shards (DTensors).
     """
 
     def __init__(
@@ -54,10 +62,13 @@ class ShardedOptimizer:
         group: dist.ProcessGroup | None,
         dp: int,
         dp_rank: int,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if level not in (1, 2):
             raise ValueError(f"ShardedOptimizer shards at ZeRO level 1 or 2, not {level}")
-        self.level, self.group, self.dp = level, group, dp
+        self.level, self.group, self.dp, self.tp_group = level, group, dp, tp_group
+        self._split = {id(p) for p in module.parameters() if split_over_tp(p)}
+        """The parameters tensor parallelism splits (their norms sum over the tp group)."""
         self.num_groups = len(param_groups)
         narrow = set()
         if dtype != torch.float32:
@@ -148,31 +159,52 @@ class ShardedOptimizer:
         """Each parameter's gradient norm at its global position (`positions`: parameter id →
         position; others are skipped), as the reference computes it: from the whole reduced
         gradient under ZeRO-1; under ZeRO-2 from the shards, summed over the replicas (a
-        parameter whole in one shard keeps its exact norm)."""
+        parameter whole in one shard keeps its exact norm). A tp-split parameter's squares
+        are summed over the tp group too; a replicated one counts once."""
         device = self.flats[0].weights.device if self.flats else torch.device("cpu")
-        whole = torch.zeros(length, dtype=torch.float32, device=device)
-        partial = torch.zeros(length, dtype=torch.float32, device=device)
+        norms = torch.zeros(3, length, dtype=torch.float32, device=device)
+        whole, partial, split = norms[0], norms[1], norms[2]
         for flat in self.flats:
             if flat.grads is not None:
                 for slot in flat.slots:
                     if id(slot.param) in positions:
                         view = flat.grads[slot.start : slot.stop]
-                        whole[positions[id(slot.param)]] = torch.linalg.vector_norm(view, 2.0)
+                        self._put(norms, slot.param, positions, view, whole=True)
                 continue
             assert flat.shard_grad is not None
             for slot, inside, in_shard in flat.owned():
-                if id(slot.param) not in positions:
-                    continue
-                norm = torch.linalg.vector_norm(flat.shard_grad[in_shard], 2.0)
-                if inside.stop - inside.start == slot.numel:
-                    whole[positions[id(slot.param)]] = norm
-                else:
-                    partial[positions[id(slot.param)]] += norm.square()
+                if id(slot.param) in positions:
+                    all_of_it = inside.stop - inside.start == slot.numel
+                    view = flat.shard_grad[in_shard]
+                    self._put(norms, slot.param, positions, view, whole=all_of_it)
+        if self.level == 2 and self.dp > 1:
+            dist.all_reduce(norms if self.tp_group is not None else norms[:2], group=self.group)
+        if self.tp_group is not None:
+            dist.all_reduce(split, group=self.tp_group)
+            return whole + partial.sqrt() + split.sqrt()
         if self.level == 1 or self.dp == 1:
             return whole
-        both = torch.cat([whole, partial])
-        dist.all_reduce(both, group=self.group)
-        return both[:length] + both[length:].sqrt()
+        return whole + partial.sqrt()
+
+    def _put(
+        self,
+        norms: torch.Tensor,
+        param: nn.Parameter,
+        positions: Mapping[int, int],
+        grad: torch.Tensor,
+        *,
+        whole: bool,
+    ) -> None:
+        """Record one gradient's part: its norm when it is the whole parameter's, else its
+        square to be summed (over dp, and over tp for a tp-split parameter)."""
+        norm = torch.linalg.vector_norm(grad, 2.0)
+        position = positions[id(param)]
+        if id(param) in self._split:
+            norms[2, position] += norm.square()
+        elif whole:
+            norms[0, position] = norm
+        else:
+            norms[1, position] += norm.square()
 
     def step(self) -> None:
         """Step this rank's shard, then cast and all-gather the updated weights."""
@@ -193,10 +225,11 @@ class ShardedOptimizer:
         return full
 
     def full_masters(self) -> dict[int, torch.Tensor]:
-        """Every parameter's fp32 master, whole (collective over the replicas)."""
+        """Every parameter's fp32 master, whole (collective over the replicas, then over the
+        tp ranks for tp shards)."""
         out: dict[int, torch.Tensor] = {}
         for flat in self.flats:
-            out.update(flat.unflatten(self._gather(flat, flat.master)))
+            out.update(_whole_over_tp(flat, flat.unflatten(self._gather(flat, flat.master))))
         return out
 
     def full_state(self) -> dict[int, dict[str, Any]]:
@@ -209,7 +242,8 @@ class ShardedOptimizer:
             per_param: dict[int, dict[str, Any]] = {id(s.param): {} for s in flat.slots}
             for key, value in sorted(state.items()):
                 if isinstance(value, torch.Tensor) and value.dim() == 1:
-                    for pid, part in flat.unflatten(self._gather(flat, value)).items():
+                    parts = _whole_over_tp(flat, flat.unflatten(self._gather(flat, value)))
+                    for pid, part in parts.items():
                         per_param[pid][key] = part
                 else:
                     for entry in per_param.values():
@@ -223,11 +257,12 @@ class ShardedOptimizer:
         state: Mapping[int, Mapping[str, Any]] | None,
         hyper: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
-        """Set weights and masters from whole fp32 tensors (by parameter id) and, when given,
-        the optimizer state per parameter and the hyper-parameters per reference group."""
+        """Set weights and masters from whole fp32 tensors (by parameter id; a tp shard takes
+        its slice) and, when given, the optimizer state per parameter and the
+        hyper-parameters per reference group."""
         with torch.no_grad():
             for flat in self.flats:
-                full = flat.flatten(lambda p: masters[id(p)])
+                full = flat.flatten(lambda p: shard_like(p, masters[id(p)]))
                 flat.weights.copy_(full)
                 if flat.dtype != torch.float32:
                     flat.master.copy_(full[flat.shard])
@@ -240,7 +275,26 @@ class ShardedOptimizer:
 
 
 def _state_of(state: Mapping[int, Mapping[str, Any]], key: str, param: nn.Parameter) -> Any:
-    return state[id(param)][key]
+    return shard_like(param, state[id(param)][key])
+
+
+def _whole_over_tp(flat: FlatGroup, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Each parameter's part (its local shape) whole: a tp shard gathered over its tp group
+    (collective; every tp rank walks the same parameters in the same order)."""
+    for slot in flat.slots:
+        param = slot.param
+        if isinstance(param, DTensor):
+            local = parts[id(param)].contiguous()
+            spread = DTensor.from_local(
+                local,
+                param.device_mesh,
+                param.placements,
+                shape=param.shape,
+                stride=param.stride(),
+                run_check=False,
+            )
+            parts[id(param)] = spread.full_tensor()
+    return parts
 
 
 def _shard_state(flat: FlatGroup, state: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:

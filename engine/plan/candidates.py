@@ -4,9 +4,9 @@ engine accepts for a model on a number of devices.
 The engine's own refusals (`engine.config.check_layout`) are applied here as rules, so no
 candidate is one `meshpipe train` would refuse: tensor parallelism within a node, dividing the
 model's heads and widths, and with a sequence length it divides when stages exchange shards;
-ZeRO neither with tensor parallelism nor without replicas; ZeRO-3 resharded per micro-batch
-not with a split backward (zb_*); at most one stage per layer; interleaved 1F1B with a multiple
-of the pipeline's ranks as micro-batches.
+ZeRO only with replicas (every level composes with tensor parallelism); ZeRO-3 resharded per
+micro-batch not with a split backward (zb_*); at most one stage per layer; interleaved 1F1B
+with a multiple of the pipeline's ranks as micro-batches.
 """
 
 from __future__ import annotations
@@ -112,12 +112,13 @@ def _schedules(pp: int, num_layers: int, names: Sequence[str]) -> Iterator[tuple
 
 
 def _zero_levels(mesh: Mesh, split: bool) -> Iterator[tuple[int, str]]:
-    """The ZeRO levels the engine runs on `mesh`: none without replicas; with tp only ZeRO-3
-    (FSDP2 over the (dp, tp) mesh: ZeRO-1/2's flat buffers hold plain tensors)."""
+    """The ZeRO levels the engine runs on `mesh`: none without replicas; with tp each shards
+    the tp ranks' slices over their replicas (ZeRO-1/2's flat buffers of local shards, FSDP2
+    over the (dp, tp) mesh)."""
     yield 0, "step"
     if mesh.dp == 1:
         return
-    for level in (3,) if mesh.tp > 1 else ZERO_LEVELS[1:]:
+    for level in ZERO_LEVELS[1:]:
         yield level, "step"
     if not split:
         yield 3, "micro-batch"

@@ -76,7 +76,7 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         self.replica_sync = replica_sync or ReplicaSync()
         """How this stage's replicas stay together: every step, or every H steps."""
-        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options.zero)
+        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
         self.schedule, self.eval_schedule = lowered_schedules(
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
@@ -274,6 +274,7 @@ class PipelineEngine:
                 group=self.mesh.dp_group,
                 dp=self.mesh.dp,
                 dp_rank=self.mesh.dp_rank,
+                tp_group=self.mesh.tp_group if self.mesh.tp > 1 else None,
             )
             return self.sharded.optimizer
         if isinstance(optimizer, OptimizerSpec):
@@ -577,14 +578,7 @@ def _check_layout(
     partition: Partition,
     micro_batches: int,
     stages_per_rank: int,
-    zero: int,
 ) -> None:
-    if mesh.tp > 1 and zero in (1, 2):
-        raise ValueError(
-            f"tp={mesh.tp} with ZeRO-{zero}: the flat buffers of ZeRO-1 and 2 hold plain "
-            "tensors, not tensor-parallel (DTensor) shards; use zero=3 (FSDP2 over the (dp, tp) "
-            "mesh), zero=0 or tp=1"
-        )
     if partition.num_layers != len(specs):
         raise ValueError(
             f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "

@@ -97,9 +97,11 @@ def build_sharded(
     group: dist.ProcessGroup | None,
     dp: int,
     dp_rank: int,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> ShardedOptimizer:
     """ZeRO-`level` (1 or 2) over `group`: the same optimizer class and groups as
-    `build_from_spec`, stepping this rank's flat master shards."""
+    `build_from_spec`, stepping this rank's flat master shards (of its tp shards, with
+    `tp_group`)."""
     cls, kwargs = _optimizer_class(spec.name, spec.impl, spec.betas, spec.momentum, spec.eps)
     groups = _param_groups(module.named_parameters(), spec.weight_decay)
     return ShardedOptimizer(
@@ -111,4 +113,5 @@ def build_sharded(
         group=group,
         dp=dp,
         dp_rank=dp_rank,
+        tp_group=tp_group,
     )

@@ -21,6 +21,7 @@ from engine.config import recompute_groups
 from engine.parallel import (
     as_gradient_of,
     build_sharded_layers,
+    local_gradient,
     local_tensor,
     parallelize_layers,
     sharded_loss_scope,
@@ -407,7 +408,7 @@ def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | 
             continue
         main = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation buffer
         if main is not None:
-            main.add_(value)
+            main.add_(local_gradient(param, value))
             continue
         value = as_gradient_of(param, value)
         if param.grad is None:

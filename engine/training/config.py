@@ -77,18 +77,20 @@ class TrainConfig:
         )
         world = self.parallel.pp * self.parallel.dp
         check_zero_optimizer(self.engine.zero, self.optimizer.impl, world)
+        flat = self.engine.zero in (1, 2)  # ZeRO-1/2 step plain flat shards, not DTensors
         require(
-            self.parallel.tp == 1 or self.optimizer.impl != "deepspeed_cpu",
+            self.parallel.tp == 1 or flat or self.optimizer.impl != "deepspeed_cpu",
             f"--tp {self.parallel.tp} with --optimizer-impl deepspeed_cpu: DeepSpeed's CPU Adam "
             "updates plain tensors, not the DTensor shards of a tensor-parallel stage; use "
-            "--optimizer-impl fused or per_tensor, or --tp 1",
+            "--optimizer-impl fused or per_tensor, --zero 1 or 2 (flat buffers), or --tp 1",
         )
         require(
             self.parallel.tp == 1
+            or flat
             or not (self.optimizer.name == "sgd" and self.optimizer.impl == "fused"),
             f"--tp {self.parallel.tp} with --optimizer sgd --optimizer-impl fused: torch's fused "
             "SGD kernel cannot update DTensor shards; use --optimizer-impl per_tensor (or "
-            "adamw, whose fused kernel can), or --tp 1",
+            "adamw, whose fused kernel can), --zero 1 or 2 (flat buffers), or --tp 1",
         )
         require(
             self.monitor.flops_profile_step <= self.run.steps,

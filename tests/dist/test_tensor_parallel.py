@@ -32,19 +32,9 @@ def _tp2(
     model: str, pp: int, dp: int, schedule: str = "1f1b", micro_batches: int = 2, **options: Any
 ) -> Case:
     """A tp 2 case with SGD per tensor (torch's fused SGD kernel has no DTensor rule; fused
-    AdamW has)."""
-    return Case(
-        model,
-        pp,
-        dp,
-        schedule,
-        micro_batches,
-        "uniform",
-        "sgd",
-        tp=2,
-        optimizer_impl="per_tensor",
-        **options,
-    )
+    AdamW has), unless it says otherwise (ZeRO-1/2 step plain flat shards: fused runs)."""
+    options.setdefault("optimizer_impl", "per_tensor")
+    return Case(model, pp, dp, schedule, micro_batches, "uniform", "sgd", tp=2, **options)
 
 
 TP2 = [_tp2(model, 1, 1) for model in ("gpt-tiny", "llama")]
@@ -85,14 +75,27 @@ ZERO3_LOW_PRECISION = [
     _tp2("llama", 1, 2, precision="fp16", zero=3, recompute="full"),
     _tp2("llama", 2, 2, "zb_h1", 4, precision="bf16", zero=3),
 ]
+# ZeRO-1/2 over the (dp, tp) mesh: each tp rank's flat buffers of its local shards, sharded
+# over the replicas of its tp slice; fused SGD steps the flat shards. On the grid, the tie
+# crosses stages (ZeRO-2 sums it before the reduce-scatter) under the split backward, and fp16
+# scales the loss under recompute.
+ZERO12 = [
+    _tp2("gpt-tiny", 1, 2, clip=0.5, zero=1, optimizer_impl="fused"),
+    _tp2("gpt-untied", 1, 2, zero=2),  # unclipped: its published norm is the reference's
+    _tp2("gpt-tiny", 2, 2, "zb_h1", 4, clip=0.5, zero=2),
+]
+ZERO12_LOW_PRECISION = [
+    _tp2("llama", 1, 2, precision="bf16", zero=2, clip=0.5),
+    _tp2("llama", 2, 2, precision="fp16", zero=1, recompute="full"),
+]
 # The 8-rank ZeRO-3 cases share the grid's launch (8 processes are costly to start on 2 cores);
 # the 4-rank ones have a launch of their own, so each fixture stays within one test's timeout.
 WORLDS = (
     (2, TP2 + LOW_PRECISION),
     (4, PP2_TP2 + PP2_LOW_PRECISION + NAN),
-    (8, GRID + ZERO3[1:2] + ZERO3_LOW_PRECISION[2:]),
+    (8, GRID + ZERO3[1:2] + ZERO3_LOW_PRECISION[2:] + ZERO12[2:] + ZERO12_LOW_PRECISION[1:]),
 )
-ZERO3_WORLDS = ((4, ZERO3[::2] + ZERO3_LOW_PRECISION[:2]),)
+ZERO3_WORLDS = ((4, ZERO3[::2] + ZERO3_LOW_PRECISION[:2] + ZERO12[:2] + ZERO12_LOW_PRECISION[:1]),)
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
 ZERO3_PARAM_ATOL = 5e-4
@@ -124,7 +127,7 @@ def _results(case: Case, request: pytest.FixtureRequest) -> list[dict[str, Any]]
     return list(runs[str(case)])
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3, ids=str)
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12, ids=str)
 def test_tensor_parallel_losses_equal_the_reference_to_float_tolerance(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -146,19 +149,20 @@ def test_bf16_and_fp16_tensor_parallel_runs_equal_the_reference_to_their_roundin
             torch.testing.assert_close(value, expected, rtol=0, atol=LOW_PARAM_ATOL)
 
 
-@pytest.mark.parametrize("case", ZERO3_LOW_PRECISION, ids=str)
-def test_bf16_and_fp16_under_tp_and_zero3_equal_the_reference_to_their_rounding(
+@pytest.mark.parametrize("case", ZERO3_LOW_PRECISION + ZERO12_LOW_PRECISION, ids=str)
+def test_bf16_and_fp16_under_tp_and_zero_equal_the_reference_to_their_rounding(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
     reference = reference_run(case)
+    atol = ZERO3_PARAM_ATOL if case.zero == 3 else LOW_PARAM_ATOL  # ZeRO-1/2 cast as autocast
     for rank in _results(case, request):
         assert rank["losses"] == pytest.approx(reference["losses"], rel=LOW_LOSS_RTOL)
         for name, value in rank["params"].items():
             expected = reference["params"][name]
-            torch.testing.assert_close(value.float(), expected, rtol=0, atol=ZERO3_PARAM_ATOL)
+            torch.testing.assert_close(value.float(), expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3, ids=str)
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12, ids=str)
 def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -173,7 +177,7 @@ def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
     assert set(global_parameter_order(model_specs(case.model))) <= seen <= set(reference)
 
 
-@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1]], ids=str)
+@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1], ZERO12[2]], ids=str)
 def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_parallelism(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -184,13 +188,23 @@ def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_paral
 
 
 # Unclipped cases: the reference reads its norm after clipping, the engine before.
-@pytest.mark.parametrize("case", [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0], ZERO3[2]], ids=str)
+@pytest.mark.parametrize(
+    "case", [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0], ZERO3[2], ZERO12[1]], ids=str
+)
 def test_the_global_gradient_norm_counts_every_shard_once(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
     reference = reference_run(case)["grad_norms"]
     for rank in _results(case, request):
         assert rank["grad_norms"] == pytest.approx(reference, rel=LOSS_RTOL)
+
+
+def test_zero2_shards_each_tp_slice_over_its_replicas(request: pytest.FixtureRequest) -> None:
+    """bf16 ZeRO-2 at dp 2 × tp 2, per local (tp-shard) Linear element after the steps: the bf16
+    weight (2 bytes), and halves of the fp32 gradient, master and SGD momentum (4 / dp each)."""
+    expected = {"weights": 2, "gradients": 2, "masters": 2, "moments": 2}
+    for rank in _results(ZERO12_LOW_PRECISION[0], request):
+        assert rank["zero_bytes"] == pytest.approx(expected, rel=2e-2)
 
 
 def test_a_non_finite_step_is_skipped_by_every_stage_and_tp_rank_together(
@@ -252,7 +266,7 @@ def test_each_tp_rank_sends_its_sequence_shard_between_stages(
 
 
 def _engine(tp: int, seed: int, model: str = "gpt-tiny", zero: int = 0) -> PipelineEngine:
-    """One stage of `model` on `tp` ranks, or under ZeRO-3 on dp 2 × `tp`."""
+    """One stage of `model` on `tp` ranks, or under ZeRO on dp 2 × `tp`."""
     specs = model_specs(model)
     return PipelineEngine(
         specs,
@@ -267,12 +281,18 @@ def _engine(tp: int, seed: int, model: str = "gpt-tiny", zero: int = 0) -> Pipel
 
 
 def _full_state(engine: PipelineEngine) -> dict[str, torch.Tensor]:
-    """Every parameter and Adam moment as a full tensor, by global name."""
+    """Every parameter and Adam moment as a full tensor, by global name (ZeRO-1/2: the fp32
+    masters and state gathered over dp and tp)."""
     assert engine.optimizer is not None
+    if engine.sharded is not None:
+        masters, states = engine.sharded.full_masters(), engine.sharded.full_state()
+    else:
+        masters = {id(p): full_tensor(p.detach()) for p in engine.module.parameters()}
+        states = {id(p): engine.optimizer.state.get(p, {}) for p in engine.module.parameters()}
     out: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
-        out[name] = full_tensor(param.detach()).clone()
-        for key, value in engine.optimizer.state.get(param, {}).items():
+        out[name] = masters[id(param)].clone()
+        for key, value in states[id(param)].items():
             if key != "step":
                 out[f"{name}.{key}"] = full_tensor(value).clone()
     return out
@@ -310,13 +330,33 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_back_with_its_optimizer_state(
         assert all(torch.equal(rank[k], resaved[k]) for k in resaved)
 
 
-def test_a_tp2_zero3_checkpoint_loads_at_tp1_without_zero_and_back(tmp_path: Path) -> None:
-    """FSDP2's shards of tp shards gather to the same full tensors under the same names."""
-    sharded = tmp_path / "tp2-zero3"
-    saved = run_ranks(_save_after_a_step, 4, str(sharded), 2, "gpt-untied", 3)[0]
-    at_tp1 = run_ranks(_load, 1, str(sharded), 1, "gpt-untied")[0]
-    assert at_tp1.keys() == saved.keys()
-    assert all(torch.equal(at_tp1[k], saved[k]) for k in saved)
+def _save_each(
+    rank: int, world_size: int, roots: list[tuple[str, int]], model: str
+) -> list[dict[str, torch.Tensor]]:
+    """`_save_after_a_step` at tp 2 for each (folder, ZeRO level), in one launch."""
+    return [_save_after_a_step(rank, world_size, root, 2, model, zero) for root, zero in roots]
+
+
+def _load_each(
+    rank: int, world_size: int, roots: list[tuple[str, int]], tp: int, model: str
+) -> list[dict[str, torch.Tensor]]:
+    return [_load(rank, world_size, root, tp, model, zero) for root, zero in roots]
+
+
+def test_tp2_zero_checkpoints_load_at_tp1_without_zero_and_back(tmp_path: Path) -> None:
+    """ZeRO-1/2's flat shards of tp shards and FSDP2's shards of tp shards gather to the same
+    full tensors under the same names: each loads at tp 1 without ZeRO, and a tp 1 checkpoint
+    loads into each (every level in one launch per world)."""
+    levels = [(str(tmp_path / f"tp2-zero{zero}"), zero) for zero in (1, 2, 3)]
+    saved = run_ranks(_save_each, 4, levels, "gpt-untied")[0]
+    plain = [(root, 0) for root, _ in levels]
+    loaded = run_ranks(_load_each, 1, plain, 1, "gpt-untied")[0]
+    for at_tp1, before in zip(loaded, saved, strict=True):
+        assert at_tp1.keys() == before.keys()
+        assert all(torch.equal(at_tp1[k], before[k]) for k in before)
     resaved = run_ranks(_save_after_a_step, 1, str(tmp_path / "tp1"), 1, "gpt-untied")[0]
-    for rank in run_ranks(_load, 4, str(tmp_path / "tp1"), 2, "gpt-untied", 3):
-        assert all(torch.equal(rank[k], resaved[k]) for k in resaved)
+    back = [(str(tmp_path / "tp1"), zero) for zero in (1, 2, 3)]
+    for rank in run_ranks(_load_each, 4, back, 2, "gpt-untied"):
+        for loaded in rank:
+            assert loaded.keys() == resaved.keys()
+            assert all(torch.equal(loaded[k], resaved[k]) for k in resaved)

@@ -360,10 +360,27 @@ def test_same_devices_trade_replicas_for_stages_or_tp(zero: int, offered: str) -
     assert "the same 4 ranks" in found[0].note
 
 
-def test_zero_with_tp_is_not_offered_on_the_same_devices() -> None:
+def test_zero_with_tp_is_offered_on_the_same_devices() -> None:
     config = _tiny(dp=2, zero=1, micro_batches=8)
     report = estimate_memory(config)
-    assert not any("--tp" in s.change for s in suggest(config, report, report.peak - 1))
+    found = [s for s in suggest(config, report, report.peak - 1) if s.change.startswith("--tp 2")]
+    assert len(found) == 1
+    other = found[0].report.config
+    assert (other.parallel.tp, other.parallel.dp, other.engine.zero) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_shard_each_tensor_parallel_slice_over_the_replicas(zero: int) -> None:
+    """`memory --zero 1|2 --tp 2`: a rank's states are ZeRO's flat buffers (over dp) of its tp
+    shard of the stage, less than half the tp 1 layout's past the replicated norms."""
+    one, two = (_tiny(dp=2, zero=zero, tp=tp, precision="bf16") for tp in (1, 2))
+    layout = resolve(two)
+    assert layout.states.tp == 2 and layout.states.zero == zero
+    expected = sharded_states(layout.params([0]), layout.states, precision="bf16")
+    whole, split = (estimate_memory(c).stages[0] for c in (one, two))
+    held = (split.weights, split.gradients, split.optimizer)
+    assert held == (expected.weights, expected.gradients, expected.optimizer)
+    assert split.weights + split.optimizer < (whole.weights + whole.optimizer) * 0.55
 
 
 def test_zero_3_is_offered_with_what_train_needs() -> None:

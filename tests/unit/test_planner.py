@@ -127,14 +127,14 @@ def test_only_the_stages_over_the_budget_recompute() -> None:
     assert not isinstance(fitted, int) and fitted[0].recompute == (0,)
 
 
-def test_tensor_parallel_candidates_shard_only_with_zero3() -> None:
+def test_tensor_parallel_candidates_shard_at_every_zero_level() -> None:
     found = [
         c
         for mesh in meshes("llama-tiny", 8, num_layers=7, seq_len=32, gpus_per_node=8)
         for c in candidates(mesh, global_batch=16, num_layers=7, micro_batch_sizes=(1, 2))
     ]
     assert any(c.mesh.tp > 1 for c in found) and any(c.zero for c in found)
-    assert {c.zero for c in found if c.mesh.tp > 1 and c.mesh.dp > 1} == {0, 3}
+    assert {c.zero for c in found if c.mesh.tp > 1 and c.mesh.dp > 1} == {0, 1, 2, 3}
     assert not any(c.zero and c.mesh.dp == 1 for c in found)
 
 

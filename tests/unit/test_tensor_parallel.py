@@ -104,8 +104,6 @@ def test_tp_not_dividing_the_vocabulary_is_refused() -> None:
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        ({"zero": 1, "dp": 2}, "--zero 1"),
-        ({"zero": 2, "dp": 2}, "--zero 2"),
         ({"pp": 2, "seq_len": 33}, "--seq-len 33"),
         ({"optimizer_impl": "deepspeed_cpu"}, "--optimizer-impl deepspeed_cpu"),
         ({"optimizer": "sgd"}, "--optimizer sgd --optimizer-impl fused"),
@@ -121,6 +119,19 @@ def test_what_tensor_parallel_stages_cannot_run_is_refused_by_name(
 def test_zero3_shards_tensor_parallel_stages_over_the_replicas() -> None:
     config = TrainConfig.of(model="llama-tiny", tp=2, dp=2, zero=3, optimizer_impl="per_tensor")
     assert (config.parallel.tp, config.engine.zero) == (2, 3)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize(
+    "optimizer", [{}, {"optimizer": "sgd"}, {"optimizer_impl": "deepspeed_cpu"}], ids=str
+)
+def test_zero1_and_2_shard_the_tp_shards_flat_buffers_with_any_optimizer_kernel(
+    zero: int, optimizer: dict[str, str]
+) -> None:
+    """ZeRO-1/2's optimizer steps plain flat tensors (this tp rank's shards, flattened), so
+    the kernels that cannot step DTensors run there."""
+    config = TrainConfig.of(model="llama-tiny", tp=2, dp=2, zero=zero, **optimizer)
+    assert (config.parallel.tp, config.engine.zero) == (2, zero)
 
 
 def test_meshpipe_train_refuses_a_bad_tp_before_starting_ranks(
