@@ -326,10 +326,9 @@ def test_stage_counts_in_one_pass_are_the_replays_counts_per_stage(name: str, v:
 
 
 def test_the_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> None:
-    request = replace(SMALL, devices=8, seq_len=64, micro_batch_sizes=(1, 2, 4))
-    state = SearchContext(request)
+    state = SearchContext(SMALL)
     found = _all_candidates(state)
-    assert len(found) > 50
+    assert len(found) > 20
     for c in found:
         lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
         assert isinstance(lowest, int) and _floor(state, c) <= lowest
