@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine.config import parse_size
+from engine.config import ParallelConfig, parse_size
 from engine.plan import Hardware, PlanRequest, measured_forward, search, write_plan
-from engine.plan.candidates import Candidate, Mesh
+from engine.plan.candidates import Candidate
 from engine.plan.request import Prediction
 from engine.plan.search import predict
 from models import layer_specs
@@ -41,7 +41,7 @@ def _layouts(devices: int, global_batch: int) -> list[Candidate]:
         pp: int, dp: int, tp: int, schedule: str = "1f1b", recompute: tuple[int, ...] = ()
     ) -> Candidate:
         return Candidate(
-            mesh=Mesh(pp=pp, dp=dp, tp=tp),
+            mesh=ParallelConfig(pp=pp, dp=dp, tp=tp),
             schedule=schedule,
             stages_per_rank=1,
             micro_batches=global_batch // (2 * dp),
@@ -87,7 +87,7 @@ def _hand_choice(request: PlanRequest) -> Prediction:
         if request.global_batch % mbs or m < 1:
             continue
         layout = Candidate(
-            mesh=Mesh(pp=request.devices, dp=1, tp=1),
+            mesh=ParallelConfig(pp=request.devices, dp=1, tp=1),
             schedule="1f1b",
             stages_per_rank=1,
             micro_batches=m,

@@ -7,7 +7,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
+from engine.cli.flags import add_config_flags, flag_values
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.plan import (
@@ -67,33 +69,12 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _add_planner_flags(plan: argparse.ArgumentParser) -> None:
-    hw = Hardware()
     planner = plan.add_argument_group("planner (with --devices)")
     planner.add_argument(
         "--devices", type=int, default=None, help="search every layout of this many devices"
     )
     planner.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    planner.add_argument(
-        "--device-flops", type=float, default=hw.device_flops, help="peak FLOP/s of a device"
-    )
-    planner.add_argument(
-        "--compute-efficiency",
-        type=float,
-        default=hw.compute_efficiency,
-        help="fraction of the peak a layer's kernels reach",
-    )
-    planner.add_argument(
-        "--link-bandwidth", type=float, default=hw.link_bandwidth, help="bytes/s within a node"
-    )
-    planner.add_argument(
-        "--inter-node-bandwidth",
-        type=float,
-        default=hw.inter_node_bandwidth,
-        help="bytes/s between nodes, per device",
-    )
-    planner.add_argument(
-        "--gpus-per-node", type=int, default=hw.gpus_per_node, help="devices per node"
-    )
+    add_config_flags(cast(argparse.ArgumentParser, planner), Hardware)
     planner.add_argument(
         "--profile",
         action="store_true",
@@ -174,13 +155,7 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
     require(args.global_batch is not None, "--devices plans a run: give --global-batch B")
     require(args.device_memory is not None, "--devices plans a run: give --device-memory (80GB)")
     sizes = _sizes(args.micro_batch_sizes)
-    hardware = Hardware(
-        device_flops=args.device_flops,
-        compute_efficiency=args.compute_efficiency,
-        link_bandwidth=args.link_bandwidth,
-        inter_node_bandwidth=args.inter_node_bandwidth,
-        gpus_per_node=args.gpus_per_node,
-    )
+    hardware = Hardware(**flag_values(Hardware, args))
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
     measured = None
     if args.profile:
@@ -275,6 +250,8 @@ def _layout(plan: Prediction) -> str:
     if c.recompute:
         every = len(c.recompute) == c.num_stages
         text += " recompute " + ("all" if every else "stages " + _ranges(c.recompute))
+        if c.recompute_every:
+            text += f" every:{c.recompute_every}"
     return text
 
 

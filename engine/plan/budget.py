@@ -17,15 +17,22 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.memory.fitting import held_with_gradients, layer_sums
-from engine.memory.replay import StageShape, in_flight, stage_actions
+from engine.memory.fitting import layer_sums
+from engine.memory.replay import StageShape
 from engine.memory.sharding import sharded_states
 from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
-from engine.schedule import Schedule
+from engine.schedule import ActionKind, Schedule
 from models import LayerSpec
 
-__all__ = ["LayerBytes", "StageCounts", "layer_bytes", "rank_peaks", "stage_counts"]
+__all__ = [
+    "LayerBytes",
+    "StageCounts",
+    "layer_bytes",
+    "rank_peaks",
+    "stage_counts",
+    "state_sums",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,11 +110,38 @@ class StageCounts:
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
-    rows = [stage_actions(schedule, s) for s in range(schedule.num_stages)]
-    return StageCounts(
-        before=tuple(in_flight(row) for row in rows),
-        after=tuple(held_with_gradients(row) for row in rows),
-    )
+    """`in_flight` and `held_with_gradients` of every stage in one pass over the rows (the
+    search counts schedules of thousands of actions)."""
+    n = schedule.num_stages
+    live, before, after, started = [0] * n, [0] * n, [0] * n, [False] * n
+    forward = ActionKind.F
+    closes, backward = (ActionKind.B, ActionKind.W), (ActionKind.B, ActionKind.I)
+    for row in schedule.rows:
+        for action in row:
+            kind, s = action.kind, action.stage
+            if kind is forward:
+                live[s] += 1
+                before[s] = max(before[s], live[s])
+            elif kind in backward:
+                started[s] = True
+            if kind in closes:
+                live[s] -= 1
+            if started[s]:
+                after[s] = max(after[s], live[s])
+    return StageCounts(before=tuple(before), after=tuple(after))
+
+
+def state_sums(
+    specs: Sequence[LayerSpec], states: StateLayout, precision: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Prefix sums over the layers of (weights, optimizer and ZeRO's gathered copies) and of
+    gradients, from parameter shapes alone: a floor of a stage's peak without a trace."""
+    fixed, grads = [0], [0]
+    for spec in specs:
+        weights, gradients, gathered = _layer_states(spec, states, precision)
+        fixed.append(fixed[-1] + weights + (gathered if states.zero else 0))
+        grads.append(grads[-1] + gradients)
+    return tuple(fixed), tuple(grads)
 
 
 def _stage_bytes(
@@ -118,11 +152,14 @@ def _stage_bytes(
     after: int,
     micro_batch_size: int,
     recompute: bool,
+    every: int,
     reduce_copy: bool,
     held: int,
 ) -> int:
     """One stage's peak: states, then the larger of its step and its gradient reduction,
-    plus `held`, the sends kept to the step's end (counted whole: a bound)."""
+    plus `held`, the sends kept to the step's end (counted whole: a bound). Recomputed in
+    runs of `every` layers (0: the whole stage), a forward keeps each run's input and a
+    backward regenerates one run's activations at a time."""
     first, stop = layers.start, layers.stop
     fixed = sum(sums.weights[first:stop]) + sum(sums.during[first:stop])
     grads = sum(sums.gradients[first:stop])
@@ -130,8 +167,12 @@ def _stage_bytes(
     peak = micro_batch_size * max(sums.transient[first:stop])
     kept = activations
     if recompute:
-        kept = micro_batch_size * sums.received if first else 0
-        peak += activations
+        runs = range(first, stop, every or stop - first)
+        inputs = sum(1 for start in runs if start)  # the model's first layer receives tokens
+        kept = micro_batch_size * sums.received * inputs
+        peak += micro_batch_size * max(
+            sum(sums.kept[start : min(start + (every or stop), stop)]) for start in runs
+        )
     during = max(before * kept, grads + after * kept) + peak
     tail = 2 * grads if reduce_copy else grads
     return fixed + max(during, tail) + held
@@ -147,6 +188,7 @@ def rank_peaks(
     micro_batch_size: int,
     recomputed: Sequence[bool],
     reduce_copy: bool,
+    every: int = 0,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
 
@@ -164,6 +206,7 @@ def rank_peaks(
             after=counts.after[s],
             micro_batch_size=micro_batch_size,
             recompute=recomputed[s],
+            every=every,
             reduce_copy=reduce_copy,
             held=micro_batches * one * ((s > 0) + (s < last)),
         )

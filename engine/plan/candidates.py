@@ -15,11 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import ZERO_LEVELS
-from engine.config.parallel import check_tensor_parallel_shape
-from engine.schedule import SCHEDULES, VIRTUAL_SCHEDULES
+from engine.config.parallel import ParallelConfig, check_tensor_parallel_shape
+from engine.schedule import SCHEDULES, V_SCHEDULES, VIRTUAL_SCHEDULES
 from models import get_config
 
-__all__ = ["Candidate", "Mesh", "candidates", "divisors", "meshes"]
+__all__ = ["Candidate", "candidates", "divisors", "meshes"]
 
 SPLIT_SCHEDULES = frozenset({"zb_h1", "zb_h2", "zb_drain"})
 """Schedules whose backward is split into I and W."""
@@ -33,17 +33,11 @@ def divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mesh:
-    pp: int
-    dp: int
-    tp: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One layout: mesh, schedule, micro-batching, ZeRO level and stages recomputed."""
 
-    mesh: Mesh
+    mesh: ParallelConfig
+    """pp × dp × tp (the default rank order)."""
     schedule: str
     stages_per_rank: int
     micro_batches: int
@@ -51,7 +45,18 @@ class Candidate:
     zero: int = 0
     zero_reshard: str = "step"
     recompute: tuple[int, ...] = ()
-    """Stages that recompute their forward in the backward (`--recompute full`)."""
+    """Stages that recompute their forward in the backward."""
+    recompute_every: int = 0
+    """0: those stages recompute whole (`--recompute full`); N: in runs of N layers, each
+    run's input kept (`--recompute every:N`), so one run's activations are regenerated at a
+    time instead of the stage's."""
+
+    @property
+    def recompute_policy(self) -> str:
+        """The `--recompute` value of the stages recomputed."""
+        if not self.recompute:
+            return "none"
+        return f"every:{self.recompute_every}" if self.recompute_every else "full"
 
     @property
     def num_stages(self) -> int:
@@ -67,12 +72,13 @@ class Candidate:
         zero = f" zero{self.zero}" if self.zero else ""
         if self.zero == 3 and self.zero_reshard != "step":
             zero += "/mb"
+        every = f" every:{self.recompute_every}" if self.recompute_every else ""
         if not self.recompute:
             recompute = ""
         elif len(self.recompute) == self.num_stages:
-            recompute = " recompute"
+            recompute = " recompute" + every
         else:
-            recompute = " recompute " + ",".join(map(str, self.recompute))
+            recompute = " recompute" + every + " " + ",".join(map(str, self.recompute))
         return (
             f"pp{m.pp} dp{m.dp} tp{m.tp} {self.schedule}{v} mbs{self.micro_batch_size}"
             f"×{self.micro_batches}{zero}{recompute}"
@@ -81,7 +87,7 @@ class Candidate:
 
 def meshes(
     model: str, devices: int, *, num_layers: int, seq_len: int, gpus_per_node: int
-) -> Iterator[Mesh]:
+) -> Iterator[ParallelConfig]:
     """pp × dp × tp = devices, tp within a node and dividing the model's shapes."""
     config = get_config(model)
     for tp in divisors(devices):
@@ -94,15 +100,19 @@ def meshes(
         for pp in divisors(devices // tp):
             if pp > num_layers or (tp > 1 and pp > 1 and seq_len % tp):
                 continue
-            yield Mesh(pp=pp, dp=devices // (tp * pp), tp=tp)
+            yield ParallelConfig(pp=pp, dp=devices // (tp * pp), tp=tp)
 
 
 def _schedules(pp: int, num_layers: int, names: Sequence[str]) -> Iterator[tuple[str, int]]:
-    """(schedule, stages per rank): one schedule for a single stage (they all run it alike)."""
+    """(schedule, stages per rank): one schedule for a single stage (they all run it alike).
+    The V schedules (two stages per rank folded in a V) are not searched yet: the memory
+    screen and the plan file know loop placements only."""
     if pp == 1:
         yield "1f1b", 1
         return
     for name in names:
+        if name in V_SCHEDULES:
+            continue
         if name not in VIRTUAL_SCHEDULES:
             yield name, 1
             continue
@@ -111,7 +121,7 @@ def _schedules(pp: int, num_layers: int, names: Sequence[str]) -> Iterator[tuple
                 yield name, v
 
 
-def _zero_levels(mesh: Mesh, split: bool) -> Iterator[tuple[int, str]]:
+def _zero_levels(mesh: ParallelConfig, split: bool) -> Iterator[tuple[int, str]]:
     """The ZeRO levels the engine runs on `mesh`: none without replicas; with tp each shards
     the tp ranks' slices over their replicas (ZeRO-1/2's flat buffers of local shards, FSDP2
     over the (dp, tp) mesh)."""
@@ -125,7 +135,7 @@ def _zero_levels(mesh: Mesh, split: bool) -> Iterator[tuple[int, str]]:
 
 
 def candidates(
-    mesh: Mesh,
+    mesh: ParallelConfig,
     *,
     global_batch: int,
     num_layers: int,

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.memory.states import StateLayout
-from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_counts
+from engine.memory.tracker import CUDA_BLOCK, round_up
+from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_counts, state_sums
 from engine.plan.candidates import Candidate
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages
@@ -60,21 +60,25 @@ class SearchContext:
     @functools.cache  # noqa: B019 (one search, then dropped)
     def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:
         if m <= SAMPLED[1] * pp:
-            schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
-            return Pipeline(micro_batches=m, samples=(schedule,), counts=stage_counts(schedule))
-        samples = tuple(
-            make_schedule(name, num_ranks=pp, micro_batches=k * pp, stages_per_rank=v)
-            for k in SAMPLED
+            schedule, counts = self.built(name, pp, m, v)
+            return Pipeline(micro_batches=m, samples=(schedule,), counts=counts)
+        (low_schedule, low), (high_schedule, high) = (
+            self.built(name, pp, k * pp, v) for k in SAMPLED
         )
-        low, high = (stage_counts(sample) for sample in samples)
         return Pipeline(
             micro_batches=m,
-            samples=samples,
+            samples=(low_schedule, high_schedule),
             counts=StageCounts(
                 before=_extend(low.before, high.before, m, pp),
                 after=_extend(low.after, high.after, m, pp),
             ),
         )
+
+    @functools.cache  # noqa: B019
+    def built(self, name: str, pp: int, m: int, v: int) -> tuple[Schedule, StageCounts]:
+        """A schedule and its in-flight counts: the samples serve every longer step."""
+        schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
+        return schedule, stage_counts(schedule)
 
     @functools.cache  # noqa: B019
     def boundaries(self, stages: int) -> tuple[int, ...]:
@@ -95,26 +99,44 @@ class SearchContext:
     def pipeline(self, c: Candidate) -> Pipeline:
         return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)
 
-    def sums(self, c: Candidate) -> LayerBytes:
-        r = self.request
-        states = StateLayout(
+    def layout(self, c: Candidate) -> StateLayout:
+        """How the candidate's replica holds its model states."""
+        return StateLayout(
             dp=c.mesh.dp,
             zero=c.zero,
             zero_reshard=c.zero_reshard,
             tp=c.mesh.tp,
-            block=CUDA_BLOCK if r.device == "cuda" else 1,
+            block=CUDA_BLOCK if self.request.device == "cuda" else 1,
             optimizer_impl="per_tensor" if c.zero == 3 else "fused",
-            device=r.device,
+            device=self.request.device,
         )
+
+    def sums(self, c: Candidate) -> LayerBytes:
+        return self._sums(self.layout(c), c.split)
+
+    @functools.cache  # noqa: B019
+    def _sums(self, states: StateLayout, split: bool) -> LayerBytes:
+        r = self.request
         return layer_bytes(
             self.specs,
             seq_len=r.seq_len,
             precision=r.precision,
             device=r.device,
-            tp=c.mesh.tp,
-            split=c.split,
+            tp=states.tp,
+            split=split,
             states=states,
         )
+
+    @functools.cache  # noqa: B019
+    def state_sums(self, states: StateLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per layout, prefix sums of each layer's fixed states and gradients (no trace)."""
+        return state_sums(self.specs, states, self.request.precision)
+
+    @functools.cached_property
+    def received(self) -> int:
+        """The bytes of one sequence's hidden state as a stage receives (and keeps) it."""
+        block = CUDA_BLOCK if self.request.device == "cuda" else 1
+        return round_up(self.request.seq_len * self.hidden * self.size, block)
 
     @functools.cache  # noqa: B019
     def forward(self, mbs: int, tp: int) -> tuple[float, ...]:

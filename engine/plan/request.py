@@ -109,6 +109,6 @@ def layout_fields(request: PlanRequest, c: Candidate, boundaries: Sequence[int])
         "zero": c.zero,
         "zero_reshard": c.zero_reshard,
         "optimizer_impl": "per_tensor" if c.zero == 3 else "fused",
-        "recompute": "full" if c.recompute else "none",
+        "recompute": c.recompute_policy,
         "recompute_stages": None if every or not c.recompute else ",".join(map(str, c.recompute)),
     }

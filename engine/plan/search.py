@@ -11,13 +11,14 @@ the best plan: memory, bubble (idle time, imbalance included), communication or 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.plan.budget import rank_peaks
-from engine.plan.candidates import Candidate, Mesh, candidates, meshes
+from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SAMPLED, SearchContext
 from engine.plan.hardware import all_gather_time, reduce_scatter_time
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, layout_fields
@@ -38,17 +39,24 @@ class _Screened:
     rank_peaks: tuple[int, ...]
 
 
+EVERY = 1
+"""The run length tried for `--recompute every:N`: one layer's activations regenerated at a
+time, each layer's input kept (as Megatron's full per-layer recompute)."""
+
+
 def _fit(
     search: SearchContext, c: Candidate, budget: int
 ) -> tuple[Candidate, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | int:
     """The candidate with the least recompute that fits, with its boundaries and per-stage and
-    per-rank peaks; else the lowest peak it reaches (everything recomputed)."""
+    per-rank peaks; else the lowest peak it reaches. Tried in turn: none; where a rank is over
+    the budget, its stages recomputed whole, then per layer (`EVERY`); every stage whole, then
+    per layer (a split backward's W keeps what I recomputed: none)."""
     pipeline = search.pipeline(c)
     schedule, counts = pipeline.shape, pipeline.counts
     bounds = search.boundaries(schedule.num_stages)
     sums = search.sums(c)
 
-    def peaks(recomputed: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def peaks(recomputed: Sequence[int], every: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         chosen = set(recomputed)
         return rank_peaks(
             sums,
@@ -59,21 +67,25 @@ def _fit(
             micro_batch_size=c.micro_batch_size,
             recomputed=[s in chosen for s in range(schedule.num_stages)],
             reduce_copy=c.mesh.dp > 1 and c.zero == 0,
+            every=every,
         )
 
     every = tuple(range(schedule.num_stages))
-    tried: list[tuple[int, ...]] = [()]
-    stages, ranks = peaks(())
-    if max(ranks) > budget and not c.split:  # a split backward's W keeps what I recomputed
+    tried: list[tuple[tuple[int, ...], int]] = [((), 0)]
+    stages, ranks = peaks((), 0)
+    if max(ranks) > budget and not c.split:
         over = [r for r, peak in enumerate(ranks) if peak > budget]
         some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
-        tried = [some, every] if some != every else [every]
-    for recompute in tried:
-        stages, ranks = peaks(recompute)
+        wholes = [some, every] if some != every else [every]
+        tried = [(stages, n) for stages in wholes for n in (0, EVERY)]
+    lowest = max(ranks)
+    for recompute, n in tried:
+        stages, ranks = peaks(recompute, n)
+        lowest = min(lowest, max(ranks))
         if max(ranks) <= budget:
-            chosen = Candidate(**{**c.__dict__, "recompute": recompute})
+            chosen = replace(c, recompute=recompute, recompute_every=n if recompute else 0)
             return chosen, bounds, stages, ranks
-    return max(ranks)
+    return lowest
 
 
 def _stage_costs(
@@ -216,11 +228,27 @@ class _Screen:
     """The lowest peak of a candidate over the budget (inf when none was)."""
 
 
-def _screen_all(state: SearchContext) -> _Screen:
-    """Every candidate of every mesh through the memory screen; the survivors costed."""
+def _floor(state: SearchContext, c: Candidate) -> int:
+    """A lower bound of the candidate's peak under any recompute, without its schedule or a
+    trace: the highest stage's states, gradients (twice where the dp all-reduce copies them)
+    and the sends it keeps to the step's end, as `rank_peaks` counts them."""
+    fixed, grads = state.state_sums(state.layout(c))
+    bounds = state.boundaries(c.num_stages)
+    held = c.micro_batches * c.micro_batch_size * state.received
+    twice = c.mesh.dp > 1 and c.zero == 0
+    last = c.num_stages - 1
+    return max(
+        fixed[b]
+        - fixed[a]
+        + (2 if twice else 1) * (grads[b] - grads[a])
+        + held * ((s > 0) + (s < last))
+        for s, (a, b) in enumerate(itertools.pairwise(bounds))
+    )
+
+
+def _all_candidates(state: SearchContext) -> list[Candidate]:
     request = state.request
-    survivors: list[_Screened] = []
-    considered, over, least = 0, 0, math.inf
+    found: list[Candidate] = []
     for mesh in meshes(
         request.model,
         request.devices,
@@ -228,16 +256,36 @@ def _screen_all(state: SearchContext) -> _Screen:
         seq_len=request.seq_len,
         gpus_per_node=request.hardware.gpus_per_node,
     ):
-        for c in _mesh_candidates(state, mesh):
-            considered += 1
-            fitted = _fit(state, c, request.device_memory)
-            if isinstance(fitted, int):
-                over, least = over + 1, min(least, fitted)
-                continue
-            chosen, bounds, stage_peaks, peaks = fitted
-            found = _screen(state, chosen, bounds)
-            survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
-    return _Screen(survivors=survivors, considered=considered, over=over, least=least)
+        found += candidates(
+            mesh,
+            global_batch=request.global_batch,
+            num_layers=len(state.specs),
+            micro_batch_sizes=request.micro_batch_sizes,
+            schedules=request.schedules,
+        )
+    return found
+
+
+def _screen_all(state: SearchContext) -> _Screen:
+    """Every candidate through the memory screen in the order of its floor (`_floor`); once
+    the floor is over the budget and over the lowest peak seen, the rest are over memory
+    without a schedule built or a trace run. The survivors costed."""
+    budget = state.request.device_memory
+    floored = sorted(((_floor(state, c), c) for c in _all_candidates(state)), key=lambda x: x[0])
+    survivors: list[_Screened] = []
+    over, least = 0, math.inf
+    for floor, c in floored:
+        if floor > budget and floor >= least:
+            over += 1
+            continue
+        fitted = _fit(state, c, budget)
+        if isinstance(fitted, int):
+            over, least = over + 1, min(least, fitted)
+            continue
+        chosen, bounds, stage_peaks, peaks = fitted
+        found = _screen(state, chosen, bounds)
+        survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
+    return _Screen(survivors=survivors, considered=len(floored), over=over, least=least)
 
 
 def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
@@ -285,27 +333,10 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
         micro_batch_size=candidate.micro_batch_size,
         recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
         reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
+        every=candidate.recompute_every,
     )
     screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
     return _predict(state, screened, _simulate(state, screened))
-
-
-def _mesh_candidates(state: SearchContext, mesh: Mesh) -> list[Candidate]:
-    request = state.request
-    found = []
-    for c in candidates(
-        mesh,
-        global_batch=request.global_batch,
-        num_layers=len(state.specs),
-        micro_batch_sizes=request.micro_batch_sizes,
-        schedules=request.schedules,
-    ):
-        try:
-            state.pipeline(c)
-        except ValueError:
-            continue
-        found.append(c)
-    return found
 
 
 _REPLAYS = 12
@@ -331,31 +362,49 @@ def _rank(
     state: SearchContext, screened: list[_Screened], progress: Callable[[int, int], None] | None
 ) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
-    best `top`, each that would enter replayed exactly (`_replayed`); the rest at their bound."""
-    top = state.request.top
+    best `top`; then the best of distinct keys replayed exactly (`_replayed`), fastest first,
+    one the replay puts over the budget dropped for the next (which may call for more
+    simulations); the rest at their bound."""
+    request = state.request
     order = sorted(screened, key=lambda s: s.bound)
-    best: dict[tuple[object, ...], Prediction] = {}
-    plans: list[Prediction] = []
+    simulated: list[Prediction] = []
+    exact: dict[int, Prediction] = {}
     over: list[Prediction] = []
-    for done, s in enumerate(order):
-        if progress is not None:
-            progress(done + 1, len(order))
-        worst = max(p.step_time for p in best.values()) if len(best) == top else math.inf
-        if s.bound >= worst:
-            plans.append(_predict(state, s, None))
-            continue
-        plan = _predict(state, s, _simulate(state, s))
-        plans.append(plan)
-        known = best.get(_key(plan.candidate))
-        entering = plan.step_time < worst and (known is None or plan.step_time < known.step_time)
-        if not entering or len(over) + len(best) >= _REPLAYS:
-            continue
-        exact = _replayed(state.request, plan)
-        if max(exact.rank_peaks) > state.request.device_memory:
-            over.append(exact)
-            continue
-        best[_key(plan.candidate)] = exact
-        if len(best) > top:
-            del best[max(best, key=lambda k: best[k].step_time)]
-    chosen = tuple(sorted(best.values(), key=lambda p: p.step_time))
-    return _Ranked(plans=plans, best=chosen, over=over)
+    dropped: set[int] = set()
+    done = 0
+    while True:
+        while done < len(order) and order[done].bound < _kth(simulated, dropped, request.top):
+            simulated.append(_predict(state, order[done], _simulate(state, order[done])))
+            done += 1
+            if progress is not None:
+                progress(done, len(order))
+        chosen = _distinct_best(simulated, dropped, request.top)
+        pending = [p for p in chosen if id(p.candidate) not in exact]
+        if not pending or len(exact) + len(over) >= _REPLAYS:
+            break
+        replayed = _replayed(request, pending[0])
+        if max(replayed.rank_peaks) > request.device_memory:
+            over.append(replayed)
+            dropped.add(id(pending[0].candidate))
+        else:
+            exact[id(pending[0].candidate)] = replayed
+    if progress is not None:
+        progress(len(order), len(order))
+    best = tuple(exact[id(p.candidate)] for p in chosen if id(p.candidate) in exact)
+    rest = [_predict(state, s, None) for s in order[done:]]
+    return _Ranked(plans=simulated + rest, best=best, over=over)
+
+
+def _distinct_best(plans: Sequence[Prediction], dropped: set[int], top: int) -> list[Prediction]:
+    """The fastest plan of each of the `top` fastest keys, leaving out those `dropped`."""
+    best: dict[tuple[object, ...], Prediction] = {}
+    for plan in sorted(plans, key=lambda p: p.step_time):
+        if id(plan.candidate) not in dropped:
+            best.setdefault(_key(plan.candidate), plan)
+    return list(best.values())[:top]
+
+
+def _kth(plans: Sequence[Prediction], dropped: set[int], top: int) -> float:
+    """The step a candidate must beat to enter the best `top` (inf while fewer are known)."""
+    chosen = _distinct_best(plans, dropped, top)
+    return chosen[-1].step_time if len(chosen) == top else math.inf

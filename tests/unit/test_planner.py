@@ -11,6 +11,9 @@ import pytest
 
 from engine.cli.main import build_parser, main
 from engine.cli.train import train_config
+from engine.config import ParallelConfig
+from engine.memory.fitting import held_with_gradients
+from engine.memory.replay import in_flight, stage_actions
 from engine.plan import (
     PLAN_VERSION,
     PlanRequest,
@@ -20,10 +23,20 @@ from engine.plan import (
     search,
     write_plan,
 )
-from engine.plan.candidates import Candidate, Mesh, candidates, meshes
+from engine.plan.budget import stage_counts
+from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SearchContext
 from engine.plan.request import layout_fields
-from engine.plan.search import _fit, _predict, _replayed, _screen, _simulate, predict
+from engine.plan.search import (
+    _all_candidates,
+    _fit,
+    _floor,
+    _predict,
+    _replayed,
+    _screen,
+    _simulate,
+    predict,
+)
 from engine.schedule import ActionCosts, make_schedule, simulate
 from engine.training.config import TrainConfig
 from tests.unit.cli_error import cli_error
@@ -113,7 +126,7 @@ def test_only_the_stages_over_the_budget_recompute() -> None:
     )
     state = SearchContext(request)
     c = Candidate(
-        mesh=Mesh(pp=2, dp=1, tp=1),
+        mesh=ParallelConfig(pp=2, dp=1, tp=1),
         schedule="1f1b",
         stages_per_rank=1,
         micro_batches=8,
@@ -260,7 +273,7 @@ def test_planner_flags_without_devices_are_refused(capsys: pytest.CaptureFixture
 
 def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
     c = Candidate(
-        mesh=Mesh(pp=2, dp=1, tp=1),
+        mesh=ParallelConfig(pp=2, dp=1, tp=1),
         schedule="1f1b",
         stages_per_rank=1,
         micro_batches=4,
@@ -274,11 +287,15 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mesh", "schedule", "zero"),
-    [(Mesh(pp=2, dp=2, tp=1), "1f1b", 0), (Mesh(pp=2, dp=2, tp=1), "gpipe", 3)],
+    ("mesh", "schedule", "zero", "every"),
+    [
+        (ParallelConfig(pp=2, dp=2, tp=1), "1f1b", 0, 0),
+        (ParallelConfig(pp=2, dp=2, tp=1), "gpipe", 3, 0),
+        (ParallelConfig(pp=2, dp=2, tp=1), "1f1b", 0, 1),
+    ],
 )
 def test_the_memory_screen_is_within_ten_percent_of_the_replay(
-    mesh: Mesh, schedule: str, zero: int
+    mesh: ParallelConfig, schedule: str, zero: int, every: int
 ) -> None:
     request = PlanRequest(
         model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
@@ -290,8 +307,52 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
         micro_batches=4,
         micro_batch_size=2,
         zero=zero,
+        recompute=(0, 1) if every else (),
+        recompute_every=every,
     )
     screened = predict(request, layout)
     replayed = _replayed(request, screened)
     for fast, exact in zip(screened.rank_peaks, replayed.rank_peaks, strict=True):
         assert fast == pytest.approx(exact, rel=0.1)
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("zb_h2", 1), ("interleaved_1f1b", 2)])
+def test_stage_counts_in_one_pass_are_the_replays_counts_per_stage(name: str, v: int) -> None:
+    schedule = make_schedule(name, num_ranks=4, micro_batches=8, stages_per_rank=v)
+    counts = stage_counts(schedule)
+    rows = [stage_actions(schedule, s) for s in range(schedule.num_stages)]
+    assert counts.before == tuple(in_flight(row) for row in rows)
+    assert counts.after == tuple(held_with_gradients(row) for row in rows)
+
+
+def test_the_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> None:
+    state = SearchContext(SMALL)
+    found = _all_candidates(state)
+    assert len(found) > 20
+    for c in found:
+        lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
+        assert isinstance(lowest, int) and _floor(state, c) <= lowest
+
+
+def test_a_stage_recomputed_per_layer_keeps_its_layers_inputs_not_their_activations() -> None:
+    request = PlanRequest(
+        model="gpt-small", devices=2, device_memory=2**40, global_batch=8, seq_len=256
+    )
+    c = Candidate(
+        mesh=ParallelConfig(pp=2, dp=1, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8,
+        micro_batch_size=1,
+    )
+    peaks = {
+        every: predict(request, replace(c, recompute=(0, 1), recompute_every=every)).stage_peaks
+        for every in (0, 1)
+    }
+    assert peaks[1][0] < peaks[0][0]  # stage 0 holds 2 in flight: one layer regenerated at a time
+    assert (
+        layout_fields(request, replace(c, recompute=(0,), recompute_every=1), (0, 7, 14))[
+            "recompute"
+        ]
+        == "every:1"
+    )
