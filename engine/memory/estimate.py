@@ -24,6 +24,7 @@ from engine.config import (
     ParallelConfig,
     PartitionConfig,
     ScheduleConfig,
+    check_budget,
     check_layout,
     format_size,
     from_flat,
@@ -122,6 +123,7 @@ class MemoryConfig:
             f"cost model {self.partition.cost_model!r} profiles layers by running them, which "
             f"an estimate made without allocating cannot: choose one of {', '.join(_COST_MODELS)}",
         )
+        check_budget(self.partition, self.engine)
         check_layout(
             model=self.model,
             parallel=self.parallel,

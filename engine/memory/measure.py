@@ -26,7 +26,7 @@ from engine.memory.estimate import (
     stage_memory,
 )
 from engine.memory.fake_world import StageGrid, stage_grid
-from engine.memory.rank_states import RankStates
+from engine.memory.rank_states import RankStates, fsdp_resizes
 from engine.memory.replay import StageRun, build_stage, fake_parameters, local_edges
 from engine.memory.states import optimizer_bytes, param_info, tail_peak
 from engine.memory.tracker import MemoryTracker, fake_device, round_up
@@ -174,10 +174,10 @@ class _Step:
         with contextlib.ExitStack() as scope:
             for run in self.runs.values():
                 scope.enter_context(run.stage.step_scope())
-            copies = self.tracker.weight_copies
+            copies, gathered = self.tracker.weight_copies, self._gathered()
             net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
             self.weight_copies = self.tracker.weight_copies - copies
-            self.kept = net - self.weight_copies
+            self.kept = net - self.weight_copies - (self._gathered() - gathered)
             for action in self.actions[1:]:
                 self.runs[action.stage].act(action)
             self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
@@ -190,6 +190,9 @@ class _Step:
         if self.states is not None:
             self.states.step()
 
+    def _gathered(self) -> int:
+        return 0 if self.states is None else self.states.gathered()
+
     def modules(self) -> list[torch.nn.Module]:
         return [run.stage.module for run in self.runs.values()]
 
@@ -200,7 +203,7 @@ def _run_step(
     """Measure one step; fake runs (no optimizer without values) add the tail
     `estimate_memory` adds, from the replay's end."""
     step = _Step(config, layout, stages, fake, grid)
-    with step.tracker:
+    with step.tracker, fsdp_resizes(step.tracker):
         allocator = None if fake else _allocator_peak(config.device, step)
         if fake:
             step()

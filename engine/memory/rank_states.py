@@ -7,16 +7,20 @@ layers; tensor-parallel DTensors under any of them. The collectives run on the `
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from unittest import mock
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 from engine.comm.grad_sync import BucketedAllReduce
 from engine.config import OptimizerSpec, check_zero_optimizer
 from engine.memory.fake_world import StageGrid
+from engine.memory.tracker import MemoryTracker
 from engine.parallel import (
     FullyShardedLayers,
     ShardedOptimizer,
@@ -28,7 +32,34 @@ from engine.runtime.optim import build_from_spec, build_sharded
 from engine.runtime.precision import compute_dtype
 from engine.runtime.stage import PipelineStage
 
-__all__ = ["RankStates"]
+__all__ = ["RankStates", "fsdp_resizes"]
+
+
+@contextlib.contextmanager
+def fsdp_resizes(tracker: MemoryTracker) -> Iterator[None]:
+    """Tell `tracker` of FSDP2's storage resizes: it allocates each gathered parameter once
+    and then frees and reallocates its storage in place (`storage.resize_`), which no op
+    dispatch shows."""
+
+    def alloc(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        size = tensor.numel() * tensor.itemsize
+        if storage.size() != size:
+            storage.resize_(size)
+            tracker.resized(storage, size)
+
+    def free(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+            tracker.resized(storage, 0)
+
+    with (
+        mock.patch.object(_fsdp_param, "alloc_storage", alloc),
+        mock.patch.object(_fsdp_param, "free_storage", free),
+        mock.patch.object(_fsdp_param_group, "alloc_storage", alloc),
+    ):
+        yield
 
 
 class RankStates:
@@ -95,10 +126,11 @@ class RankStates:
             self.fsdp.begin_step()
 
     def gradients_final(self) -> None:
-        """After the rank's last backward: note the gradients, start their reduction."""
-        self.gradients = {
-            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self._gradients()
-        }
+        """After the rank's last backward: note ZeRO's gradients (the plain ones are noted
+        after the step scope, which holds the weight copies in their place), start the
+        reduction."""
+        if self.sharded is not None or self.fsdp is not None:
+            self._note_gradients()
         start: Callable[[], None] = self._reduce.start if self._reduce else lambda: None
         if self._tp:
             start = functools.partial(align_gradients, self.params(), then=start)
@@ -108,8 +140,15 @@ class RankStates:
             start = self.sharded.start_reduction
         start()
 
+    def _note_gradients(self) -> None:
+        self.gradients = {
+            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self._gradients()
+        }
+
     def step(self) -> None:
         """After the sends: wait for the reduction, then step (ZeRO-1/2 all-gather after)."""
+        if self.sharded is None and self.fsdp is None:
+            self._note_gradients()
         if self.sharded is not None:
             self.sharded.finish_reduction()
             self.sharded.step()
@@ -124,6 +163,18 @@ class RankStates:
         if self.fsdp is not None and not self.fsdp.per_micro_batch:
             return _unsharded_grads(self.fsdp)
         return [local_tensor(p.grad) for p in self.params() if p.grad is not None]
+
+    def gathered(self) -> int:
+        """Bytes of ZeRO-3's gathered layers now (FSDP2's all-gather outputs in use)."""
+        if self.fsdp is None:
+            return 0
+        return sum(
+            t.untyped_storage().nbytes()
+            for layer in self.fsdp.layers
+            for group in fully_shard.state(layer)._fsdp_param_groups  # type: ignore[attr-defined]
+            for param in group.fsdp_params
+            for t in param.all_gather_outputs
+        )
 
     def weights(self) -> list[torch.Tensor]:
         """The tensors kept across steps as weights (this rank's shards)."""

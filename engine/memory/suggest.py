@@ -223,7 +223,7 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
         for level in ZERO_LEVELS
         if level > config.engine.zero and parallel.dp > 1
     ]
-    if parallel.dp > 1 and config.engine.zero_reshard == "step":
+    if parallel.dp > 1 and config.engine.zero_reshard != "micro-batch":
         zero = "" if config.engine.zero == 3 else "--zero 3 "
         per_micro_batch = {"zero": 3, "zero_reshard": "micro-batch"}
         changes.append((f"{zero}--zero-reshard micro-batch", per_micro_batch, _RESHARD_NOTE))

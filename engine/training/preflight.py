@@ -27,6 +27,7 @@ from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
 from engine.memory.estimate import MemoryConfig, resolve
+from engine.memory.reshard import ReshardChoice, choose_reshard, choose_reshard_without_budget
 from engine.training.config import TrainConfig
 from engine.training.loaders import open_data
 from engine.training.monitors import check_monitors
@@ -51,6 +52,7 @@ __all__ = [
     "check_data",
     "check_outputs",
     "preflight",
+    "reshard_choice",
     "run_paths",
     "stage_partition",
     "writable_folder",
@@ -73,22 +75,45 @@ def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partitio
     )
 
 
-def _memory_partition(config: TrainConfig) -> Partition:
+def _memory_config(config: TrainConfig) -> MemoryConfig:
+    """The run's layout as the memory model sees it, on the run's own device."""
     gpu = config.run.device != "cpu" and torch.cuda.is_available()
+    return MemoryConfig(
+        model=config.model,
+        parallel=config.parallel,
+        schedule=config.schedule,
+        partition=config.partition,
+        batch=config.batch,
+        engine=config.engine,
+        optimizer=config.optimizer,
+        device="cuda" if gpu else "cpu",
+    )
+
+
+def _memory_partition(config: TrainConfig) -> Partition:
     try:
-        memory = MemoryConfig(
-            model=config.model,
-            parallel=config.parallel,
-            schedule=config.schedule,
-            partition=config.partition,
-            batch=config.batch,
-            engine=config.engine,
-            optimizer=config.optimizer,
-            device="cuda" if gpu else "cpu",
-        )
-        return resolve(memory).partition
+        return resolve(_memory_config(config)).partition
     except ValueError as error:
         raise ValueError(f"--partition memory: {error}") from None
+
+
+def reshard_choice(config: TrainConfig) -> ReshardChoice | None:
+    """ZeRO-3's `--zero-reshard auto` resolved by the memory model against --device-memory
+    (None where the run gives a mode, or is not ZeRO-3)."""
+    engine, budget = config.engine, config.partition.budget
+    if engine.zero != 3 or engine.zero_reshard != "auto":
+        return None
+    if budget is None:
+        return choose_reshard_without_budget()
+    try:
+        memory = _memory_config(config)
+    except ValueError as error:
+        raise ValueError(
+            f"--zero-reshard auto with --device-memory {config.partition.device_memory} "
+            f"chooses by the memory model, which cannot model this run ({error}): give "
+            "--zero-reshard step or micro-batch"
+        ) from None
+    return choose_reshard(memory, budget)
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:
