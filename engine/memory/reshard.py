@@ -7,7 +7,9 @@ stage's weights in the compute dtype and its whole fp32 gradients, all step long
 per micro-batch costs a gather per forward and backward and a reduce-scatter per micro-batch,
 and holds a layer or two at a time. So `auto` keeps `step` while the predicted peak of every
 rank fits the device (or no budget is given), and reshards per micro-batch only when it does
-not; a schedule with a split backward (zb_*) cannot reshard per micro-batch, so it stays `step`.
+not and resharding lowers the peak (a small stage's extra turn buffers can outweigh its
+gradient shards); a schedule with a split backward (zb_*) cannot reshard per micro-batch, so
+it stays `step`.
 """
 
 from __future__ import annotations
@@ -44,22 +46,36 @@ def choose_reshard(config: MemoryConfig, budget: int | None) -> ReshardChoice | 
     if budget is None:
         return choose_reshard_without_budget()
     kept = estimate_memory(with_reshard(config, "step")).peak
-    fits = f"{format_size(kept)} of {format_size(budget)}"
+    over = f"gathered for the step the peak is {_sizes(kept, budget)}"
     if kept <= budget:
-        return ReshardChoice(reshard="step", reason=f"gathered for the step, the peak fits: {fits}")
+        return ReshardChoice(reshard="step", reason=over.replace(" is ", " fits: ", 1))
     schedule = resolve(config).schedule
     if any(split_units(row) for row in schedule.rows):
         return ReshardChoice(
             reshard="step",
-            reason=f"gathered for the step the peak is over: {fits}, but schedule "
-            f"{schedule.name}'s split backward cannot reshard per micro-batch",
+            reason=f"{over}, but schedule {schedule.name}'s split backward cannot reshard per "
+            "micro-batch",
         )
     per_micro_batch = estimate_memory(with_reshard(config, "micro-batch")).peak
+    if per_micro_batch >= kept:
+        return ReshardChoice(
+            reshard="step",
+            reason=f"{over}, and resharded per micro-batch it would be "
+            f"{format_size(per_micro_batch)}, no less",
+        )
     return ReshardChoice(
         reshard="micro-batch",
-        reason=f"gathered for the step the peak is over: {fits}; resharded per micro-batch "
-        f"it is {format_size(per_micro_batch)}",
+        reason=f"{over}; resharded per micro-batch it is {format_size(per_micro_batch)}",
     )
+
+
+def _sizes(peak: int, budget: int) -> str:
+    """`peak` against `budget`, in bytes where the rounded sizes would read the same."""
+    a, b = format_size(peak), format_size(budget)
+    if a == b:
+        a, b = f"{peak:,} bytes", f"{budget:,} bytes"
+    relation = "within" if peak <= budget else "over"
+    return f"{a}, {relation} {b}"
 
 
 def choose_reshard_without_budget() -> ReshardChoice:

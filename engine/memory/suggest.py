@@ -297,7 +297,11 @@ def _lighter_schedules(config: MemoryConfig, report: MemoryReport) -> list[Sugge
     for name in _LIGHT_SCHEDULES:
         if name == config.schedule.schedule:
             continue
-        lighter = estimate_memory(replace_flat(config, schedule=name))
+        try:
+            candidate = replace_flat(config, schedule=name)
+        except ValueError:  # a schedule the layout refuses (zb_h1 under per-micro-batch reshard)
+            continue
+        lighter = estimate_memory(candidate)
         if lighter.peak < report.peak:
             before, after = report.stages[0].in_flight, lighter.stages[0].in_flight
             note = f"stage 0 holds {after} micro-batches in flight instead of {before}"
