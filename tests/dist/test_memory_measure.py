@@ -1,8 +1,8 @@
 """`meshpipe memory --measure` replays one rank's step against torch's fake process group,
 whose collectives return without peers or data. Here the same measurement runs on two real
-gloo ranks (FSDP2's gathers and reduce-scatters, DTensor's all-reduces, ZeRO-2's flat
-reduce-scatter really travel), and rank 0's tracker sees what the fake world saw, byte for
-byte."""
+gloo ranks (FSDP2's gathers and reduce-scatters and DTensor's collectives really travel), and
+rank 0's tracker sees what the fake world saw, byte for byte. (Memory a backend allocates in
+C++, outside op dispatch, is seen by neither.)"""
 
 from __future__ import annotations
 
@@ -15,11 +15,7 @@ from engine.memory.estimate import MemoryConfig
 from engine.memory.measure import measure_memory
 from tests.dist.harness import run_ranks
 
-CASES: list[dict[str, Any]] = [
-    {"dp": 2, "zero": 3},
-    {"tp": 2},
-    {"dp": 2, "zero": 2, "pp": 2, "micro_batches": 4},
-]
+CASES: list[dict[str, Any]] = [{"dp": 2, "zero": 3}, {"tp": 2}]
 
 
 def _config(changes: dict[str, Any]) -> MemoryConfig:
@@ -38,7 +34,7 @@ def on_gloo() -> list[Any]:
     return list(run_ranks(_measure_all, 2, timeout_s=240)[0])
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=["zero3", "tp2", "zero2-pp2"])
+@pytest.mark.parametrize("index", range(len(CASES)), ids=["zero3", "tp2"])
 def test_one_ranks_measured_step_on_gloo_equals_the_fake_worlds(
     index: int, on_gloo: list[Any]
 ) -> None:
