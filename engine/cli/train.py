@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from engine.checkpoint.files import step_dirs
 from engine.cli.flags import add_config_flags, flag_values, given_fields
-from engine.config import replace_flat
 from engine.plan.plan_file import apply_plan
 from engine.training.config import TrainConfig
 from engine.training.metrics import plot_metrics, plot_target
@@ -147,14 +146,14 @@ def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.comm.launch import is_launched
     from engine.comm.mesh import launcher_world_size
-    from engine.training.preflight import preflight, reshard_choice
+    from engine.training.preflight import preflight, reshard_choice, with_reshard_choice
     from engine.training.workers import train_worker
 
     ranks = config.parallel.world_size
     preflight(config, args.deepspeed_config)
     choice = reshard_choice(config)
     if choice is not None:
-        config = replace_flat(config, zero_reshard=choice.reshard)
+        config = with_reshard_choice(config, choice)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"meshpipe: {choice.line}", file=sys.stderr)
     if ranks > 1 and not is_launched():

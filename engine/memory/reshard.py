@@ -88,6 +88,8 @@ def choose_reshard_without_budget() -> ReshardChoice:
 
 
 def with_reshard(config: MemoryConfig, reshard: str) -> MemoryConfig:
-    """`config` with ZeRO-3's reshard mode set."""
-    changed: MemoryConfig = replace_flat(config, zero_reshard=reshard)
+    """`config` with ZeRO-3's reshard mode set (and its budget kept only where `--partition
+    memory` still reads it)."""
+    kept = config.partition.device_memory if config.partition.by_memory else None
+    changed: MemoryConfig = replace_flat(config, zero_reshard=reshard, device_memory=kept)
     return changed

@@ -26,6 +26,7 @@ from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
+from engine.config import replace_flat
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.memory.reshard import ReshardChoice, choose_reshard, choose_reshard_without_budget
 from engine.training.config import TrainConfig
@@ -55,6 +56,7 @@ __all__ = [
     "reshard_choice",
     "run_paths",
     "stage_partition",
+    "with_reshard_choice",
     "writable_folder",
 ]
 
@@ -114,6 +116,14 @@ def reshard_choice(config: TrainConfig) -> ReshardChoice | None:
             "--zero-reshard step or micro-batch"
         ) from None
     return choose_reshard(memory, budget)
+
+
+def with_reshard_choice(config: TrainConfig, choice: ReshardChoice) -> TrainConfig:
+    """The run with `auto` resolved: the chosen mode, and --device-memory dropped unless
+    --partition memory still reads it."""
+    kept = config.partition.device_memory if config.partition.by_memory else None
+    resolved: TrainConfig = replace_flat(config, zero_reshard=choice.reshard, device_memory=kept)
+    return resolved
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:

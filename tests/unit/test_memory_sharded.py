@@ -127,7 +127,7 @@ def test_a_budget_nothing_reads_is_refused_by_name() -> None:
 def test_train_resolves_auto_before_its_ranks_start() -> None:
     """`meshpipe train` asks the memory model with its own --device-memory."""
     from engine.training.config import TrainConfig
-    from engine.training.preflight import reshard_choice
+    from engine.training.preflight import reshard_choice, with_reshard_choice
 
     fields: dict[str, object] = {"model": "llama-tiny", "dp": 4, "zero": 3, "seq_len": 16}
     fields |= {"optimizer_impl": "per_tensor", "precision": "bf16", "micro_batches": 4}
@@ -135,5 +135,7 @@ def test_train_resolves_auto_before_its_ranks_start() -> None:
     tight = reshard_choice(TrainConfig.of(**fields, device_memory="2MiB"))
     free = reshard_choice(TrainConfig.of(**fields))
     assert tight is not None and tight.reshard == "micro-batch"
+    run = with_reshard_choice(TrainConfig.of(**fields, device_memory="2MiB"), tight)
+    assert run.engine.zero_reshard == "micro-batch" and run.partition.device_memory is None
     assert free is not None and free.reshard == "step"
     assert reshard_choice(TrainConfig.of(**fields, zero_reshard="step")) is None
