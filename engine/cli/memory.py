@@ -23,6 +23,7 @@ from engine.memory.report import (
     format_report,
     format_suggestions,
 )
+from engine.memory.reshard import choose_reshard, with_reshard
 from engine.memory.suggest import suggest
 from engine.plan.plan_file import apply_plan
 
@@ -82,7 +83,10 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "the budget of --partition memory",
     )
     p.add_argument(
-        "--measure", action="store_true", help="also run it for real here (small models)"
+        "--measure",
+        action="store_true",
+        help="also run it for real here (small models; ZeRO and tp as one rank, through "
+        "torch's fake process group)",
     )
     p.add_argument(
         "--compare", action="store_true", help="beside DeepSpeed's and Megatron's formulas"
@@ -136,16 +140,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _run(args: argparse.Namespace, argv: Sequence[str]) -> tuple[str, bool]:
     """The output, and whether the estimate fits `--device-memory` (True without one)."""
     config = config_from_args(args, argv)
+    budget: int | None = args.device_memory
+    choice = choose_reshard(config, budget)
+    if choice is not None:
+        config = with_reshard(config, choice.reshard)
     if args.measure:
         check_measurable(config)
     report = estimate_memory(config)
     measured = measure_memory(config) if args.measure else None
-    budget: int | None = args.device_memory
     over = () if budget is None else report.ranks_over(budget)
     suggestions = [] if budget is None else suggest(config, report, budget)
     if args.json:
         return format_json(report, measured, budget, suggestions), not over
     parts = [format_report(report, budget)]
+    if choice is not None:
+        parts[0] += f"\n{choice.line}"
     if budget is not None and over:
         parts.append(format_suggestions(suggestions, budget))
     if measured is not None:

@@ -146,11 +146,16 @@ def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.comm.launch import is_launched
     from engine.comm.mesh import launcher_world_size
-    from engine.training.preflight import preflight
+    from engine.training.preflight import preflight, reshard_choice, with_reshard_choice
     from engine.training.workers import train_worker
 
     ranks = config.parallel.world_size
     preflight(config, args.deepspeed_config)
+    choice = reshard_choice(config)
+    if choice is not None:
+        config = with_reshard_choice(config, choice)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"meshpipe: {choice.line}", file=sys.stderr)
     if ranks > 1 and not is_launched():
         result = _launch(config, progress=not args.no_progress)
     else:

@@ -15,7 +15,7 @@ from engine.config.engine_options import (
     recompute_groups,
 )
 from engine.config.fields import FlatField, flat_fields, from_flat, replace_flat, require, to_flat
-from engine.config.layout import check_layout
+from engine.config.layout import check_budget, check_layout
 from engine.config.model import ModelChoice
 from engine.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
@@ -65,6 +65,7 @@ __all__ = [
     "ReplicaSync",
     "RunConfig",
     "ScheduleConfig",
+    "check_budget",
     "check_layout",
     "check_replica_sync",
     "check_zero_optimizer",

@@ -21,7 +21,7 @@ __all__ = [
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_LEVELS = (0, 1, 2, 3)
-ZERO_RESHARDS = ("step", "micro-batch")
+ZERO_RESHARDS = ("auto", "step", "micro-batch")
 """0: nothing sharded; 1: fp32 masters and optimizer state; 2: and the fp32 gradients;
 3: and the weights (FSDP2)."""
 """fp32, or bf16 / fp16 autocast over fp32 master weights and gradients."""
@@ -129,8 +129,12 @@ class EngineOptions:
     replica keeps only its shard's fp32 gradient between steps. 3: everything (torch FSDP2,
     one unit per layer): each replica keeps 1/dp of the fp32 weights, gradients and optimizer
     state, and a layer is gathered in the compute dtype once per step."""
-    zero_reshard: str = "step"
-    """ZeRO-3: when a layer gives its gathered weights back. step: gathered at the step's first
+    zero_reshard: str = "auto"
+    """ZeRO-3: when a layer gives its gathered weights back. auto (the default): chosen by the
+    memory model before the ranks start: step when the stage's predicted peak fits
+    --device-memory or no budget is given, else micro-batch where the schedule allows it (a
+    split backward does not: it stays step); the engine used as a library, with no budget,
+    runs step. step: gathered at the step's first
     forward and kept for every micro-batch, gradients accumulated unsharded in fp32 and
     reduce-scattered once after the stage's last backward (the least communication; the stage's
     gathered weights and whole fp32 gradients live over the step). micro-batch: gathered for each
@@ -173,10 +177,11 @@ class EngineOptions:
         )
         require(
             self.zero_reshard in ZERO_RESHARDS,
-            f"zero_reshard={self.zero_reshard!r}: choose {' or '.join(ZERO_RESHARDS)}",
+            f"zero_reshard={self.zero_reshard!r}: choose {', '.join(ZERO_RESHARDS[:-1])} or "
+            f"{ZERO_RESHARDS[-1]}",
         )
         require(
-            self.zero_reshard == "step" or self.zero == 3,
+            self.zero_reshard in ("auto", "step") or self.zero == 3,
             f"--zero-reshard {self.zero_reshard} applies to ZeRO-3's gathered layers, but "
             f"--zero is {self.zero}: add --zero 3 or drop --zero-reshard",
         )

@@ -9,10 +9,24 @@ from engine.config.engine_options import EngineOptions
 from engine.config.fields import require
 from engine.config.model import ModelChoice
 from engine.config.parallel import ParallelConfig, check_tensor_parallel_shape
-from engine.config.schedule import ScheduleConfig
+from engine.config.schedule import PartitionConfig, ScheduleConfig
 from engine.schedule import Schedule, split_units
 
-__all__ = ["check_layout"]
+__all__ = ["check_budget", "check_layout"]
+
+
+def check_budget(partition: PartitionConfig, engine: EngineOptions) -> None:
+    """--device-memory is read by --partition memory and by ZeRO-3's --zero-reshard auto;
+    given to neither, it would be ignored."""
+    require(
+        partition.device_memory is None
+        or partition.by_memory
+        or (engine.zero == 3 and engine.zero_reshard == "auto"),
+        f"--device-memory {partition.device_memory} is the budget of --partition memory and "
+        f"of --zero 3's --zero-reshard auto, which this run uses neither of (--partition "
+        f"{partition.partition}, --zero {engine.zero}, --zero-reshard {engine.zero_reshard}): "
+        "add --partition memory or --zero 3, or drop --device-memory",
+    )
 
 
 def check_layout(

@@ -62,7 +62,8 @@ class PartitionConfig:
     cost_model: str = "flops"
     """Costs `balanced` balances: flops, parameters, activations or time (measured)."""
     device_memory: str | None = None
-    """Memory of each device for --partition memory, e.g. 80GB or 80GiB."""
+    """Memory of each device, e.g. 80GB or 80GiB: the budget of --partition memory and of
+    ZeRO-3's --zero-reshard auto (`check_budget`)."""
 
     def __post_init__(self) -> None:
         memory = self.by_memory
@@ -70,11 +71,6 @@ class PartitionConfig:
             not memory or self.device_memory is not None,
             "--partition memory fits every stage into the device's memory: give --device-memory "
             "(e.g. 80GB)",
-        )
-        require(
-            memory or self.device_memory is None,
-            f"--device-memory {self.device_memory} is the budget of --partition memory, which "
-            f"--partition {self.partition} does not use: add --partition memory or drop it",
         )
         if self.device_memory is not None:
             parse_size(self.device_memory)

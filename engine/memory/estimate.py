@@ -25,6 +25,7 @@ from engine.config import (
     PartitionConfig,
     ReplicaSync,
     ScheduleConfig,
+    check_budget,
     check_layout,
     check_replica_sync,
     format_size,
@@ -127,6 +128,7 @@ class MemoryConfig:
             f"cost model {self.partition.cost_model!r} profiles layers by running them, which "
             f"an estimate made without allocating cannot: choose one of {', '.join(_COST_MODELS)}",
         )
+        check_budget(self.partition, self.engine)
         check_layout(
             model=self.model,
             parallel=self.parallel,
@@ -198,7 +200,8 @@ class StageMemory:
     """What one forward leaves alive until its backward (stash, send)."""
     weight_copies: int
     """The low-precision weight copies autocast makes: once per step, at the stage's first
-    forward, shared by every micro-batch and kept to the step's end."""
+    forward, shared by every micro-batch and kept to the step's end. None under ZeRO: 1/2 keep
+    the Linears in the compute dtype already, 3 gathers them (`ShardedStates.gathered`)."""
     in_flight: int
     """Most micro-batches whose forward ran and whose backward has not."""
     step_peak: int
@@ -500,7 +503,7 @@ def stage_memory(
         **_states(config, layout, params),
         recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
-        weight_copies=weight_copies,
+        weight_copies=0 if layout.states.zero else weight_copies,
         in_flight=in_flight(stage_actions(layout.schedule, stage)),
         step_peak=step_peak,
         replica_copies=replica_sync_bytes(params, config.replica_sync, layout.block),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,10 +25,11 @@ from engine.memory.estimate import (
     resolve,
     stage_memory,
 )
+from engine.memory.fake_world import StageGrid, stage_grid
+from engine.memory.rank_states import RankStates, fsdp_resizes
 from engine.memory.replay import StageRun, build_stage, fake_parameters, local_edges
 from engine.memory.states import optimizer_bytes, param_info, tail_peak
 from engine.memory.tracker import MemoryTracker, fake_device, round_up
-from engine.runtime.optim import build_optimizer
 from engine.schedule.actions import Action, split_units
 from models import LayerStack, build_layers
 
@@ -49,7 +50,7 @@ class _Measured:
     allocator: int | None
 
 
-def _storages(tensors: Iterator[torch.Tensor] | list[torch.Tensor], block: int) -> int:
+def _storages(tensors: Iterable[torch.Tensor], block: int) -> int:
     unique = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(round_up(n, block) for n in unique.values())
 
@@ -62,18 +63,6 @@ def _module(config: MemoryConfig, layout: Layout, stage: int, fake: bool) -> Lay
     return build_layers(
         layout.specs, layout.partition.layers_of(stage), seed=0, device=config.device
     )
-
-
-def _optimizer(run: StageRun, impl: str) -> torch.optim.Optimizer:
-    """The engine's AdamW, stepped once so that its states exist, as in any step but the first."""
-    module = run.stage.module
-    optimizer = build_optimizer(module, lr=1e-4, weight_decay=0.1, impl=impl)
-    for param in module.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    for param in module.parameters():
-        param.grad = None
-    return optimizer
 
 
 @contextlib.contextmanager
@@ -122,8 +111,10 @@ def _runs(
     stages: Sequence[int],
     actions: Sequence[Action],
     fake: bool,
+    grid: StageGrid,
 ) -> dict[int, StageRun]:
-    """The stages' replays; each splits the micro-batches its row runs I for."""
+    """The stages' replays (split over the grid's tp ranks); each splits the micro-batches
+    its row runs I for."""
     last, split = layout.partition.num_stages - 1, split_units(actions)
     return {
         s: StageRun(
@@ -135,6 +126,7 @@ def _runs(
             shape=layout.shape(config, s),
             local_in=local_edges(layout.schedule, s)[0],
             local_out=local_edges(layout.schedule, s)[1],
+            tp_mesh=grid.tp_mesh,
         )
         for s in stages
     }
@@ -143,14 +135,31 @@ def _runs(
 class _Step:
     """One measured step of some stages of a rank: every micro-batch of their row inside the
     stages' step scopes (the step's weight copies, as the engine runs its schedule), then the
-    step's end (real runs await the sends and step AdamW under the tracker)."""
+    step's end (real runs reduce the gradients over the grid's replicas as the engine does,
+    await the sends and step AdamW under the tracker)."""
 
-    def __init__(self, config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool):
+    def __init__(
+        self,
+        config: MemoryConfig,
+        layout: Layout,
+        stages: Sequence[int],
+        fake: bool,
+        grid: StageGrid,
+    ):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
         self.actions = [a for a in row if a.is_compute and a.stage in stages]
-        self.runs = _runs(config, layout, stages, self.actions, fake)
-        self.optimizers = (
-            [] if fake else [_optimizer(run, config.optimizer.impl) for run in self.runs.values()]
+        self.runs = _runs(config, layout, stages, self.actions, fake, grid)
+        self.states = (
+            None
+            if fake
+            else RankStates(
+                [run.stage for run in self.runs.values()],
+                zero=config.engine.zero,
+                reshard=config.engine.zero_reshard,
+                precision=config.engine.precision,
+                spec=config.optimizer,
+                grid=grid,
+            )
         )
         self.tracker = MemoryTracker(block=layout.block)
         self.block = layout.block
@@ -159,79 +168,80 @@ class _Step:
     def __call__(self) -> None:
         for run in self.runs.values():
             run.begin()
+        if self.states is not None:
+            self.states.begin()
         first = self.actions[0]
         with contextlib.ExitStack() as scope:
             for run in self.runs.values():
                 scope.enter_context(run.stage.step_scope())
-            copies = self.tracker.weight_copies
+            copies, gathered = self.tracker.weight_copies, self._gathered()
             net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
             self.weight_copies = self.tracker.weight_copies - copies
-            self.kept = net - self.weight_copies
+            self.kept = net - self.weight_copies - (self._gathered() - gathered)
             for action in self.actions[1:]:
                 self.runs[action.stage].act(action)
             self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
             self.live_end = self.tracker.live
             self.cached = self.tracker.weight_copies
+            if self.states is not None:
+                self.states.gradients_final()
         for run in self.runs.values():
             run.finish()
-        for optimizer in self.optimizers:
-            optimizer.step()
+        if self.states is not None:
+            self.states.step()
+
+    def _gathered(self) -> int:
+        return 0 if self.states is None else self.states.gathered()
 
     def modules(self) -> list[torch.nn.Module]:
         return [run.stage.module for run in self.runs.values()]
 
 
-def _run_step(config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool) -> _Measured:
+def _run_step(
+    config: MemoryConfig, layout: Layout, stages: Sequence[int], fake: bool, grid: StageGrid
+) -> _Measured:
     """Measure one step; fake runs (no optimizer without values) add the tail
     `estimate_memory` adds, from the replay's end."""
-    step = _Step(config, layout, stages, fake)
-    with step.tracker:
+    step = _Step(config, layout, stages, fake, grid)
+    with step.tracker, fsdp_resizes(step.tracker):
         allocator = None if fake else _allocator_peak(config.device, step)
         if fake:
             step()
-    modules, block = step.modules(), layout.block
-    params = [p for m in modules for p in param_info(m)]
-    tail = tail_peak(
-        params, live_end=step.live_end, held=step.held, cached=step.cached, states=layout.states
-    )
-    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
-    states = [
-        t
-        for o in step.optimizers
-        for st in o.state.values()
-        for t in st.values()
-        if t.device.type == config.device
-    ]
+    block = layout.block
+    if step.states is None:
+        params = [p for m in step.modules() for p in param_info(m)]
+        tail = tail_peak(
+            params, live_end=step.live_end, held=step.held, cached=step.cached, states=layout.states
+        )
+        weights = [p for m in step.modules() for p in m.parameters()]
+        return _Measured(
+            step_peak=max(step.tracker.peak, tail),
+            kept=step.kept,
+            weight_copies=step.weight_copies,
+            weights=_storages(weights, block),
+            gradients=_storages([p.grad for p in weights if p.grad is not None], block),
+            optimizer=None,
+            allocator=None,
+        )
+    states = step.states
+    kept = {t.untyped_storage()._cdata for t in states.weights()}
     return _Measured(
-        step_peak=max(step.tracker.peak, tail) if fake else step.tracker.peak,
+        step_peak=step.tracker.peak,
         kept=step.kept,
         weight_copies=step.weight_copies,
-        weights=_storages([p for m in modules for p in m.parameters()], block),
-        gradients=_storages(grads, block),
-        optimizer=None if fake else _storages(states, block),
+        weights=_storages(states.weights(), block),
+        gradients=sum(round_up(n, block) for n in states.gradients.values()),
+        optimizer=_storages(
+            [t for t in states.optimizer_states() if t.untyped_storage()._cdata not in kept],
+            block,
+        ),
         allocator=allocator,
     )
 
 
 def check_measurable(config: MemoryConfig) -> None:
-    """Refuse what one process here cannot run: dp or tp > 1, a missing GPU, a model too large."""
+    """Refuse what one process here cannot run: a missing GPU, a model too large."""
     layout = resolve(config)
-    if config.parallel.dp > 1:
-        raise ValueError(
-            f"--measure runs one replica in one process, so dp={config.parallel.dp}'s "
-            "all-reduce cannot run: measure with --dp 1 (the estimate models dp > 1)"
-        )
-    if config.engine.zero:
-        raise ValueError(
-            f"--measure with --zero {config.engine.zero}: the measured run steps an unsharded "
-            "optimizer; ZeRO's states are modelled from shapes (engine.memory.sharding): "
-            "measure with --zero 0"
-        )
-    if config.parallel.tp > 1:
-        raise ValueError(
-            f"--measure runs one process, so --tp {config.parallel.tp}'s DTensor collectives "
-            "cannot run: measure with --tp 1 (the estimate replays one tp rank's share)"
-        )
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             "--measure --device cuda needs a GPU and this machine has none: use --device cpu"
@@ -255,18 +265,23 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
     layout = resolve(config)
     if not fake:
         check_measurable(config)
+    parallel = config.parallel
     require(
-        not config.engine.zero,
-        "a measured or fake-replayed run steps an unsharded optimizer: replay with --zero 0",
+        not fake or not config.engine.zero,
+        "a fake-replayed run steps an unsharded optimizer: replay with --zero 0 (measure "
+        "ZeRO for real, or estimate it)",
     )
     context = fake_device(cuda=config.device == "cuda") if fake else contextlib.nullcontext()
-    with context:
+    grid = stage_grid(1, 1) if fake else stage_grid(parallel.dp, parallel.tp, device=config.device)
+    with context, grid as rank:
         measured = {
-            s: _run_step(config, layout, [s], fake) for s in range(layout.partition.num_stages)
+            s: _run_step(config, layout, [s], fake, rank)
+            for s in range(layout.partition.num_stages)
         }
-        rows = [layout.schedule.stages_of(r) for r in range(config.parallel.pp)]
+        rows = [layout.schedule.stages_of(r) for r in range(parallel.pp)]
         steps = [
-            measured[r[0]] if len(r) == 1 else _run_step(config, layout, r, fake) for r in rows
+            measured[r[0]] if len(r) == 1 else _run_step(config, layout, r, fake, rank)
+            for r in rows
         ]
     stages = tuple(_stage(config, layout, s, m) for s, m in measured.items())
     rank_peaks = tuple(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.memory.tp_shards import shard_for_tp
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
@@ -126,9 +127,16 @@ def fake_parameters(module: nn.Module) -> None:
 
 
 def _runtime_stage(
-    module: LayerStack, specs: Sequence[LayerSpec], *, first: bool, last: bool, shape: StageShape
+    module: LayerStack,
+    specs: Sequence[LayerSpec],
+    *,
+    first: bool,
+    last: bool,
+    shape: StageShape,
+    tp_mesh: DeviceMesh | None = None,
 ) -> PipelineStage:
-    """The runtime's `PipelineStage` around prebuilt (fake or already built) layers."""
+    """The runtime's `PipelineStage` around prebuilt (fake or already built) layers, split
+    over `tp_mesh` as the engine splits them (a measured run's real DTensors)."""
     num_stages = 1 if first and last else 2 if first or last else 3
     stage = 0 if first else num_stages - 1 if last else 1
     return PipelineStage(
@@ -141,6 +149,7 @@ def _runtime_stage(
         precision=shape.precision,
         recompute=shape.recompute,
         built=module,
+        tp_mesh=tp_mesh,
     )
 
 
@@ -154,7 +163,8 @@ class StageRun:
     micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
     `local_in` / `local_out`: the previous / next stage lives on the same rank (V placement),
     so what crosses that edge is handed over in memory, not held as a send until the step's
-    end; the receiving side allocates it, as for a receive.
+    end; the receiving side allocates it, as for a receive. `tp_mesh`: the layers are split
+    over it with DTensor plans, as the engine splits them (a measured run).
     """
 
     def __init__(
@@ -168,8 +178,11 @@ class StageRun:
         shape: StageShape,
         local_in: bool = False,
         local_out: bool = False,
+        tp_mesh: DeviceMesh | None = None,
     ) -> None:
-        self.stage = _runtime_stage(module, specs, first=first, last=last, shape=shape)
+        self.stage = _runtime_stage(
+            module, specs, first=first, last=last, shape=shape, tp_mesh=tp_mesh
+        )
         self.local_in, self.local_out = local_in, local_out
         if split:
             self.stage.enable_split_backward()

@@ -124,8 +124,9 @@ def sharded_step_peak(
     The replay casts each Linear weight once per step (`cached` bytes) and allocates fp32
     gradients as backwards arrive. ZeRO-1/2 keep those weights in the compute dtype already:
     no copies. ZeRO-3 gathers every parameter in the compute dtype, norms and embeddings too.
-    After the schedule: ZeRO-1 all-reduces its buffers in place, ZeRO-2 reduce-scatters into a
-    shard-sized buffer; the optimizer's per-tensor temporaries are shard-sized.
+    After the schedule: ZeRO-1 all-reduces its buffers in place; ZeRO-2 posts every buffer's
+    reduce-scatter into a shard-sized output while the sends are still held, then drops the
+    whole buffers before the step; the optimizer's per-tensor temporaries are shard-sized.
     """
     block = layout.block
     if layout.zero == 3:
@@ -135,8 +136,14 @@ def sharded_step_peak(
         return max(peak + extra, live_end - held + extra)
     copies = cached if precision != "fp32" else 0
     flats = _flats(params, precision != "fp32")
-    largest = max((-(-numel // layout.dp) for numel, _ in flats), default=0)
-    scattered = round_up(4 * largest, block) if layout.zero == 2 and layout.dp > 1 else 0
-    temporaries = layout.temporaries * round_up(4 * largest, block)
-    after = live_end - held - cached + max(scattered, temporaries)
+    shards = [-(-numel // layout.dp) for numel, _ in flats]
+    temporaries = layout.temporaries * round_up(4 * max(shards, default=0), block)
+    if layout.zero == 2 and layout.dp > 1:
+        # every reduce-scatter is posted at once, into shard-sized outputs, while the sends
+        # are held; once they complete the whole buffers go and the shards step
+        scattered = sum(round_up(4 * n, block) for n in shards)
+        reducing = live_end - cached + scattered
+        after = live_end - held - cached - states.gradients + scattered + temporaries
+        return max(peak - copies, reducing, after)
+    after = live_end - held - cached + temporaries
     return max(peak - copies, after)

@@ -223,7 +223,7 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
         for level in ZERO_LEVELS
         if level > config.engine.zero and parallel.dp > 1
     ]
-    if parallel.dp > 1 and config.engine.zero_reshard == "step":
+    if parallel.dp > 1 and config.engine.zero_reshard != "micro-batch":
         zero = "" if config.engine.zero == 3 else "--zero 3 "
         per_micro_batch = {"zero": 3, "zero_reshard": "micro-batch"}
         changes.append((f"{zero}--zero-reshard micro-batch", per_micro_batch, _RESHARD_NOTE))
@@ -297,7 +297,11 @@ def _lighter_schedules(config: MemoryConfig, report: MemoryReport) -> list[Sugge
     for name in _LIGHT_SCHEDULES:
         if name == config.schedule.schedule:
             continue
-        lighter = estimate_memory(replace_flat(config, schedule=name))
+        try:
+            candidate = replace_flat(config, schedule=name)
+        except ValueError:  # a schedule the layout refuses (zb_h1 under per-micro-batch reshard)
+            continue
+        lighter = estimate_memory(candidate)
         if lighter.peak < report.peak:
             before, after = report.stages[0].in_flight, lighter.stages[0].in_flight
             note = f"stage 0 holds {after} micro-batches in flight instead of {before}"

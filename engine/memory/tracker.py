@@ -72,6 +72,7 @@ class MemoryTracker(TorchDispatchMode):
         """Of `live`: copies of parameters in another dtype (what autocast casts and saves)."""
         self._window_peak = 0
         self._alive: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._sizes: dict[int, int] = {}
 
     def __torch_dispatch__(
         self,
@@ -101,14 +102,28 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._alive:
             return
         nbytes = round_up(storage.nbytes(), self.block)
-        self._alive[key] = weakref.ref(storage, lambda _: self._free(key, nbytes, weight_copy))
+        self._alive[key] = weakref.ref(storage, lambda _: self._free(key, weight_copy))
+        self._sizes[key] = nbytes
+        self._add(nbytes, weight_copy)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A counted storage resized in place to `nbytes` (FSDP2 frees and reallocates its
+        gathered parameters so, outside the dispatcher: `rank_states.fsdp_resizes`)."""
+        key = storage._cdata
+        if key in self._alive:
+            new = round_up(nbytes, self.block)
+            self._add(new - self._sizes[key], weight_copy=False)
+            self._sizes[key] = new
+
+    def _add(self, nbytes: int, weight_copy: bool) -> None:
         self.live += nbytes
         self.weight_copies += nbytes if weight_copy else 0
         self.peak = max(self.peak, self.live)
         self._window_peak = max(self._window_peak, self.live)
 
-    def _free(self, key: int, nbytes: int, weight_copy: bool) -> None:
+    def _free(self, key: int, weight_copy: bool) -> None:
         if self._alive.pop(key, None) is not None:
+            nbytes = self._sizes.pop(key)
             self.live -= nbytes
             self.weight_copies -= nbytes if weight_copy else 0
 

@@ -26,6 +26,7 @@ from engine.config import (
     ReplicaSync,
     RunConfig,
     ScheduleConfig,
+    check_budget,
     check_layout,
     check_replica_sync,
     check_zero_optimizer,
@@ -75,6 +76,7 @@ class TrainConfig:
             batch=self.batch,
             engine=self.engine,
         )
+        check_budget(self.partition, self.engine)
         world = self.parallel.pp * self.parallel.dp
         check_zero_optimizer(self.engine.zero, self.optimizer.impl, world)
         flat = self.engine.zero in (1, 2)  # ZeRO-1/2 step plain flat shards, not DTensors

@@ -26,7 +26,9 @@ from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
+from engine.config import replace_flat
 from engine.memory.estimate import MemoryConfig, resolve
+from engine.memory.reshard import ReshardChoice, choose_reshard, choose_reshard_without_budget
 from engine.training.config import TrainConfig
 from engine.training.loaders import open_data
 from engine.training.monitors import check_monitors
@@ -51,8 +53,10 @@ __all__ = [
     "check_data",
     "check_outputs",
     "preflight",
+    "reshard_choice",
     "run_paths",
     "stage_partition",
+    "with_reshard_choice",
     "writable_folder",
 ]
 
@@ -73,23 +77,54 @@ def stage_partition(config: TrainConfig, specs: Sequence[LayerSpec]) -> Partitio
     )
 
 
-def _memory_partition(config: TrainConfig) -> Partition:
+def _memory_config(config: TrainConfig) -> MemoryConfig:
+    """The run's layout as the memory model sees it, on the run's own device."""
     gpu = config.run.device != "cpu" and torch.cuda.is_available()
+    return MemoryConfig(
+        model=config.model,
+        parallel=config.parallel,
+        schedule=config.schedule,
+        partition=config.partition,
+        batch=config.batch,
+        engine=config.engine,
+        optimizer=config.optimizer,
+        replica_sync=config.replica_sync,
+        device="cuda" if gpu else "cpu",
+    )
+
+
+def _memory_partition(config: TrainConfig) -> Partition:
     try:
-        memory = MemoryConfig(
-            model=config.model,
-            parallel=config.parallel,
-            schedule=config.schedule,
-            partition=config.partition,
-            batch=config.batch,
-            engine=config.engine,
-            optimizer=config.optimizer,
-            replica_sync=config.replica_sync,
-            device="cuda" if gpu else "cpu",
-        )
-        return resolve(memory).partition
+        return resolve(_memory_config(config)).partition
     except ValueError as error:
         raise ValueError(f"--partition memory: {error}") from None
+
+
+def reshard_choice(config: TrainConfig) -> ReshardChoice | None:
+    """ZeRO-3's `--zero-reshard auto` resolved by the memory model against --device-memory
+    (None where the run gives a mode, or is not ZeRO-3)."""
+    engine, budget = config.engine, config.partition.budget
+    if engine.zero != 3 or engine.zero_reshard != "auto":
+        return None
+    if budget is None:
+        return choose_reshard_without_budget()
+    try:
+        memory = _memory_config(config)
+    except ValueError as error:
+        raise ValueError(
+            f"--zero-reshard auto with --device-memory {config.partition.device_memory} "
+            f"chooses by the memory model, which cannot model this run ({error}): give "
+            "--zero-reshard step or micro-batch"
+        ) from None
+    return choose_reshard(memory, budget)
+
+
+def with_reshard_choice(config: TrainConfig, choice: ReshardChoice) -> TrainConfig:
+    """The run with `auto` resolved: the chosen mode, and --device-memory dropped unless
+    --partition memory still reads it."""
+    kept = config.partition.device_memory if config.partition.by_memory else None
+    resolved: TrainConfig = replace_flat(config, zero_reshard=choice.reshard, device_memory=kept)
+    return resolved
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:

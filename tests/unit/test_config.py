@@ -127,7 +127,7 @@ def test_a_composite_keeps_its_own_defaults_for_a_shared_section() -> None:
         ({"recompute": "full", "recompute_stages": "5"}, r"recompute stages \[5\] are outside"),
         ({"schedule": "zb"}, "unknown schedule 'zb'"),
         ({"cost_model": "bytes"}, "unknown cost model 'bytes'"),
-        ({"zero_reshard": "layer"}, "zero_reshard='layer': choose step or micro-batch"),
+        ({"zero_reshard": "layer"}, "zero_reshard='layer': choose auto, step or micro-batch"),
         ({"dp": 2, "zero": 2, "zero_reshard": "micro-batch"}, "add --zero 3 or drop"),
         (
             {"pp": 2, "dp": 2, "zero": 3, "zero_reshard": "micro-batch", "schedule": "zb_h1"},

@@ -660,7 +660,9 @@ def test_tensor_parallelism_divides_a_stage_states_and_weight_copies() -> None:
     assert two.parameters < one.parameters and two.weight_copies * 2 == one.weight_copies
 
 
-def test_measuring_a_tensor_parallel_layout_is_refused_by_name() -> None:
-    config = MemoryConfig.of(model="llama-tiny", pp=2, tp=2, device="cpu")
-    with pytest.raises(ValueError, match="--measure runs one process, so --tp 2"):
+def test_measuring_a_model_too_large_to_build_here_is_refused_by_name() -> None:
+    """Tensor parallelism and ZeRO are measured as one rank (tests/unit/test_memory_sharded.py);
+    what one process cannot build is refused before anything is allocated."""
+    config = MemoryConfig.of(model="llama-7b", pp=2, tp=2, device="cpu")
+    with pytest.raises(ValueError, match="--measure builds llama-7b for real here"):
         check_measurable(config)
