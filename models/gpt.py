@@ -59,6 +59,10 @@ class GPTEmbedding(nn.Module):
     tp_plan: ClassVar[dict[str, str]] = {"wte": "vocab_embedding"}
     """How tensor parallelism splits the layer: submodule → role (`colwise`, `rowwise`,
     `vocab_embedding`, `vocab_head`; "" is the layer itself); the rest stays replicated."""
+    sp_plan: ClassVar[dict[str, str]] = {"wpe": "sequence_positions"}
+    """What the replicated modules do under sequence parallelism, where the layer's output is
+    each tp rank's 1/tp of the sequence (`sequence_norm`, `sequence_gather`,
+    `sequence_positions`): the position table looks up the shard's global positions."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -96,6 +100,12 @@ class GPTBlock(nn.Module):
         "mlp.fc": "colwise",
         "mlp.proj": "rowwise",
     }
+    sp_plan: ClassVar[dict[str, str]] = {
+        "ln_1": "sequence_norm",
+        "attn": "sequence_gather",
+        "ln_2": "sequence_norm",
+        "mlp": "sequence_gather",
+    }
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -120,6 +130,7 @@ class GPTFinalNorm(nn.Module):
     """The LayerNorm after the last block."""
 
     residual_params: tuple[str, ...] = ()
+    sp_plan: ClassVar[dict[str, str]] = {"ln_f": "sequence_norm"}
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -141,6 +152,7 @@ class GPTHead(nn.Linear):
 
     residual_params: tuple[str, ...] = ()
     tp_plan: ClassVar[dict[str, str]] = {"": "vocab_head"}
+    sp_plan: ClassVar[dict[str, str]] = {}  # vocab_head gathers the sequence itself
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config.d_model, config.vocab_size, bias=False)

@@ -113,6 +113,7 @@ class LlamaEmbedding(nn.Module):
 
     residual_params: tuple[str, ...] = ()
     tp_plan: ClassVar[dict[str, str]] = {"embed_tokens": "vocab_embedding"}
+    sp_plan: ClassVar[dict[str, str]] = {}  # the vocabulary split reduce-scatters the sequence
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -143,6 +144,12 @@ class LlamaBlock(nn.Module):
         "mlp.gate_proj": "colwise",
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",
+    }
+    sp_plan: ClassVar[dict[str, str]] = {  # attention gathers the sequence: global rotary positions
+        "input_layernorm": "sequence_norm",
+        "self_attn": "sequence_gather",
+        "post_attention_layernorm": "sequence_norm",
+        "mlp": "sequence_gather",
     }
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -177,6 +184,7 @@ class LlamaFinalNorm(nn.Module):
     """The RMSNorm after the last block."""
 
     residual_params: tuple[str, ...] = ()
+    sp_plan: ClassVar[dict[str, str]] = {"norm": "sequence_norm"}
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -194,6 +202,7 @@ class LlamaHead(nn.Module):
 
     residual_params: tuple[str, ...] = ()
     tp_plan: ClassVar[dict[str, str]] = {"lm_head": "vocab_head"}
+    sp_plan: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.cli.flags import add_config_flags, flag_values, given_fields
-from engine.config import require
+from engine.config import replace_flat, require
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.memory.measure import check_measurable, measure_memory
@@ -21,6 +21,7 @@ from engine.memory.report import (
     format_json,
     format_measured,
     format_report,
+    format_sequence_saving,
     format_suggestions,
 )
 from engine.memory.reshard import choose_reshard, with_reshard
@@ -159,6 +160,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> tuple[str, bool]:
         parts.append(format_suggestions(suggestions, budget))
     if measured is not None:
         parts.append(format_measured(report, measured))
+    if config.engine.sequence_parallel:
+        without = estimate_memory(replace_flat(config, sequence_parallel=False))
+        parts.append(format_sequence_saving(report, without))
     if args.compare:
         parts.append(format_comparison(report))
     return "\n\n".join(parts), not over

@@ -142,6 +142,13 @@ class EngineOptions:
     micro-batch's backward into the fp32 shard, as DeepSpeed's ZeRO-3 runs (1/dp of the
     gradients and a layer or two gathered at a time, for a gather per forward and backward and a
     reduce-scatter per micro-batch). Not with a split backward (zb_* schedules)."""
+    sequence_parallel: bool = False
+    """With --tp > 1: run norms, position embeddings and the residual stream between the
+    attention and MLP blocks on 1/tp of the sequence per tp rank (Megatron's and torch's
+    sequence parallelism): the all-reduce after each row-wise layer becomes a reduce-scatter
+    along the sequence and the column-wise layers all-gather their input, so the activations
+    between blocks, and those sent between stages, are held 1/tp per rank. The sequence length
+    must be a multiple of tp."""
     compile: bool = False
     """torch.compile each layer (regional compilation: one graph per layer class, reused by
     every block): fuses the norms, rotary and activations eager runs as separate kernels;

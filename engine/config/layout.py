@@ -67,6 +67,11 @@ def check_layout(
     )
     outside = [s for s in engine.recompute_stages or () if not 0 <= s < stages]
     require(not outside, f"recompute stages {outside} are outside 0..{stages - 1}")
+    require(
+        parallel.tp > 1 or not engine.sequence_parallel,
+        "--sequence-parallel splits the sequence over the tensor-parallel ranks of each stage, "
+        f"but --tp is {parallel.tp}: add --tp 2 (or more), or drop --sequence-parallel",
+    )
     if parallel.tp > 1:
         check_tensor_parallel_shape(model.name, model.config(), parallel.tp)
         _check_tensor_parallel_options(parallel, batch, engine)
@@ -78,6 +83,11 @@ def _check_tensor_parallel_options(
 ) -> None:
     """What tensor parallelism cannot run (yet), refused by name with the way out."""
     tp = parallel.tp
+    require(
+        not engine.sequence_parallel or batch.seq_len % tp == 0,
+        f"--sequence-parallel with --tp {tp} and --seq-len {batch.seq_len}: each tensor-parallel "
+        f"rank holds an equal 1/{tp} of the sequence; use a --seq-len that is a multiple of {tp}",
+    )
     require(
         parallel.pp == 1 or batch.seq_len % tp == 0,
         f"--tp {tp} with --seq-len {batch.seq_len}: between pipeline stages each tensor-parallel "

@@ -300,6 +300,7 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
         precision=config.engine.precision,
         recompute=config.engine.recompute_of(stage),
         tp=config.parallel.tp,
+        sequence_parallel=config.engine.sequence_parallel,
     )
 
 

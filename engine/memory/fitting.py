@@ -79,7 +79,9 @@ def layer_sums(
     (`replay.backward_styles`: a forward before a split backward keeps other tensors)."""
     block = CUDA_BLOCK if device == "cuda" else 1
     size = 4 if shape.precision == "fp32" else 2
-    received = round_up(shape.micro_batch_size * shape.seq_len * shape.hidden * size, block)
+    received = round_up(
+        shape.micro_batch_size * shape.boundary_seq_len * shape.hidden * size, block
+    )
     last = len(specs) - 1
     states, grads, kept, copies, transient = [], [], [], [], []
     for i, spec in enumerate(specs):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine.memory.tp_shards import shard_for_tp
+from engine.memory.tp_shards import shard_for_tp, shard_sequence_for_tp
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
@@ -59,6 +59,15 @@ class StageShape:
     """Recompute policy of the stage, as `EngineOptions.recompute`."""
     tp: int = 1
     """Tensor-parallel ranks the stage's layers are split over (the replay runs one's share)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism: activations between blocks, and those crossing stage boundaries,
+    are 1/tp of the sequence."""
+
+    @property
+    def boundary_seq_len(self) -> int:
+        """Sequence length of what a stage receives and sends (its shard's under sequence
+        parallelism; after the all-gather of the received shards otherwise)."""
+        return self.seq_len // self.tp if self.sequence_parallel else self.seq_len
 
 
 Phase = tuple[ActionKind, bool]
@@ -93,15 +102,20 @@ class StageTrace:
         return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
 
 
-def build_stage(specs: Sequence[LayerSpec], tp: int = 1) -> LayerStack:
+def build_stage(
+    specs: Sequence[LayerSpec], tp: int = 1, *, sequence_parallel: bool = False
+) -> LayerStack:
     """The stage's layers on the meta device, weights tied inside the stage shared, each
-    tensor-parallel weight cut to one of `tp` ranks' shards (`shard_for_tp`).
+    tensor-parallel weight cut to one of `tp` ranks' shards (`shard_for_tp`), and with
+    `sequence_parallel` the activations between blocks too (`shard_sequence_for_tp`).
 
     `models.build_layers` would initialise every weight on the CPU first, which planning a
     70B stage cannot afford.
     """
     layers = {i: spec.build("meta") for i, spec in enumerate(specs)}
     shard_for_tp(layers.values(), tp)
+    if sequence_parallel:
+        shard_sequence_for_tp(layers.values(), tp)
     first: dict[str, nn.Parameter] = {}
     for i, spec in enumerate(specs):
         if spec.tie_key is None or spec.tied_param is None:
@@ -255,7 +269,7 @@ class StageRun:
         return batch[start : start + size]
 
     def _received(self, *, requires_grad: bool) -> torch.Tensor:
-        shape = (self.shape.micro_batch_size, self.shape.seq_len, self.shape.hidden)
+        shape = (self.shape.micro_batch_size, self.shape.boundary_seq_len, self.shape.hidden)
         dtype = compute_dtype(self.shape.precision)
         return torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad)
 
@@ -294,7 +308,7 @@ def trace_stage(
     order: tuple[bool | None, ...] = styles or (None,)
     split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
     with fake_device(cuda=cuda):
-        module = build_stage(specs, shape.tp)
+        module = build_stage(specs, shape.tp, sequence_parallel=shape.sequence_parallel)
         fake_parameters(module)
         run = StageRun(
             module,

@@ -18,6 +18,7 @@ __all__ = [
     "format_json",
     "format_measured",
     "format_report",
+    "format_sequence_saving",
     "format_suggestions",
 ]
 
@@ -44,6 +45,7 @@ def _title(report: MemoryReport) -> str:
     zero = f", ZeRO-{engine.zero}" if engine.zero else ""
     zero += " resharded per micro-batch" if engine.zero_reshard == "micro-batch" else ""
     tp = f" × tp {c.parallel.tp}" if c.parallel.tp > 1 else ""
+    tp += " (sequence parallel)" if engine.sequence_parallel else ""
     recompute = engine.recompute
     if engine.recompute_stages is not None:
         recompute = f"{engine.recompute} on {engine.recompute_stages}"
@@ -126,6 +128,17 @@ def format_json(
         ]
     extra = [] if measured is None else [dataclasses.asdict(measured)]
     return json.dumps([estimate, *extra], indent=2)
+
+
+def format_sequence_saving(report: MemoryReport, without: MemoryReport) -> str:
+    """What sequence parallelism saves: the peak against the same layout's without it."""
+    saved = without.peak - report.peak
+    share = saved / without.peak if without.peak else 0.0
+    return (
+        f"sequence parallelism: peak {format_size(report.peak)}, {format_size(saved)} "
+        f"({share:.0%}) less than without it ({format_size(without.peak)}): the activations "
+        f"between blocks and across stages are 1/{report.config.parallel.tp} of the sequence"
+    )
 
 
 def format_measured(predicted: MemoryReport, measured: MemoryReport) -> str:

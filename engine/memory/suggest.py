@@ -214,7 +214,8 @@ def _recompute(config: MemoryConfig, stages: Sequence[int]) -> list[_Candidate]:
 def _same_devices(config: MemoryConfig) -> list[_Candidate]:
     """Layouts on the same devices and the same global and micro-batch sizes: a higher ZeRO
     level, or half the replicas traded for twice the pipeline stages or the tensor-parallel
-    width (with twice the micro-batches per replica). A user with 64 GPUs asks how to place
+    width (with twice the micro-batches per replica), or under tp the sequence split too
+    (`--sequence-parallel`). A user with 64 GPUs asks how to place
     the model on them, not on more; one the configuration refuses (tp not dividing the heads,
     more stages than layers) is no candidate."""
     parallel, micro_batches = config.parallel, config.schedule.micro_batches
@@ -223,6 +224,8 @@ def _same_devices(config: MemoryConfig) -> list[_Candidate]:
         for level in ZERO_LEVELS
         if level > config.engine.zero and parallel.dp > 1
     ]
+    if parallel.tp > 1 and not config.engine.sequence_parallel:
+        changes.append(("--sequence-parallel", {"sequence_parallel": True}, ""))
     if parallel.dp > 1 and config.engine.zero_reshard != "micro-batch":
         zero = "" if config.engine.zero == 3 else "--zero 3 "
         per_micro_batch = {"zero": 3, "zero_reshard": "micro-batch"}

@@ -9,7 +9,9 @@ sharded logits under `loss_parallel`, so no rank ever holds the full logits. Nor
 embeddings and row-wise biases stay replicated: every tp rank computes the same values for them.
 They become replicated DTensors too (`distribute_module`, their inputs and outputs plain tensors
 outside), so a stage's parameters are all DTensors on one mesh: the fused and foreach optimizer
-kernels refuse a mix of DTensors and plain tensors in one call.
+kernels refuse a mix of DTensors and plain tensors in one call. Under sequence parallelism
+(`engine.parallel.sequence_parallel`) the same roles reduce-scatter and all-gather along the
+sequence instead, and each layer's `sp_plan` places its norms and position embeddings.
 
 The helpers below are what the rest of the engine needs to treat a sharded parameter as the
 whole it stands for: its full tensor (checkpoints keep global names and full shapes), a full
@@ -42,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from engine.parallel.sequence_parallel import sequence_plan, sequence_style
 from models import LayerSpec, LayerStack, build_layers
 from models.layers import init_layer
 
@@ -64,29 +67,42 @@ ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
 """What a layer's `tp_plan` may say of a submodule."""
 
 
-def _style(role: str) -> ParallelStyle:
+def _style(role: str, sequence_parallel: bool = False) -> ParallelStyle:
+    """The torch style of a role; under sequence parallelism the activations around the split
+    layers are sequence shards (`Shard(1)`) instead of whole (`Replicate`)."""
+    around = Shard(1) if sequence_parallel else Replicate()
     if role == "colwise":
-        return ColwiseParallel()
+        return ColwiseParallel()  # under sequence parallelism its block gathers the input
     if role == "rowwise":
-        return RowwiseParallel()
+        return RowwiseParallel(output_layouts=around)
     if role == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate())
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=around)
     if role == "vocab_head":
-        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(
+            input_layouts=around, output_layouts=Shard(-1), use_local_output=False
+        )
+    if sequence_parallel:
+        return sequence_style(role)
     raise ValueError(f"unknown tensor-parallel role {role!r}: use one of {', '.join(ROLES)}")
 
 
-def parallelize_layers(layers: Sequence[nn.Module], tp_mesh: DeviceMesh) -> None:
-    """Shard every layer in place by its class's `tp_plan` ("" is the layer itself).
+def parallelize_layers(
+    layers: Sequence[nn.Module], tp_mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> None:
+    """Shard every layer in place by its class's `tp_plan` ("" is the layer itself), and with
+    `sequence_parallel` by its `sp_plan` too (checked to place every replicated module).
 
     The layers hold their full, initialised weights (the same on every tp rank), so each rank
     keeps its slice of the very weights a single process starts from. A layer without a plan
     stays replicated. Ties are broken by the new parameters: the caller shares them again.
     """
     for layer in layers:
-        for name, role in getattr(layer, "tp_plan", {}).items():
+        plan = dict(getattr(layer, "tp_plan", {}))
+        if sequence_parallel:
+            plan.update(sequence_plan(layer))
+        for name, role in plan.items():
             target = layer if name == "" else layer.get_submodule(name)
-            parallelize_module(target, tp_mesh, _style(role))
+            parallelize_module(target, tp_mesh, _style(role, sequence_parallel))
         for module in layer.modules():
             own = list(module.parameters(recurse=False))
             if any(not isinstance(p, DTensor) for p in own):
@@ -119,13 +135,14 @@ def build_sharded_layers(
     seed: int,
     device: torch.device | str,
     tp_mesh: DeviceMesh,
+    sequence_parallel: bool = False,
 ) -> LayerStack:
     """The layers `indices`, split over `tp_mesh` before they get memory: built on `meta`,
     parallelized there, given storage for their shards only, then initialised per parameter
     from the same draws as one process (each rank keeps its slice). A rank never holds its
     stage's full weights, only one parameter's full draw at a time on the CPU."""
     stack = build_layers(specs, indices, seed=seed, device="meta")
-    parallelize_layers(list(stack.layers.values()), tp_mesh)
+    parallelize_layers(list(stack.layers.values()), tp_mesh, sequence_parallel=sequence_parallel)
     stack.to_empty(device=device)
     for i, layer in zip(stack.indices, stack.layers.values(), strict=True):
         init_layer(layer, specs[i], seed=seed, index=i, write=_write_slice)

@@ -76,7 +76,7 @@ class PipelineEngine:
         self.options = options or EngineOptions()
         self.replica_sync = replica_sync or ReplicaSync()
         """How this stage's replicas stay together: every step, or every H steps."""
-        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank)
+        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
         self.schedule, self.eval_schedule = lowered_schedules(
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
@@ -90,10 +90,11 @@ class PipelineEngine:
         self.exchange = self._build_exchange(partition)
         self._shards = (
             SequenceShards(mesh.tp_group, mesh.tp_rank, mesh.tp)
-            if mesh.tp > 1 and mesh.tp_group is not None
+            if mesh.tp > 1 and mesh.tp_group is not None and not self.options.sequence_parallel
             else None
         )
-        """Each tp rank exchanges 1/tp of every boundary tensor (None without tp)."""
+        """Each tp rank exchanges 1/tp of every boundary tensor (None without tp, and under
+        sequence parallelism, where each rank's stage output is its sequence shard already)."""
         self.reports = self._build_reports(partition)
         self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
         self.meetings = self._build_meetings()
@@ -128,6 +129,7 @@ class PipelineEngine:
                 recompute=options.recompute_of(s),
                 compile=options.compile,
                 tp_mesh=self.mesh.tp_mesh,
+                sequence_parallel=options.sequence_parallel,
             )
             for s in self.schedule.stages_of(self.mesh.pp_rank)
         }
@@ -578,7 +580,13 @@ def _check_layout(
     partition: Partition,
     micro_batches: int,
     stages_per_rank: int,
+    options: EngineOptions,
 ) -> None:
+    if options.sequence_parallel and mesh.tp == 1:
+        raise ValueError(
+            "sequence_parallel=True splits the sequence over the tensor-parallel ranks of each "
+            "stage, but the mesh has tp=1: use a mesh with tp > 1, or sequence_parallel=False"
+        )
     if partition.num_layers != len(specs):
         raise ValueError(
             f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "

@@ -73,19 +73,36 @@ class PipelineStage:
         compile: bool = False,
         built: LayerStack | None = None,
         tp_mesh: DeviceMesh | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         """`built`: the stage's layers already made (the memory replay's fake ones); by
         default they are built and initialised here, on `device`. `tp_mesh`: split every layer
-        over these tensor-parallel ranks (each keeps its slice of the full initial weights)."""
+        over these tensor-parallel ranks (each keeps its slice of the full initial weights);
+        `sequence_parallel`: and keep the activations between them as sequence shards (the
+        stage's input and output are this rank's 1/tp of the sequence)."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
+        if sequence_parallel and tp_mesh is None:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over tensor-parallel ranks, but "
+                "the stage has none: use a mesh with tp > 1, or sequence_parallel=False"
+            )
+        self.sequence_parallel = sequence_parallel
+        self._tp = tp_mesh.size() if tp_mesh is not None else 1
         if built is not None:
             self.module = built
             if tp_mesh is not None:
-                parallelize_layers(list(built.layers.values()), tp_mesh)
+                parallelize_layers(
+                    list(built.layers.values()), tp_mesh, sequence_parallel=sequence_parallel
+                )
         elif tp_mesh is not None:
             self.module = build_sharded_layers(
-                specs, layers, seed=seed, device=device, tp_mesh=tp_mesh
+                specs,
+                layers,
+                seed=seed,
+                device=device,
+                tp_mesh=tp_mesh,
+                sequence_parallel=sequence_parallel,
             )
         else:
             self.module = build_layers(specs, layers, seed=seed, device=device)
@@ -122,10 +139,13 @@ class PipelineStage:
         """Prepare the split backward: I now, the weight GEMMs later in W.
 
         Only a GEMM's weight gradient (gᵀ·x of every `nn.Linear`) is worth deferring; forward
-        hooks record each Linear's input and output. The I pass asks autograd for the stage
-        input's gradient, each Linear output's gradient and, at once, the gradients of every
-        other parameter (norms, embeddings: cheap reductions that would otherwise need a
-        second pass over their inputs in W). Every kernel runs once, as in a fused backward.
+        hooks record each Linear's input and output. Under tensor parallelism the hook runs
+        before the plan's output hook: it sees the GEMM's own output (a DTensor), whose
+        gradient is what the shard's W needs even where the plan reduce-scatters the output
+        along the sequence and hands on only this rank's part. The I pass asks autograd for
+        the stage input's gradient, each Linear output's gradient and, at once, the gradients
+        of every other parameter (norms, embeddings: cheap reductions that would otherwise need
+        a second pass over their inputs in W). Every kernel runs once, as in a fused backward.
         """
         if self._hooks_on or self._fused_weight_grads:
             return
@@ -148,7 +168,7 @@ class PipelineStage:
             return
         for module in owners:
             if isinstance(module, nn.Linear):
-                module.register_forward_hook(self._record_output)
+                module.register_forward_hook(self._record_output, prepend=True)
             else:
                 self._eager_params += [p for p in module.parameters(recurse=False)]
         self._hooks_on = True
@@ -215,6 +235,7 @@ class PipelineStage:
         inputs and outputs need not be recorded for a W. `documents`: the micro-batch's
         document ids when documents are packed (`models.documents`).
         """
+        self._check_sequence(micro_batch, inputs[0])
         capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
@@ -248,6 +269,17 @@ class PipelineStage:
             self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture, documents)
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return result
+
+    def _check_sequence(self, micro_batch: int, tokens: torch.Tensor) -> None:
+        """Sequence parallelism cuts the first stage's sequence into tp equal shards."""
+        if not (self.sequence_parallel and self.is_first) or tokens.shape[1] % self._tp == 0:
+            return
+        raise StageError(
+            f"stage {self.stage} got micro-batch {micro_batch} with a sequence of "
+            f"{tokens.shape[1]} tokens, which does not split into tp={self._tp} equal sequence "
+            f"shards (sequence parallelism): use a sequence length that is a multiple of "
+            f"{self._tp}, or turn sequence parallelism off"
+        )
 
     def _run_layers(self, x: torch.Tensor, training: bool) -> torch.Tensor:
         """The stage's layers in order; recomputed runs keep only their input for backward

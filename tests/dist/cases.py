@@ -88,6 +88,7 @@ class Case:
     compile: bool = False
     documents: bool = False
     """Pack documents: each batch row holds several (`batch_documents`)."""
+    sequence_parallel: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -108,6 +109,7 @@ class Case:
             + (f"-tp{self.tp}" if self.tp > 1 else "")
             + ("-compiled" if self.compile else "")
             + ("-packed" if self.documents else "")
+            + ("-sp" if self.sequence_parallel else "")
         )
 
 
@@ -179,6 +181,7 @@ def run_case(case: Case) -> dict[str, Any]:
             zero_reshard=case.zero_reshard,
             nonfinite_guard=case.guard,
             compile=case.compile,
+            sequence_parallel=case.sequence_parallel,
         ),
     )
     rows = case.global_batch // case.dp

@@ -1,12 +1,14 @@
 """Tensor parallelism inside pipeline stages equals the single-process reference to float
 tolerance: gpt-tiny (embedding tied to the head) and llama-tiny (grouped kv heads) at tp 2 alone,
-at pp 2 × tp 2, and on the full pp × dp × tp = 2 × 2 × 2 grid; checkpoints keep full tensors
-under global names, so a tp 2 checkpoint loads at tp 1 and back.
+at pp 2 × tp 2, and on the full pp × dp × tp = 2 × 2 × 2 grid, with and without sequence
+parallelism; checkpoints keep full tensors under global names, so a tp 2 checkpoint loads at tp 1
+and back.
 
 Tolerance: the row-wise layers sum partial products over the tp ranks and the loss is taken
 over vocabulary shards, so the arithmetic differs from one process in its order of additions
 only. After 2 SGD steps losses agree to rel 1e-6 and every parameter to rtol 1e-5 / atol 1e-7
-(measured: losses within 9e-8 relative, parameters within 7.5e-9 absolute).
+(measured: losses within 9e-8 relative, parameters within 7.5e-9 absolute; the same under
+sequence parallelism, whose reduce-scatters and gathers change no sum's order further).
 """
 
 from __future__ import annotations
@@ -88,14 +90,27 @@ ZERO12_LOW_PRECISION = [
     _tp2("llama", 1, 2, precision="bf16", zero=2, clip=0.5),
     _tp2("llama", 2, 2, precision="fp16", zero=1, recompute="full"),
 ]
+# Sequence parallelism: norms and the residual stream on 1/tp of the sequence, each norm weight's
+# gradient summed over the tp ranks; GPT's learned positions looked up per shard, its embedding
+# tied to the head on the other stage; the split backward's W on the reduce-scattered layers.
+SEQUENCE = [_tp2(model, 1, 1, sequence_parallel=True) for model in ("gpt-tiny", "llama")]
+PP2_SEQUENCE = [_tp2(model, 2, 1, sequence_parallel=True) for model in ("gpt-tiny", "llama")]
+PP2_SEQUENCE += [_tp2("gpt-tiny", 2, 1, "zb_h1", 4, sequence_parallel=True)]
+ZERO3_SEQUENCE = [_tp2("llama", 1, 2, clip=0.5, zero=3, sequence_parallel=True)]
 # The 8-rank ZeRO-3 cases share the grid's launch (8 processes are costly to start on 2 cores);
 # the 4-rank ones have a launch of their own, so each fixture stays within one test's timeout.
 WORLDS = (
-    (2, TP2 + LOW_PRECISION),
-    (4, PP2_TP2 + PP2_LOW_PRECISION + NAN),
+    (2, TP2 + LOW_PRECISION + SEQUENCE),
+    (4, PP2_TP2 + PP2_LOW_PRECISION + NAN + PP2_SEQUENCE),
     (8, GRID + ZERO3[1:2] + ZERO3_LOW_PRECISION[2:] + ZERO12[2:] + ZERO12_LOW_PRECISION[1:]),
 )
-ZERO3_WORLDS = ((4, ZERO3[::2] + ZERO3_LOW_PRECISION[:2] + ZERO12[:2] + ZERO12_LOW_PRECISION[:1]),)
+ZERO3_WORLDS = (
+    (
+        4,
+        ZERO3[::2] + ZERO3_LOW_PRECISION[:2] + ZERO12[:2] + ZERO12_LOW_PRECISION[:1] + ZERO3_SEQUENCE,
+    ),
+)
+SEQUENCE_CASES = SEQUENCE + PP2_SEQUENCE + ZERO3_SEQUENCE
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
 ZERO3_PARAM_ATOL = 5e-4
@@ -127,7 +142,7 @@ def _results(case: Case, request: pytest.FixtureRequest) -> list[dict[str, Any]]
     return list(runs[str(case)])
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12, ids=str)
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12 + SEQUENCE_CASES, ids=str)
 def test_tensor_parallel_losses_equal_the_reference_to_float_tolerance(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -162,7 +177,7 @@ def test_bf16_and_fp16_under_tp_and_zero_equal_the_reference_to_their_rounding(
             torch.testing.assert_close(value.float(), expected, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12, ids=str)
+@pytest.mark.parametrize("case", TP2 + PP2_TP2 + GRID + ZERO3 + ZERO12 + SEQUENCE_CASES, ids=str)
 def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -177,7 +192,7 @@ def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
     assert set(global_parameter_order(model_specs(case.model))) <= seen <= set(reference)
 
 
-@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1], ZERO12[2]], ids=str)
+@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1], ZERO12[2], PP2_SEQUENCE[0]], ids=str)
 def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_parallelism(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -188,9 +203,10 @@ def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_paral
 
 
 # Unclipped cases: the reference reads its norm after clipping, the engine before.
-@pytest.mark.parametrize(
-    "case", [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0], ZERO3[2], ZERO12[1]], ids=str
-)
+NORMS = [TP2[0], PP2_TP2[2], PP2_TP2[3], GRID[0], ZERO3[2], ZERO12[1], SEQUENCE[1], PP2_SEQUENCE[0]]
+
+
+@pytest.mark.parametrize("case", NORMS, ids=str)
 def test_the_global_gradient_norm_counts_every_shard_once(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
@@ -213,7 +229,7 @@ def test_a_non_finite_step_is_skipped_by_every_stage_and_tp_rank_together(
     assert [rank["skipped"] for rank in runs[str(NAN[0])]] == [[False, True]] * 4
 
 
-@pytest.mark.parametrize("case", SPLIT, ids=str)
+@pytest.mark.parametrize("case", SPLIT + PP2_SEQUENCE[2:], ids=str)
 def test_the_split_backward_defers_weight_gradients_under_tensor_parallelism(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:
@@ -253,7 +269,7 @@ def test_each_tp_rank_holds_its_slice_of_every_split_weight_and_all_of_the_rest(
         assert {n: rank["local_shapes"][n] for n in LLAMA_SLICES} == LLAMA_SLICES
 
 
-@pytest.mark.parametrize("case", PP2_TP2 + GRID, ids=str)
+@pytest.mark.parametrize("case", PP2_TP2 + GRID + PP2_SEQUENCE, ids=str)
 def test_each_tp_rank_sends_its_sequence_shard_between_stages(
     case: Case, runs: dict[str, list[dict[str, Any]]]
 ) -> None:

@@ -50,6 +50,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "device_memory",
         "mesh_order",
         "recompute_stages",
+        "sequence_parallel",
         "tp",
         "zero_reshard",
         "loss_scale",
