@@ -104,12 +104,8 @@ WORLDS = (
     (4, PP2_TP2 + PP2_LOW_PRECISION + NAN + PP2_SEQUENCE),
     (8, GRID + ZERO3[1:2] + ZERO3_LOW_PRECISION[2:] + ZERO12[2:] + ZERO12_LOW_PRECISION[1:]),
 )
-ZERO3_WORLDS = (
-    (
-        4,
-        ZERO3[::2] + ZERO3_LOW_PRECISION[:2] + ZERO12[:2] + ZERO12_LOW_PRECISION[:1] + ZERO3_SEQUENCE,
-    ),
-)
+ZERO3_WORLD = ZERO3[::2] + ZERO3_LOW_PRECISION[:2] + ZERO12[:2] + ZERO12_LOW_PRECISION[:1]
+ZERO3_WORLDS = ((4, ZERO3_WORLD + ZERO3_SEQUENCE),)
 SEQUENCE_CASES = SEQUENCE + PP2_SEQUENCE + ZERO3_SEQUENCE
 LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-5, 1e-7
 LOW_LOSS_RTOL, LOW_PARAM_ATOL = 1e-4, 1e-4
@@ -192,7 +188,10 @@ def test_every_ranks_full_parameters_equal_the_reference_to_float_tolerance(
     assert set(global_parameter_order(model_specs(case.model))) <= seen <= set(reference)
 
 
-@pytest.mark.parametrize("case", [PP2_TP2[0], GRID[0], ZERO3[1], ZERO12[2], PP2_SEQUENCE[0]], ids=str)
+TIES = [PP2_TP2[0], GRID[0], ZERO3[1], ZERO12[2], PP2_SEQUENCE[0]]
+
+
+@pytest.mark.parametrize("case", TIES, ids=str)
 def test_the_tied_embedding_and_head_on_two_stages_stay_equal_under_tensor_parallelism(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
