@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -225,7 +226,7 @@ class PipelineStage:
         inputs and outputs need not be recorded for a W. `documents`: the micro-batch's
         document ids when documents are packed (`models.documents`).
         """
-        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()
@@ -328,13 +329,14 @@ class PipelineStage:
         nodes = [out for _, _, out in state.weight_nodes]
         eager = [p for p in self._eager_params if p.requires_grad]
         manual = self.precision == "fp32"
+        targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
         with (
             sharded_loss_scope(self.tensor_parallel and self.is_last),
             document_scope(state.documents),
         ):
             found = torch.autograd.grad(
                 roots,
-                wanted + nodes + eager,
+                targets,
                 grad_outputs=grads,
                 retain_graph=not manual,
                 allow_unused=True,
