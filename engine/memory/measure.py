@@ -33,7 +33,7 @@ from engine.memory.tracker import MemoryTracker, fake_device, round_up
 from engine.schedule.actions import Action, split_units
 from models import LayerStack, build_layers
 
-__all__ = ["MEASURE_LIMIT", "check_measurable", "measure_memory"]
+__all__ = ["MEASURE_LIMIT", "activation_peaks", "check_measurable", "measure_memory"]
 
 MEASURE_LIMIT = 2**31
 """Measuring builds the model for real: layouts whose states exceed 2 GiB are refused."""
@@ -165,11 +165,22 @@ class _Step:
         self.block = layout.block
         self.kept = self.weight_copies = self.cached = self.held = self.live_end = 0
 
-    def __call__(self) -> None:
+    def begin(self, *, gradients: bool = False) -> None:
+        """The step's start; `gradients`: every gradient allocated now, zero, so that a
+        tracker entered afterwards sees the step's activations and not them."""
         for run in self.runs.values():
             run.begin()
+            for param in run.stage.module.parameters() if gradients else ():
+                param.grad = torch.zeros_like(param)
         if self.states is not None:
             self.states.begin()
+
+    def __call__(self) -> None:
+        self.begin()
+        self.run()
+
+    def run(self) -> None:
+        """Every action of the row inside the stages' step scopes, then the step's end."""
         first = self.actions[0]
         with contextlib.ExitStack() as scope:
             for run in self.runs.values():
@@ -296,6 +307,24 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
         source="fake replay" if fake else f"measured on {config.device}",
         allocator_peaks=None if fake else tuple(m.allocator for m in measured.values()),
     )
+
+
+def activation_peaks(config: MemoryConfig) -> tuple[int, ...]:
+    """Each rank's activation peak, measured: its whole row run for real under the tracker,
+    every gradient allocated before the tracker starts and no optimizer step, so the peak
+    holds what the schedule decides (stashes, W inputs, received and held sent tensors,
+    losses, a backward's transients) and not the states every schedule holds alike."""
+    check_measurable(config)
+    layout = resolve(config)
+    peaks = []
+    for rank in range(config.parallel.pp):
+        step = _Step(config, layout, layout.schedule.stages_of(rank), fake=False)
+        step.optimizers = []
+        step.begin(gradients=True)
+        with step.tracker:
+            step.run()
+        peaks.append(step.tracker.peak)
+    return tuple(peaks)
 
 
 def _stage(config: MemoryConfig, layout: Layout, stage: int, measured: _Measured) -> StageMemory:

@@ -11,10 +11,13 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
@@ -42,8 +45,9 @@ class StageError(RuntimeError):
 class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
-    weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
-    """(module, its input, its output) of every parameter-owning module, in forward order."""
+    weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]]
+    """(Linear, its input, its output) of every Linear, in forward order; in fp32 the output's
+    gradient edge instead of the output itself (see `_record_output`)."""
     documents: torch.Tensor | None = None
     """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
 
@@ -120,7 +124,9 @@ class PipelineStage:
         ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, _PendingWeightGrad] = {}
-        self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] | None = None
+        self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] | None = (
+            None
+        )
         self._hooks_on = False
         self._fused_weight_grads = False
         self._eager_params: list[nn.Parameter] = []
@@ -176,8 +182,14 @@ class PipelineStage:
     def _record_output(
         self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
     ) -> None:
-        if self._capture is not None and output.requires_grad:
-            self._capture.append((module, inputs[0], output))
+        """Record a Linear for its W. In fp32 W needs only the output's gradient, so I asks for
+        it by the output's gradient edge and the output itself is not kept: a Linear output
+        autograd does not save (the LM head's logits, every projection before a residual add)
+        is freed after the forward, as in a fused backward, instead of living until I."""
+        if self._capture is None or not output.requires_grad:
+            return
+        plain = self.precision == "fp32" and not isinstance(output, DTensor)
+        self._capture.append((module, inputs[0], get_gradient_edge(output) if plain else output))
 
     @property
     def is_first(self) -> bool:
@@ -236,7 +248,7 @@ class PipelineStage:
         document ids when documents are packed (`models.documents`).
         """
         self._check_sequence(micro_batch, inputs[0])
-        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()
@@ -350,13 +362,14 @@ class PipelineStage:
         nodes = [out for _, _, out in state.weight_nodes]
         eager = [p for p in self._eager_params if p.requires_grad]
         manual = self.precision == "fp32"
+        targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
         with (
             sharded_loss_scope(self.tensor_parallel and self.is_last),
             document_scope(state.documents),
         ):
             found = torch.autograd.grad(
                 roots,
-                wanted + nodes + eager,
+                targets,
                 grad_outputs=grads,
                 retain_graph=not manual,
                 allow_unused=True,
@@ -366,7 +379,7 @@ class PipelineStage:
         _accumulate(eager, found[cut:])
         self._pending_w[micro_batch] = _PendingWeightGrad(
             [
-                (m, x.detach(), None, g) if manual else (m, x, out, g)
+                (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
                 for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
                 if g is not None
             ]
@@ -429,6 +442,11 @@ class PipelineStage:
             f"{failed} This stage's input is the batch itself: check its dtype (integer token "
             "ids for an embedding), its shape (batch, sequence) and its sequence length"
         )
+
+
+def _tensor(out: torch.Tensor | GradientEdge) -> torch.Tensor:
+    assert isinstance(out, torch.Tensor), "only fp32 records a Linear output by its edge"
+    return out
 
 
 def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from engine.memory.tracker import MemoryTracker
 from engine.runtime.precision import autocast
 from engine.runtime.stage import PipelineStage
 from models import build_layers, layer_specs, lm_loss
@@ -55,3 +58,28 @@ def test_norms_get_input_and_weight_of_one_dtype() -> None:
             )
     stage.forward(0, (hidden,), targets=targets)
     assert len(seen) == 5 and all(given == weight for given, weight in seen)
+
+
+def test_a_split_forward_keeps_what_a_fused_one_keeps_in_fp32() -> None:
+    """W needs each Linear's input and output gradient, not its output: the forward of a
+    micro-batch whose backward is split keeps the same bytes as one before a fused B (before,
+    every Linear output, the head's logits among them, lived until I), and I + W give B's
+    gradients bit for bit."""
+    hidden, targets = _received()
+    hidden = hidden.detach().float().requires_grad_()
+    kept, grads = {}, {}
+    for split in (False, True):
+        stage = PipelineStage(SPECS, stage=1, layers=LAST, num_stages=2, seed=0, precision="fp32")
+        stage.enable_split_backward()
+        tracker = MemoryTracker()
+        with tracker:
+            forward = partial(stage.forward, 0, (hidden,), targets=targets, split=split)
+            kept[split] = tracker.measure(forward).net
+        if split:
+            stage.backward_input(0)
+            stage.backward_weight(0)
+        else:
+            stage.backward(0)
+        grads[split] = [p.grad for p in stage.module.parameters()]
+    assert kept[True] == kept[False] > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))

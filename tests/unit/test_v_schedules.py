@@ -133,6 +133,25 @@ def test_v_half_and_v_min_reach_half_and_a_third_of_1f1b_with_many_ranks() -> No
     assert rank_activation_peak(v_min(p, m)) <= 0.4 * base
 
 
+@pytest.mark.parametrize(
+    ("name", "target", "p", "m", "peak"),
+    [("v_half", 0.55, 11, 11, 6), ("v_min", 0.4, 10, 10, 4)],
+)
+def test_the_smallest_pipeline_meeting_the_issues_ratio(
+    name: str, target: float, p: int, m: int, peak: int
+) -> None:
+    # (P + 2) // 2 <= 0.55 P first at P = 11 (6/11), (P + 4) // 3 <= 0.4 P at P = 10 (4/10),
+    # once 1F1B holds its P micro-batches (m >= P); never with fewer ranks (m = 3P).
+    def ratio(p: int, m: int) -> float:
+        return rank_activation_peak(V_SCHEDULES[name](p, m)) / rank_activation_peak(
+            one_f_one_b(p, m)
+        )
+
+    assert rank_activation_peak(V_SCHEDULES[name](p, m)) == peak
+    assert ratio(p, m) <= target < ratio(p, m - 1)
+    assert all(ratio(q, 3 * q) > target for q in range(2, p))
+
+
 @pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 16), (8, 16), (8, 32)])
 def test_v_half_and_v_min_bubbles_stay_within_the_papers(p: int, m: int) -> None:
     # Bubble rate 1 - busy/period of back-to-back steps: V-Half about P/2m, V-Min 2P/3m.
