@@ -316,14 +316,16 @@ def activation_peaks(config: MemoryConfig) -> tuple[int, ...]:
     losses, a backward's transients) and not the states every schedule holds alike."""
     check_measurable(config)
     layout = resolve(config)
+    parallel = config.parallel
     peaks = []
-    for rank in range(config.parallel.pp):
-        step = _Step(config, layout, layout.schedule.stages_of(rank), fake=False)
-        step.optimizers = []
-        step.begin(gradients=True)
-        with step.tracker:
-            step.run()
-        peaks.append(step.tracker.peak)
+    with stage_grid(parallel.dp, parallel.tp, device=config.device) as grid:
+        for rank in range(parallel.pp):
+            step = _Step(config, layout, layout.schedule.stages_of(rank), False, grid)
+            step.states = None
+            step.begin(gradients=True)
+            with step.tracker:
+                step.run()
+            peaks.append(step.tracker.peak)
     return tuple(peaks)
 
 
