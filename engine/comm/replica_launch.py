@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from urllib.parse import urlsplit
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from engine.comm.launch import RankFailed, names_a_value_error
-from engine.comm.replica_group import ReplicaPlace, lighthouse_url
+from engine.comm.replica_group import REPLICA_ENV, ReplicaPlace, lighthouse_url
 
 __all__ = [
     "ReplicaRun",
@@ -60,6 +61,7 @@ def start_lighthouse(join_timeout_s: float) -> Any:
 
 def require_torchft() -> None:
     """Refuse --fault-tolerant without torchft installed, before anything starts."""
+    os.environ.setdefault("RUST_LOG", "error")  # read once, as torchft loads
     try:
         import torchft  # noqa: F401
     except ImportError:
@@ -138,6 +140,11 @@ def launch_replicas(
         )
         live[replica] = _start(entrypoint, args, place, ranks, len(chosen), folder)
 
+    warnings = os.environ.get("PYTHONWARNINGS")
+    # a killed rank never releases its semaphores, which the resource tracker then reports
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [warnings, "ignore:resource_tracker:UserWarning"])
+    )
     try:
         for r in chosen:
             start(r, 0)
@@ -146,6 +153,10 @@ def launch_replicas(
         for replica in live.values():
             _kill(replica.processes)
         shutil.rmtree(folder, ignore_errors=True)
+        if warnings is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings
     return run
 
 
@@ -219,9 +230,12 @@ def _rank_main(entrypoint: Callable[..., Any], args: tuple[Any, ...], env: dict[
     os.environ.setdefault("RUST_LOG", "error")  # torchft's quorum logs, one per step and rank
     try:
         value = entrypoint(*args)
-    except BaseException as error:
-        Path(out + ".error").write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
-        raise
+    except Exception as error:  # one line: the peers of a dead rank all fail, and are relaunched
+        said = f"{type(error).__name__}: {error}"
+        Path(out + ".error").write_text(said, encoding="utf-8")
+        where = f"replica {env[REPLICA_ENV]} rank {env['RANK']}"
+        print(f"meshpipe: {where} failed: {said.splitlines()[0]}", file=sys.stderr, flush=True)
+        sys.exit(1)
     temporary = Path(out + ".tmp")
     temporary.write_bytes(pickle.dumps(value))
     temporary.replace(out + ".pickle")

@@ -479,8 +479,9 @@ def _run_replica_steps(
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
-    check_outputs(config)
     place = ReplicaPlace.from_env() if config.fault_tolerance.fault_tolerant else None
+    if place is None or not place.attempt:  # a relaunch finds the checkpoints its run wrote
+        check_outputs(config)
     mesh = init_mesh(
         config.parallel.pp,
         config.parallel.dp if place is None else 1,  # a replica is a world of its own
