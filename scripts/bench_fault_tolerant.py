@@ -40,8 +40,8 @@ def _command(args: argparse.Namespace, metrics: Path) -> list[str]:
 def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
     """The launcher's rank processes (spawned children), oldest first."""
     lines = {child: " ".join(child.cmdline()) for child in launcher.children(recursive=True)}
-    children = [c for c, line in lines.items() if "multiprocessing" in line and "tracker" not in line]
-    return sorted(children, key=lambda child: child.create_time())
+    ranks = [c for c, line in lines.items() if "multiprocessing" in line and "tracker" not in line]
+    return sorted(ranks, key=lambda child: child.create_time())
 
 
 def _steps_done(metrics: Path) -> int:
