@@ -126,6 +126,7 @@ class ReplicaGroup:
         self._coordinator = _connect(place.coordinator, timeout)
         self.died_at = self._read_int(f"step/{place.replica}") if place.attempt else None
         """A relaunched replica: the step its previous attempt last committed."""
+        self._in = False
         self.healed: tuple[int, int] | None = None
         """(step before, step after) of the heal that brought this replica up to date."""
 
@@ -177,8 +178,10 @@ class ReplicaGroup:
             self.manager.start_quorum()
         if self.step != before and self.healed is None:
             self.healed = (before, self.step)
-        if self.place.attempt and self.group_rank == 0 and self._coordinator is not None:
-            self._coordinator.set(f"relaunching/{self.place.replica}", "0")  # in the quorum
+        store = self._coordinator
+        if self.place.attempt and self.group_rank == 0 and store is not None and not self._in:
+            store.set(f"relaunching/{self.place.replica}", "0")  # in a quorum now
+            self._in = True
         return self.step
 
     def all_reduce(self, tensor: torch.Tensor) -> Any:

@@ -129,6 +129,9 @@ def launch_replicas(
         coordinator.set(f"relaunching/{r}", "0")
     run = ReplicaRun()
     live: dict[int, _Replica] = {}
+    # what replicas on other machines dial: this replica's store (torchft's process groups
+    # meet there) and its Manager; on one machine, the loopback
+    host = "127.0.0.1" if only is None else socket.gethostname()
 
     def start(replica: int, attempt: int) -> None:
         place = ReplicaPlace(
@@ -138,7 +141,7 @@ def launch_replicas(
             lighthouse=lighthouse,
             coordinator=f"127.0.0.1:{coordinator.port}" if only is None else None,
         )
-        live[replica] = _start(entrypoint, args, place, ranks, len(chosen), folder)
+        live[replica] = _start(entrypoint, args, place, ranks, len(chosen), folder, host)
 
     warnings = os.environ.get("PYTHONWARNINGS")
     # a killed rank never releases its semaphores, which the resource tracker then reports
@@ -196,15 +199,16 @@ def _start(
     ranks: int,
     replicas_here: int,
     folder: str,
+    host: str,
 ) -> _Replica:
     """One attempt of a replica: its store (hosted here) and its ranks' processes."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     processes = []
     for rank in range(ranks):
         env = {
             **place.env(),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": host,
             "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(place.attempt),
