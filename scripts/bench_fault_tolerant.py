@@ -40,7 +40,7 @@ def _command(args: argparse.Namespace, metrics: Path) -> list[str]:
 def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
     """The launcher's rank processes (spawned children), oldest first."""
     lines = {child: " ".join(child.cmdline()) for child in launcher.children(recursive=True)}
-    ranks = [c for c, line in lines.items() if "multiprocessing" in line and "tracker" not in line]
+    ranks = [child for child, line in lines.items() if "spawn_main" in line]
     return sorted(ranks, key=lambda child: child.create_time())
 
 
