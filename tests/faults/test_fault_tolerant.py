@@ -20,6 +20,7 @@ from engine.training.config import TrainConfig
 from engine.training.loop import KILL_AT_STEP_ENV, KILL_RANK_ENV, TrainResult, train
 from engine.training.workers import local_worker
 
+os.environ.setdefault("RUST_LOG", "error")  # torchft's Lighthouse logs every quorum otherwise
 pytest.importorskip("torchft")
 
 STEPS, KILLED_STEP = 6, 2
