@@ -143,6 +143,58 @@ def _launch(config: TrainConfig, *, progress: bool) -> TrainResult:
     return result
 
 
+def _launch_replicas(config: TrainConfig, *, progress: bool) -> TrainResult:
+    """--fault-tolerant: each replica a world of its own under a Lighthouse; only a dead
+    rank's replica is relaunched. Replica 0's result (or the lowest that finished), after a
+    line per replica that was relaunched or lost."""
+    from engine.comm.launch import RankFailed
+    from engine.comm.replica_launch import (
+        check_lighthouse,
+        first_failure,
+        launch_replicas,
+        lighthouse_for,
+        require_torchft,
+    )
+    from engine.training.loop import TrainResult
+    from engine.training.workers import Refused, local_worker
+
+    ft, layout = config.fault_tolerance, config.parallel
+    require_torchft()
+    if ft.lighthouse is not None:
+        check_lighthouse(ft.lighthouse)
+    with lighthouse_for(ft.lighthouse, join_timeout_s=config.run.timeout) as address:
+        run = launch_replicas(
+            local_worker,
+            (config, progress),
+            ranks=layout.pp * layout.tp,
+            replicas=layout.dp,
+            only=ft.replica_id,
+            lighthouse=address,
+            max_restarts=config.run.max_restarts,
+        )
+    if not run.results:
+        raise first_failure(run)
+    for replica, ranks in sorted(run.results.items()):
+        for rank, value in sorted(ranks.items()):
+            if isinstance(value, Refused):
+                raise RankFailed(
+                    f"replica {replica} rank {rank} failed: {value.error}", bad_input=True
+                )
+        result = ranks[0]
+        if replica in run.relaunches:
+            assert isinstance(result, TrainResult)
+            print(
+                f"meshpipe: replica {replica} was relaunched {run.relaunches[replica]} time(s) "
+                f"and missed {result.missed_steps} steps (healed from a live replica)",
+                file=sys.stderr,
+            )
+    for error in run.lost.values():
+        print(f"meshpipe: lost for good (--max-restarts): {error}", file=sys.stderr)
+    result = run.results[min(run.results)][0]
+    assert isinstance(result, TrainResult)
+    return result
+
+
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.comm.launch import is_launched
     from engine.comm.mesh import launcher_world_size
@@ -156,7 +208,15 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
         config = with_reshard_choice(config, choice)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"meshpipe: {choice.line}", file=sys.stderr)
-    if ranks > 1 and not is_launched():
+    if config.fault_tolerance.fault_tolerant:
+        if is_launched():
+            raise ValueError(
+                "--fault-tolerant under torchrun or deepspeed: each replica must be a world of "
+                "its own, which meshpipe's launcher starts; run meshpipe train directly (with "
+                "--lighthouse and --replica-id on each machine)"
+            )
+        result = _launch_replicas(config, progress=not args.no_progress)
+    elif ranks > 1 and not is_launched():
         result = _launch(config, progress=not args.no_progress)
     else:
         if is_launched() and launcher_world_size() != ranks:

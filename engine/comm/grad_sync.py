@@ -8,7 +8,8 @@ started asynchronously as soon as the stage's last backward of the step is done.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,9 @@ def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 
 
 class BucketedAllReduce:
-    """Sum a set of parameters' gradients over a group, bucket by bucket, asynchronously."""
+    """Sum a set of parameters' gradients over a group, bucket by bucket, asynchronously;
+    or, given `reduce` (a fault-tolerant replica's torchft average over its quorum), reduce
+    each bucket through it."""
 
     def __init__(
         self,
@@ -41,8 +44,10 @@ class BucketedAllReduce:
         group: dist.ProcessGroup | None,
         *,
         bucket_bytes: int = 25 * 2**20,
+        reduce: Callable[[torch.Tensor], Any] | None = None,
     ) -> None:
         self._group = group
+        self._reduce = reduce or self._all_reduce
         self._buckets: list[list[nn.Parameter]] = [[]]
         size = 0
         for param in params:
@@ -51,7 +56,7 @@ class BucketedAllReduce:
                 size = 0
             self._buckets[-1].append(param)
             size += param.numel() * param.element_size()
-        self._inflight: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], bool]] = []
+        self._inflight: list[tuple[Any, torch.Tensor, list[nn.Parameter], bool]] = []
         self.window: tuple[float, float] | None = None
         """perf_counter times of the last `start` and the end of its `finish`."""
 
@@ -70,9 +75,13 @@ class BucketedAllReduce:
             held = [float(p.grad is not None) for p in bucket]
             counts = torch.tensor(held, dtype=grads[0].dtype, device=grads[0].device)
             flat = _flatten_dense_tensors([*grads, counts])
-            work = dist.all_reduce(flat, group=self._group, async_op=True)
-            assert work is not None
+            work = self._reduce(flat)
             self._inflight.append((work, flat, bucket, 0.0 in held))
+
+    def _all_reduce(self, flat: torch.Tensor) -> dist.Work:
+        work = dist.all_reduce(flat, group=self._group, async_op=True)
+        assert work is not None
+        return work
 
     def finish(self) -> None:
         """Wait for the reductions and write the sums back into `.grad`."""

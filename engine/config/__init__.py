@@ -14,6 +14,7 @@ from engine.config.engine_options import (
     check_zero_optimizer,
     recompute_groups,
 )
+from engine.config.fault_tolerance import FaultTolerance, check_fault_tolerance
 from engine.config.fields import FlatField, flat_fields, from_flat, replace_flat, require, to_flat
 from engine.config.layout import check_budget, check_layout
 from engine.config.model import ModelChoice
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "EngineOptions",
+    "FaultTolerance",
     "FlatField",
     "LRSchedule",
     "ModelChoice",
@@ -66,6 +68,7 @@ __all__ = [
     "RunConfig",
     "ScheduleConfig",
     "check_budget",
+    "check_fault_tolerance",
     "check_layout",
     "check_replica_sync",
     "check_zero_optimizer",

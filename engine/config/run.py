@@ -47,7 +47,8 @@ class RunConfig:
     log_every: int = 0
     """Also print a log line every N steps (loss, tokens/s, bubble); 0 prints none."""
     max_restarts: int = 0
-    """Local launcher: restart all ranks up to N times when one dies (needs --resume)."""
+    """Local launcher: restart all ranks up to N times when one dies (needs --resume); with
+    --fault-tolerant, relaunch only the dead rank's replica, up to N times each."""
 
     def __post_init__(self) -> None:
         require(self.steps >= 1, f"steps={self.steps} must be at least 1")

@@ -22,6 +22,7 @@ from engine.comm.collective import naming_failures
 from engine.comm.grad_sync import BucketedAllReduce
 from engine.comm.mesh import Mesh
 from engine.comm.p2p import StageExchange
+from engine.comm.replica_group import ReplicaGroup
 from engine.comm.step_report import StepReports
 from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
 from engine.config import EngineOptions, OptimizerSpec, ReplicaSync, check_zero_optimizer
@@ -72,8 +73,12 @@ class PipelineEngine:
         timeout_s: float = 300.0,
         options: EngineOptions | None = None,
         replica_sync: ReplicaSync | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         self.options = options or EngineOptions()
+        self.replicas = replicas
+        """--fault-tolerant: this replica's torchft group, over which the dp exchange runs
+        (the mesh is then this replica's alone, dp = 1)."""
         self.replica_sync = replica_sync or ReplicaSync()
         """How this stage's replicas stay together: every step, or every H steps."""
         _check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options)
@@ -96,7 +101,11 @@ class PipelineEngine:
         """Each tp rank exchanges 1/tp of every boundary tensor (None without tp, and under
         sequence parallelism, where each rank's stage output is its sequence shard already)."""
         self.reports = self._build_reports(partition)
-        self._dp_reduce = BucketedAllReduce(list(self.module.parameters()), mesh.dp_group)
+        self._dp_reduce = BucketedAllReduce(
+            list(self.module.parameters()),
+            mesh.dp_group,
+            reduce=replicas.all_reduce if replicas is not None else None,
+        )
         self.meetings = self._build_meetings()
         """Semi-synchronous replicas (local SGD, DiLoCo): their meetings (None every step)."""
         self.ties = self._build_ties(specs, partition)
@@ -335,6 +344,8 @@ class PipelineEngine:
         phases = [*self._finish_dp_reduction(origin), *self._sum_tied_weights(origin)]
         opt_start = time.perf_counter()
         norm, skipped = self._check_gradients(loss)
+        if self.replicas is not None and not self.replicas.commit():
+            skipped = True  # torchft refused the step (a peer failed): nobody steps
         figures = self._publish(busy, step_s, norm=norm)
         scale = self._optimizer_step(skipped)
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
@@ -403,7 +414,7 @@ class PipelineEngine:
             else:
                 self._dp_reduce.finish()
         window = self._dp_reduce.window if self.sharded is None else self.sharded.window
-        if window is None or self.mesh.dp == 1:
+        if window is None or not self._sums_over_replicas:
             return []
         return [("dp all-reduce", window[0] - origin, window[1] - origin)]
 
@@ -499,8 +510,14 @@ class PipelineEngine:
         self.exchange.wait_sends()
         return timings, self._global_loss()
 
+    @property
+    def _sums_over_replicas(self) -> bool:
+        """Whether each step's gradients are summed over the dp replicas (over the mesh's dp
+        group, or averaged over a fault-tolerant quorum)."""
+        return self.replicas is not None or (self.mesh.dp > 1 and not self.replica_sync.alone)
+
     def _step_context(self, schedule: Schedule) -> StepContext:
-        every_step = self.mesh.dp > 1 and not self.replica_sync.alone
+        every_step = self._sums_over_replicas
         dp_reduce = self._dp_reduce.start if every_step else lambda: None
         if self.mesh.tp > 1:
             dp_reduce = functools.partial(
@@ -538,7 +555,9 @@ class PipelineEngine:
         """The batch's mean loss; a replica's own when replicas step alone (semi-synchronous
         ones leave the dp group idle between meetings, a parameter server's never use it)."""
         loss = self.reports.loss().clone()
-        if self.mesh.dp > 1 and not self.replica_sync.alone:
+        if self.replicas is not None:
+            self.replicas.all_reduce(loss).wait()  # the quorum's mean
+        elif self.mesh.dp > 1 and not self.replica_sync.alone:
             with naming_failures("the loss's data-parallel mean", timeout_s=self.timeout_s):
                 dist.all_reduce(loss, group=self.mesh.dp_group)
             loss /= self.mesh.dp

@@ -17,6 +17,7 @@ from engine.config import (
     CheckpointConfig,
     DataConfig,
     EngineOptions,
+    FaultTolerance,
     LRSchedule,
     ModelChoice,
     MonitorConfig,
@@ -27,6 +28,7 @@ from engine.config import (
     RunConfig,
     ScheduleConfig,
     check_budget,
+    check_fault_tolerance,
     check_layout,
     check_replica_sync,
     check_zero_optimizer,
@@ -67,6 +69,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     replica_sync: ReplicaSync = field(default_factory=ReplicaSync)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def __post_init__(self) -> None:
         check_layout(
@@ -113,8 +116,17 @@ class TrainConfig:
             "--pack-documents with --compile: compiled layers are not checked to read the "
             "document ids of each micro-batch; train packed documents without --compile",
         )
-        require(
-            self.checkpoint.resume or self.run.max_restarts == 0,
+        check_fault_tolerance(
+            self.fault_tolerance,
+            dp=self.parallel.dp,
+            tp=self.parallel.tp,
+            zero=self.engine.zero,
+            dp_sync=self.replica_sync.dp_sync,
+        )
+        require(  # a fault-tolerant replica relaunches from a live peer, not from disk
+            self.checkpoint.resume
+            or self.run.max_restarts == 0
+            or self.fault_tolerance.fault_tolerant,
             f"--max-restarts {self.run.max_restarts} restarts would start over from step 0: "
             "add --resume (and --save-every) so restarted ranks continue from the last checkpoint",
         )

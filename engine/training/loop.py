@@ -4,6 +4,9 @@ Every rank runs this loop. Only the first stage reads inputs and only the last r
 global rank 0 shows the progress bar and writes the metrics. With --checkpoint-dir the loop
 saves every --save-every steps and after the last one; with --resume it first continues from
 the checkpoint `latest` names, so ranks restarted by --max-restarts pick up where they died.
+Under --fault-tolerant each replica runs `_run_replica_steps`: torchft's quorum decides each
+step's number and who sums gradients, and a step it does not commit runs again
+(`engine.training.replica_loop`).
 
 Test-only fault injection: with `MESHPIPE_TEST_KILL_AT_STEP=S` in the environment, global rank
 `MESHPIPE_TEST_KILL_RANK` (default: the last) SIGKILLs itself as step S begins, on the
@@ -37,6 +40,7 @@ from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.owner import holding_folder
 from engine.comm.heartbeat import step_begins
 from engine.comm.mesh import Mesh, init_mesh
+from engine.comm.replica_group import ReplicaGroup, ReplicaPlace
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.lr_schedules import lr_multiplier
 from engine.runtime.step_stats import StepStats
@@ -51,6 +55,7 @@ from engine.training.preflight import (
     check_outputs,
     stage_partition,
 )
+from engine.training.replica_loop import heal_state, rejoin_note
 from engine.training.resume_check import (
     check_resumable,
     keep_new_hyperparameters,
@@ -88,6 +93,10 @@ class TrainResult:
     """Step this process started at (> 0 after resuming); `losses[0]` is that step's."""
     val_loss: float | None = None
     """The last validation loss this process measured (None without validation data)."""
+    replica: int = 0
+    """--fault-tolerant: the replica this process belongs to."""
+    missed_steps: int = 0
+    """--fault-tolerant: steps this replica missed while it was dead (it healed after)."""
 
     @property
     def final_loss(self) -> float:
@@ -104,13 +113,18 @@ class TrainResult:
 def _set_threads(config: TrainConfig, mesh: Mesh) -> None:
     if config.run.threads:
         torch.set_num_threads(config.run.threads)
-    elif mesh.world_size > 1:
+    else:  # a fault-tolerant replica of one rank still shares the host with the others
         local = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        if local > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def _build_engine(
-    config: TrainConfig, mesh: Mesh, specs: list[LayerSpec], partition: Partition
+    config: TrainConfig,
+    mesh: Mesh,
+    specs: list[LayerSpec],
+    partition: Partition,
+    replicas: ReplicaGroup | None = None,
 ) -> PipelineEngine:
     return PipelineEngine(
         specs,
@@ -128,6 +142,7 @@ def _build_engine(
         timeout_s=config.run.timeout,
         options=config.engine,
         replica_sync=config.replica_sync,
+        replicas=replicas,
     )
 
 
@@ -141,6 +156,8 @@ class _Run:
     partition: Partition
     data: RunData
     scheduler: LambdaLR
+    replicas: ReplicaGroup | None = None
+    """--fault-tolerant: this replica's torchft group."""
 
     @property
     def loader(self) -> BatchLoader:
@@ -177,7 +194,9 @@ class _Run:
         """Whether a checkpoint is written after `done` steps."""
         config = self.config
         every = config.checkpoint.save_every > 0 and done % config.checkpoint.save_every == 0
-        return config.checkpoint.checkpoint_dir is not None and (every or done == config.run.steps)
+        writer = self.replicas is None or self.replicas.place.replica == 0
+        due = every or done == config.run.steps
+        return config.checkpoint.checkpoint_dir is not None and writer and due
 
     def save(self, done: int) -> None:
         """Checkpoint after `done` steps, when the config asks for it (collective)."""
@@ -205,6 +224,8 @@ class _Run:
         """Resume from `latest` or start from --init-from weights; returns the first step."""
         config, engine = self.config, self.engine
         root = config.checkpoint.checkpoint_dir
+        if self.replicas is not None and self.replicas.place.attempt:
+            return 0  # a relaunched replica heals from a live one, not from disk
         if config.checkpoint.resume and root is not None and has_checkpoint(root):
             assert engine.optimizer is not None
             check_before_loading(root, config)
@@ -279,12 +300,14 @@ def _say(mesh: Mesh, message: str) -> None:
         print(f"meshpipe: {message}", file=sys.stderr, flush=True)
 
 
-def _test_fault(step: int, mesh: Mesh) -> None:
-    """The test-only crash of the module docstring: SIGKILL, so nothing is cleaned up."""
+def _test_fault(step: int, mesh: Mesh, replica: int = 0, replicas: int = 1) -> None:
+    """The test-only crash of the module docstring: SIGKILL, so nothing is cleaned up. A
+    fault-tolerant replica's ranks count as `replica · world size + rank`."""
     at = os.environ.get(KILL_AT_STEP_ENV)
     if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    if mesh.rank == int(os.environ.get(KILL_RANK_ENV, mesh.world_size - 1)):
+    rank = replica * mesh.world_size + mesh.rank
+    if rank == int(os.environ.get(KILL_RANK_ENV, replicas * mesh.world_size - 1)):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -314,11 +337,12 @@ def _batch(
     return batch.inputs, batch.targets, batch.documents
 
 
-def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
-    data = open_data(config, dp_rank=mesh.dp_rank)
+def _open_run(config: TrainConfig, mesh: Mesh, place: ReplicaPlace | None) -> _Run:
+    replicas = None if place is None else ReplicaGroup(place, timeout_s=config.run.timeout)
+    data = open_data(config, dp_rank=mesh.dp_rank if place is None else place.replica)
     specs = config.model.specs()
     partition = stage_partition(config, specs)
-    engine = _build_engine(config, mesh, specs, partition)
+    engine = _build_engine(config, mesh, specs, partition, replicas)
     assert engine.optimizer is not None
     lr = config.optimizer.lr
     multiplier = lr_multiplier(config.learning_rate, total_steps=config.run.steps, lr=lr)
@@ -330,6 +354,7 @@ def _open_run(config: TrainConfig, mesh: Mesh) -> _Run:
         partition=partition,
         data=data,
         scheduler=scheduler,
+        replicas=replicas,
     )
 
 
@@ -342,6 +367,9 @@ class _StepLog:
     log: MetricsLog
     monitors: Monitors
     mesh: Mesh
+    leads: bool = True
+    """Whether this rank writes the log lines (global rank 0; replica 0's under
+    --fault-tolerant)."""
 
     def __call__(self, step: int, result: StepStats, lr: float, seconds: float) -> None:
         config = self.run.config
@@ -360,7 +388,7 @@ class _StepLog:
         samples = (step + 1) * config.batch.global_batch
         self.monitors.write(samples, _monitor_values(config, result, lr))
         due = config.run.log_every and (step + 1) % config.run.log_every == 0
-        if due and self.mesh.rank == 0:
+        if due and self.leads:
             phases = result.phase_seconds() if config.monitor.log_phases else None
             line = _log_line(record, self.run.engine.skipped_steps, phases)
             self.log.say(f"meshpipe: {line}")
@@ -369,7 +397,7 @@ class _StepLog:
         """The validation loss measured after `step` (from 0): its own record, kind "eval"."""
         self.log.record(kind="eval", step=step, val_loss=val_loss)
         self.monitors.write((step + 1) * self.run.config.batch.global_batch, {"val_loss": val_loss})
-        if self.mesh.rank == 0:
+        if self.leads:
             self.log.say(f"meshpipe: step {step + 1}: val loss {val_loss:.4f}")
 
 
@@ -409,12 +437,54 @@ def _run_steps(
     return stats, wall, val_losses
 
 
+def _run_replica_steps(
+    run: _Run, emit: _StepLog, trace: TraceRecorder | None, replicas: ReplicaGroup
+) -> tuple[list[StepStats], list[float], list[float]]:
+    """Steps until torchft's count reaches --steps; each emitted once committed."""
+    steps = run.config.run.steps
+    stats: list[StepStats] = []
+    wall: list[float] = []
+    val_losses: list[float] = []
+    reported = False
+    while replicas.step < steps:
+        step = replicas.begin_step(last=replicas.step == steps - 1)
+        if replicas.healed is not None and not reported:
+            reported = True
+            if replicas.group_rank == 0:
+                print(f"meshpipe: {rejoin_note(replicas)}", file=sys.stderr, flush=True)
+        if step >= steps:
+            break
+        step_begins(step)
+        _test_fault(step, emit.mesh, replicas.place.replica, replicas.place.replicas)
+        lr = float(run.engine.optimizer.param_groups[0]["lr"]) if run.engine.optimizer else 0.0
+        started = time.perf_counter()
+        result = run.engine.train_step(*_batch(run.loader, run.engine, step))
+        seconds = time.perf_counter() - started
+        if replicas.step == step:  # not committed: the next quorum runs this step again
+            if replicas.group_rank == 0:
+                print(f"meshpipe: {replicas.refusal(step)}", file=sys.stderr, flush=True)
+            continue
+        run.scheduler.step()
+        if trace is not None:
+            trace.record(step, started, result)
+        wall.append(seconds)
+        stats.append(result)
+        emit(step, result, lr, seconds)
+        if run.evaluates_at(step + 1):
+            val_losses.append(run.evaluate())
+            emit.evaluation(step, val_losses[-1])
+        run.save(step + 1)
+    return stats, wall, val_losses
+
+
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Train `config.model` on this rank's share of the mesh (one process when pp·dp = 1)."""
-    check_outputs(config)
+    place = ReplicaPlace.from_env() if config.fault_tolerance.fault_tolerant else None
+    if place is None or not place.attempt:  # a relaunch finds the checkpoints its run wrote
+        check_outputs(config)
     mesh = init_mesh(
         config.parallel.pp,
-        config.parallel.dp,
+        config.parallel.dp if place is None else 1,  # a replica is a world of its own
         config.parallel.tp,
         timeout_s=config.run.timeout,
         device=config.run.device,
@@ -422,33 +492,49 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     )
     _set_threads(config, mesh)
     root = config.checkpoint.checkpoint_dir
+    if place is not None and place.replica != 0:
+        root = None  # replica 0 writes the checkpoints (`engine.training.replica_loop`)
     if root is not None:  # before the owner file is written into it
         check_shared_folder(root, mesh, flag="--checkpoint-dir", timeout_s=config.run.timeout)
     with holding_folder(root, mesh.rank) as note:
         if note is not None:
             _say(mesh, note)
-        return _train_on(config, mesh, progress=progress)
+        return _train_on(config, mesh, progress=progress, place=place)
 
 
-def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult:
+def _train_on(
+    config: TrainConfig, mesh: Mesh, *, progress: bool, place: ReplicaPlace | None = None
+) -> TrainResult:
     """`train` once the mesh is up and this run holds its checkpoint folder."""
-    run = _open_run(config, mesh)
+    run = _open_run(config, mesh, place)
     first = run.restore()
+    if run.replicas is not None:
+        heal_state(run.engine, run.scheduler, run.replicas)
+        run.replicas.set_step(first)
+        run.replicas.joined()
+    leads = mesh.rank == 0 and (place is None or place.replica == 0)
     profiled = config.monitor.flops_profile_step
     if 0 < profiled <= first:
         _say(mesh, f"no FLOPs report: step {profiled} ran before the resumed step {first + 1}")
-    path = config.run.metrics_file if mesh.rank == 0 else None
-    kept = _kept_records(path, first)
+    path = config.run.metrics_file if leads else None
+    relaunched = place is not None and place.attempt > 0
+    kept = _kept_records(path, config.run.steps if relaunched else first)
     trace = TraceRecorder() if config.run.trace else None
-    show = progress and mesh.rank == 0
-    monitors = Monitors(config.monitor, enabled=mesh.rank == 0)
+    show = progress and leads
+    monitors = Monitors(config.monitor, enabled=leads)
     with (
         MetricsLog(total_steps=config.run.steps, path=path, progress=show, kept=kept) as log,
         monitors,
     ):
-        emit = _StepLog(run=run, log=log, monitors=monitors, mesh=mesh)
-        stats, wall, val_losses = _run_steps(run, first, emit, trace)
+        emit = _StepLog(run=run, log=log, monitors=monitors, mesh=mesh, leads=leads)
+        if run.replicas is None:
+            stats, wall, val_losses = _run_steps(run, first, emit, trace)
+        else:
+            stats, wall, val_losses = _run_replica_steps(run, emit, trace, run.replicas)
+            first = config.run.steps - len(stats) if stats else first  # after a heal, later
     run.engine.close()
+    if run.replicas is not None:
+        run.replicas.shutdown()
     if trace is not None and config.run.trace is not None:
         trace.write(config.run.trace, rank=mesh.rank, world_size=mesh.world_size)
         _say(mesh, f"wrote trace {config.run.trace}")
@@ -461,4 +547,6 @@ def _train_on(config: TrainConfig, mesh: Mesh, *, progress: bool) -> TrainResult
         bubbles=tuple(s.bubble for s in stats),
         first_step=first,
         val_loss=val_losses[-1] if val_losses else None,
+        replica=place.replica if place is not None else 0,
+        missed_steps=run.replicas.missed_steps if run.replicas is not None else 0,
     )
