@@ -24,7 +24,13 @@ from torch.distributed.tensor import DTensor
 
 from engine.parallel.tensor_parallel import local_tensor
 
-__all__ = ["FlatGroup", "add_into_main_grad", "castable_linear_params", "local_gradient"]
+__all__ = [
+    "FlatGroup",
+    "add_into_main_grad",
+    "castable_linear_params",
+    "laid_out_as",
+    "local_gradient",
+]
 
 
 def castable_linear_params(module: nn.Module) -> list[nn.Parameter]:
@@ -125,7 +131,7 @@ class FlatGroup:
             view = self.grads[slot.start : slot.stop].view(slot.shape)
             slot.param.main_grad = view  # type: ignore[attr-defined]
             fp32 = slot.param.dtype == torch.float32
-            slot.param.grad = _laid_out_as(slot.param, view) if fp32 else None
+            slot.param.grad = laid_out_as(slot.param, view) if fp32 else None
 
     def end_accumulation(self) -> None:
         """Drop the full gradient buffer and every view of it (ZeRO-2 keeps only its shard)."""
@@ -173,7 +179,7 @@ def local_gradient(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
-def _laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (of `param`'s local shape) as a tensor laid out as `param`: a DTensor on its
     mesh and placements, or `local` itself."""
     if not isinstance(param, DTensor):
@@ -195,5 +201,5 @@ def _rebind(param: nn.Parameter, view: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         param.data = view
         return
-    new = nn.Parameter(_laid_out_as(param, view), requires_grad=param.requires_grad)
+    new = nn.Parameter(laid_out_as(param, view), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, new)

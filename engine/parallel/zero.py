@@ -32,8 +32,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from engine.parallel.flat import FlatGroup, add_into_main_grad, castable_linear_params
-from engine.parallel.tensor_parallel import shard_like, split_over_tp
+from engine.parallel.flat import (
+    FlatGroup,
+    add_into_main_grad,
+    castable_linear_params,
+    laid_out_as,
+)
+from engine.parallel.tensor_parallel import full_tensor, shard_like, split_over_tp
 
 __all__ = ["OptimizerBuilder", "ShardedOptimizer"]
 
@@ -284,16 +289,7 @@ def _whole_over_tp(flat: FlatGroup, parts: dict[int, torch.Tensor]) -> dict[int,
     for slot in flat.slots:
         param = slot.param
         if isinstance(param, DTensor):
-            local = parts[id(param)].contiguous()
-            spread = DTensor.from_local(
-                local,
-                param.device_mesh,
-                param.placements,
-                shape=param.shape,
-                stride=param.stride(),
-                run_check=False,
-            )
-            parts[id(param)] = spread.full_tensor()
+            parts[id(param)] = full_tensor(laid_out_as(param, parts[id(param)].contiguous()))
     return parts
 
 

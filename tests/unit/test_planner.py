@@ -120,18 +120,21 @@ def test_a_long_step_extended_from_two_samples_is_its_full_simulation_within_hal
     assert extended == pytest.approx(full.step_time, rel=5e-3)
 
 
-def test_only_the_stages_over_the_budget_recompute() -> None:
+def _gpt_small_on_two_stages() -> tuple[PlanRequest, Candidate]:
+    """gpt-small on pp 2, 1F1B, 8 micro-batches of one sequence, with all the memory there is."""
     request = PlanRequest(
         model="gpt-small", devices=2, device_memory=2**40, global_batch=8, seq_len=256
     )
-    state = SearchContext(request)
-    c = Candidate(
-        mesh=ParallelConfig(pp=2, dp=1, tp=1),
-        schedule="1f1b",
-        stages_per_rank=1,
-        micro_batches=8,
-        micro_batch_size=1,
+    mesh = ParallelConfig(pp=2, dp=1, tp=1)
+    candidate = Candidate(
+        mesh=mesh, schedule="1f1b", stages_per_rank=1, micro_batches=8, micro_batch_size=1
     )
+    return request, candidate
+
+
+def test_only_the_stages_over_the_budget_recompute() -> None:
+    request, c = _gpt_small_on_two_stages()
+    state = SearchContext(request)
     roomy = _fit(state, c, 2**40)
     assert not isinstance(roomy, int) and roomy[0].recompute == ()
     first, second = roomy[3]
@@ -335,16 +338,7 @@ def test_the_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> 
 
 
 def test_a_stage_recomputed_per_layer_keeps_its_layers_inputs_not_their_activations() -> None:
-    request = PlanRequest(
-        model="gpt-small", devices=2, device_memory=2**40, global_batch=8, seq_len=256
-    )
-    c = Candidate(
-        mesh=ParallelConfig(pp=2, dp=1, tp=1),
-        schedule="1f1b",
-        stages_per_rank=1,
-        micro_batches=8,
-        micro_batch_size=1,
-    )
+    request, c = _gpt_small_on_two_stages()
     peaks = {
         every: predict(request, replace(c, recompute=(0, 1), recompute_every=every)).stage_peaks
         for every in (0, 1)
