@@ -551,7 +551,7 @@ def test_measure_flag_reports_prediction_equal_to_measurement(
         (["--global-batch", "0"], "global_batch=0 must be at least 1"),
         (["--schedule", "pipedream"], "unknown schedule 'pipedream': choose one of gpipe"),
         (["--model", "llama-70b", "--device", "cpu", "--measure"], "builds llama-70b for real"),
-        (["--dp", "2", "--measure"], "--measure runs one replica in one process"),
+        (["--device", "cuda", "--measure"], "--measure --device cuda needs a GPU"),
     ],
 )
 def test_bad_input_exits_2_with_the_reason(
