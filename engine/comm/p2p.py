@@ -175,11 +175,25 @@ class StageExchange:
         for work in works:
             self._wait(work, action, what)
         grads = [m.requires_grad and training for m in self._received[key]]
-        arrived = (t.to(self._device) for t in tensors)
+        arrived = tuple(t.to(self._device) for t in tensors)
+        if action.kind is ActionKind.RECV_B:
+            self._release(Action(action.stage, ActionKind.SEND_F, action.micro_batch))
         return tuple(t.requires_grad_(g) for t, g in zip(arrived, grads, strict=True))
 
+    def _release(self, sent: Action) -> None:
+        """Drop the sends of `sent`, delivered for certain: the peer computed the gradient that
+        just arrived from the activation they carried. So a stage's output is freed with its
+        backward, not held to the step's end (m outputs per rank otherwise)."""
+        done = [entry for entry in self._pending if entry[2] == sent]
+        if not done:
+            return
+        self._pending = [entry for entry in self._pending if entry[2] != sent]
+        for work, _, action in done:
+            self._wait(work, action, "activations")
+
     def wait_sends(self) -> None:
-        """Wait until every posted send was delivered (end of step: buffers may be freed)."""
+        """Wait until every posted send was delivered (end of step: buffers may be freed): the
+        input gradients sent back, and in evaluation the activations."""
         pending, self._pending = self._pending, []
         for work, _, action in pending:
             self._wait(work, action, "data")

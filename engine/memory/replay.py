@@ -3,7 +3,8 @@
 The replay drives the runtime's own `PipelineStage` (forward, backward, the I/W split,
 autocast and its per-step weight casts, recompute) around prebuilt layers, fake or real, and
 mirrors the few things `engine._Step` and `StageExchange` add around it: receive buffers, sends
-held until the step's end, the step's batch and losses. So the tracker measures the runtime's
+held until delivered for certain (an output until its gradient arrives, a gradient until the
+step's end), the step's batch and losses. So the tracker measures the runtime's
 code, not a copy of it.
 """
 
@@ -171,8 +172,9 @@ class StageRun:
     """One stage's side of a training step, as `engine._Step` runs it.
 
     F receives its input into a new buffer (the first stage slices the step's token batch);
-    B and I receive the output gradient into a new buffer. Sends are awaited only at the
-    step's end (`StageExchange.wait_sends`), so every sent tensor stays alive until then.
+    B and I receive the output gradient into a new buffer. A stage's output sent forward is
+    released once its gradient has arrived (`StageExchange.recv` of RECV_B: the peer used it);
+    the input gradients sent back are awaited only at the step's end (`wait_sends`).
     Gradients start the step as None, as `train_step` sets them. `split` names the
     micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
     `local_in` / `local_out`: the previous / next stage lives on the same rank (V placement),
@@ -203,6 +205,9 @@ class StageRun:
         self.shape, self.first, self.last, self.split = shape, first, last, split
         self.device = next(module.parameters()).device
         self.sent: list[torch.Tensor] = []
+        """Input gradients sent back: held to the step's end."""
+        self.sent_forward: dict[int, list[torch.Tensor]] = {}
+        """Each in-flight micro-batch's output sent forward, until its gradient arrives."""
         self.losses: list[torch.Tensor] = []
         self._tokens = self._targets = torch.empty(0)
         scaler = LossScaler() if shape.precision == "fp16" else None
@@ -226,6 +231,7 @@ class StageRun:
             self.stage.backward_weight(k)
         else:
             grads = () if self.last else (self._received(requires_grad=False),)
+            self.sent_forward.pop(k, None)
             backward = self.stage.backward_input if kind is ActionKind.I else self.stage.backward
             input_grads = backward(k, grads)
             if not self.local_in:
@@ -233,13 +239,15 @@ class StageRun:
 
     def held_bytes(self, block: int) -> int:
         """Bytes of what the step keeps until its end: sent tensors and losses."""
-        storages = [t.untyped_storage() for t in self.sent + self.losses]
+        forward = [t for sent in self.sent_forward.values() for t in sent]
+        storages = [t.untyped_storage() for t in self.sent + forward + self.losses]
         held = {storage._cdata: storage.nbytes() for storage in storages}
         return sum(round_up(n, block) for n in held.values())
 
     def finish(self) -> None:
         """The step's end: sends are awaited, the step's losses dropped."""
         self.sent.clear()
+        self.sent_forward.clear()
         self.losses.clear()
 
     def _forward(self, k: int) -> None:
@@ -255,11 +263,16 @@ class StageRun:
         if self.last:
             self.losses.append(outputs[0])
         elif not self.local_out:
-            self._send(outputs)
+            self.sent_forward[k] = self._payload(outputs)
 
     def _send(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """What `StageExchange.send` keeps until the step's end (the stage input sends none)."""
-        self.sent += [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
+        """What `StageExchange.send` keeps of a backward until the step's end (the stage input
+        sends none)."""
+        self.sent += self._payload(tensors)
+
+    @staticmethod
+    def _payload(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        return [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
     def _micro(self, batch: torch.Tensor, k: int) -> torch.Tensor:
         """Micro-batch `k` of the step's batch; the trace runs two micro-batches per backward

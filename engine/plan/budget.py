@@ -178,6 +178,11 @@ def _stage_bytes(
     return fixed + max(during, tail) + held
 
 
+def _in_flight(counts: StageCounts, stage: int) -> int:
+    """The most micro-batches whose output the stage has sent and whose gradient is to come."""
+    return max(counts.before[stage], counts.after[stage])
+
+
 def rank_peaks(
     sums: LayerBytes,
     schedule: Schedule,
@@ -192,9 +197,10 @@ def rank_peaks(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
 
-    Every micro-batch's sends (its output forward, its input's gradient backward, whole
-    hidden states as the replay counts them under tensor parallelism too) are kept until the
-    step ends, as the runtime's exchange keeps them (`engine.memory.replay`).
+    Sends are whole hidden states, as the replay counts them under tensor parallelism too.
+    Every input gradient sent back is kept until the step ends; an output sent forward only
+    until its gradient arrives, as the runtime's exchange keeps them (`engine.memory.replay`):
+    at most the stage's in-flight micro-batches (counted whole: a bound).
     """
     last = schedule.num_stages - 1
     one = micro_batch_size * sums.received
@@ -208,7 +214,8 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=micro_batches * one * ((s > 0) + (s < last)),
+            held=one
+            * (micro_batches * (s > 0) + max(counts.before[s], counts.after[s]) * (s < last)),
         )
         for s in range(schedule.num_stages)
     )

@@ -231,17 +231,13 @@ class _Screen:
 def _floor(state: SearchContext, c: Candidate) -> int:
     """A lower bound of the candidate's peak under any recompute, without its schedule or a
     trace: the highest stage's states, gradients (twice where the dp all-reduce copies them)
-    and the sends it keeps to the step's end, as `rank_peaks` counts them."""
+    and the input gradients it sends back and keeps to the step's end."""
     fixed, grads = state.state_sums(state.layout(c))
     bounds = state.boundaries(c.num_stages)
     held = c.micro_batches * c.micro_batch_size * state.received
     twice = c.mesh.dp > 1 and c.zero == 0
-    last = c.num_stages - 1
     return max(
-        fixed[b]
-        - fixed[a]
-        + (2 if twice else 1) * (grads[b] - grads[a])
-        + held * ((s > 0) + (s < last))
+        fixed[b] - fixed[a] + (2 if twice else 1) * (grads[b] - grads[a]) + held * (s > 0)
         for s, (a, b) in enumerate(itertools.pairwise(bounds))
     )
 

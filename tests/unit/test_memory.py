@@ -161,8 +161,9 @@ def test_v_placed_prediction_equals_a_real_run_on_cpu_to_the_byte(schedule: str)
 
 
 def test_the_v_hand_off_between_stages_of_one_rank_stays_in_memory() -> None:
-    """Stages 1 and 2 of a V on two ranks share rank 1: stage 1's output is no send held
-    until the step's end, so its trace holds less than under the loop placement."""
+    """Stages 1 and 2 of a V on two ranks share rank 1: stage 2's input arrives in memory, so
+    it sends no gradient back to hold until the step's end (its output sent on to stage 3 is
+    released when that gradient arrives), where the loop placement holds one per micro-batch."""
     v = resolve(_tiny(schedule="zb_v", stages_per_rank=2)).schedule
     assert [local_edges(v, s) for s in range(4)] == [
         (False, False),
@@ -171,13 +172,13 @@ def test_the_v_hand_off_between_stages_of_one_rank_stays_in_memory() -> None:
         (False, False),
     ]
     held = {
-        name: stage_trace(config, resolve(config), 1).held_per_micro_batch
+        name: stage_trace(config, resolve(config), 2).held_per_micro_batch
         for name, config in (
             ("v", _tiny(schedule="zb_v", stages_per_rank=2)),
             ("loop", _tiny(schedule="looped_bfs", stages_per_rank=2)),
         )
     }
-    assert held["v"] < held["loop"]
+    assert held["v"] == 0 < held["loop"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_drain"])
