@@ -144,6 +144,11 @@ class StageExchange:
         for tensor in payload:
             self._pending.append((self._isend(tensor, peer, group), payload, action))
 
+    @property
+    def unsettled_sends(self) -> tuple[Action, ...]:
+        """The sends still held (posted, not yet known delivered), in posting order."""
+        return tuple(dict.fromkeys(action for _, _, action in self._pending))
+
     def post_ahead(self, action: Action, *, training: bool) -> None:
         """Post the receive of `action` now, so its data lands while this rank computes.
 
