@@ -1,8 +1,9 @@
 """Spawn N gloo ranks on this machine, run a function on each, collect what it returns.
 
 Each rank is a fresh process (forked from a server that preloaded torch: `_context`) with the
-launcher environment torchrun would set and one intra-op thread. Results travel back serialised with `torch.save`. A rank that raises fails the
-caller with its traceback; ranks that do not finish within `timeout_s` are killed.
+launcher environment torchrun would set and one intra-op thread. Results travel back
+serialised with `torch.save`. A rank that raises fails the caller with its traceback; ranks
+that do not finish within `timeout_s` are killed.
 """
 
 from __future__ import annotations
