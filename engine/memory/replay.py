@@ -117,17 +117,23 @@ def build_stage(
     shard_for_tp(layers.values(), tp)
     if sequence_parallel:
         shard_sequence_for_tp(layers.values(), tp)
+    _share_ties(list(layers.values()), specs)
+    return LayerStack(layers)
+
+
+def _share_ties(layers: Sequence[nn.Module], specs: Sequence[LayerSpec]) -> None:
+    """Weights tied inside the stage become one parameter again (building on meta, or
+    splitting over tp, made each layer its own), as the engine shares them."""
     first: dict[str, nn.Parameter] = {}
-    for i, spec in enumerate(specs):
+    for layer, spec in zip(layers, specs, strict=True):
         if spec.tie_key is None or spec.tied_param is None:
             continue
         parent_name, _, leaf = spec.tied_param.rpartition(".")
-        parent = layers[i].get_submodule(parent_name)
+        parent = layer.get_submodule(parent_name)
         if spec.tie_key in first:
             setattr(parent, leaf, first[spec.tie_key])
         else:
             first[spec.tie_key] = getattr(parent, leaf)
-    return LayerStack(layers)
 
 
 def fake_parameters(module: nn.Module) -> None:
@@ -154,7 +160,7 @@ def _runtime_stage(
     over `tp_mesh` as the engine splits them (a measured run's real DTensors)."""
     num_stages = 1 if first and last else 2 if first or last else 3
     stage = 0 if first else num_stages - 1 if last else 1
-    return PipelineStage(
+    runtime = PipelineStage(
         specs,
         stage=stage,
         layers=range(len(specs)),
@@ -166,6 +172,9 @@ def _runtime_stage(
         built=module,
         tp_mesh=tp_mesh,
     )
+    if tp_mesh is not None:
+        _share_ties(list(module.layers.values()), specs)
+    return runtime
 
 
 class StageRun:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["CUDA_BLOCK", "MemoryTracker", "Span", "cuda_kernels", "fake_device", "round_up"]
@@ -46,7 +46,20 @@ class Span:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors of `tree` that hold memory. A wrapper subclass (DTensor, a functional
+    collective's AsyncCollectiveTensor) stands for the tensors inside it: its own storage is as
+    large as the whole (global) tensor and allocates nothing."""
+    found: list[torch.Tensor] = []
+    pending = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    while pending:
+        tensor = pending.pop()
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            inner = (getattr(tensor, name) for name in names)
+            pending += [t for t in inner if isinstance(t, torch.Tensor)]
+        else:
+            found.append(tensor)
+    return found
 
 
 class MemoryTracker(TorchDispatchMode):

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from engine.cli.memory import add_parsers, run
 from engine.config import replace_flat
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve, stage_trace
+from engine.memory.fake_world import stage_grid
 from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.replay import build_stage, local_edges, stage_actions
 from engine.memory.sharding import sharded_states
@@ -94,6 +96,19 @@ def test_tracker_counts_a_storage_once_from_its_op_until_it_is_freed() -> None:
         assert tracker.live == 4000  # the view keeps the storage alive
         del view
     assert (tracker.live, tracker.peak) == (0, 4000)
+
+
+def test_tracker_counts_a_dtensors_local_shard_not_its_global_size() -> None:
+    """A DTensor's own storage is as large as the whole tensor and allocates nothing; what a
+    rank holds is its shard."""
+    with stage_grid(1, 2) as grid:
+        assert grid.tp_mesh is not None
+        whole = distribute_tensor(torch.ones(256, 64), grid.tp_mesh, [Shard(0)])
+        with MemoryTracker() as tracker:
+            doubled = whole * 2
+        assert tracker.live == 128 * 64 * 4
+        del doubled
+        assert tracker.live == 0
 
 
 def test_tracker_ignores_tensors_made_before_it() -> None:
