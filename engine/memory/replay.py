@@ -171,6 +171,7 @@ def _runtime_stage(
         recompute=shape.recompute,
         built=module,
         tp_mesh=tp_mesh,
+        sequence_parallel=shape.sequence_parallel and tp_mesh is not None,
     )
     if tp_mesh is not None:
         _share_ties(list(module.layers.values()), specs)

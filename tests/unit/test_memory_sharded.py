@@ -33,6 +33,7 @@ def _tiny(**changes: object) -> MemoryConfig:
         {"dp": 2, "zero": 3, "precision": "fp32"},
         {"model": "gpt-tiny", "tp": 2, "precision": "fp32"},
         {"model": "gpt-tiny", "tp": 2},
+        {"model": "gpt-tiny", "tp": 2, "sequence_parallel": True, "precision": "fp32"},
         {"tp": 2, "dp": 2, "zero": 1, "precision": "fp32", "optimizer_impl": "fused"},
     ],
     ids=[
@@ -42,6 +43,7 @@ def _tiny(**changes: object) -> MemoryConfig:
         "zero3-fp32",
         "tp2-fp32",
         "tp2-bf16",
+        "tp2-sp",
         "tp2-zero1",
     ],
 )
@@ -69,18 +71,31 @@ def test_zero3_under_bf16_holds_the_modelled_states_and_peaks_within_its_documen
     assert measured.peak == pytest.approx(predicted.peak, rel=0.01)
 
 
-def test_an_untied_vocabulary_parallel_embedding_peaks_higher_by_its_replicated_gradient() -> None:
-    """Llama's embedding is not tied to its head: DTensor's backward leaves its gradient
-    replicated (the whole 256 × 64 fp32) until `align_gradients` cuts it at the step's end,
-    which the replay's shard does not hold. Everything else agrees to the byte; the peak is
-    higher by exactly the other rank's share (docs/MEMORY.md)."""
-    config = _tiny(tp=2, precision="fp32")
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"tp": 2, "precision": "fp32"},
+        {"tp": 2, "sequence_parallel": True, "precision": "fp32"},
+        {"model": "gpt-tiny", "tp": 2, "pp": 2, "precision": "fp32", "micro_batches": 4},
+    ],
+    ids=["llama", "llama-sequence-parallel", "gpt-head-on-stage-1"],
+)
+def test_an_untied_vocabulary_parallel_embedding_peaks_higher_by_its_replicated_gradient(
+    changes: dict[str, object],
+) -> None:
+    """An embedding not tied to a head on its own stage (Llama's; GPT's when the head is on
+    the next stage): DTensor's backward leaves its gradient replicated (the whole 256 × 64
+    fp32) until `align_gradients` cuts it at the step's end, which the replay's shard does not
+    hold. Everything else agrees to the byte; stage 0's peak is higher by exactly the other
+    rank's share (docs/MEMORY.md)."""
+    config = _tiny(**changes)
     predicted, measured = estimate_memory(config), measure_memory(config)
     surplus = 256 * 64 * 4 // 2
     for p, m in zip(predicted.stages, measured.stages, strict=True):
         assert replace(m, step_peak=p.step_peak) == p
-        assert m.step_peak - p.step_peak == surplus
+        assert m.step_peak - p.step_peak == (surplus if p.stage == 0 else 0)
     assert measured.rank_peaks[0] - predicted.rank_peaks[0] == surplus
+    assert measured.rank_peaks[1:] == predicted.rank_peaks[1:]
 
 
 def test_the_fake_world_is_torn_down_and_refuses_a_world_of_another_size() -> None:
