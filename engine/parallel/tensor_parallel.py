@@ -22,6 +22,7 @@ gradient norms counting every shard once, and the pipeline exchange of sequence 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
+    Placement,
     Replicate,
     Shard,
     distribute_module,
@@ -57,6 +59,7 @@ __all__ = [
     "full_tensor",
     "local_tensor",
     "parallelize_layers",
+    "shard_arriving_gradients",
     "shard_like",
     "sharded_loss_scope",
     "split_gradient_norms",
@@ -184,6 +187,25 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return full
     cut = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return cut.to_local()
+
+
+def shard_arriving_gradients(module: nn.Module) -> None:
+    """Lay each split parameter's gradient out as the parameter as soon as it arrives, before
+    it is accumulated. DTensor's backward leaves the vocabulary-parallel embedding's gradient
+    replicated: the whole vocabulary × d_model on every tp rank (Llama 3's 128,256 × 8,192 in
+    fp32 is 4.2 GB) until `align_gradients` would cut it at the step's end. Replicate → Shard is
+    a local slice, so the values are the same; only the bytes held differ."""
+    for param in module.parameters():
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+            param.register_hook(
+                functools.partial(_laid_out, param.device_mesh, tuple(param.placements))
+            )
+
+
+def _laid_out(mesh: DeviceMesh, placements: tuple[Placement, ...], grad: torch.Tensor) -> object:
+    if isinstance(grad, DTensor) and grad.placements != placements:
+        return grad.redistribute(mesh, placements)
+    return grad
 
 
 def align_gradients(

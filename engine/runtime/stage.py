@@ -27,6 +27,7 @@ from engine.parallel import (
     local_gradient,
     local_tensor,
     parallelize_layers,
+    shard_arriving_gradients,
     sharded_loss_scope,
 )
 from engine.runtime.micro_batches import LossFn
@@ -110,6 +111,8 @@ class PipelineStage:
             )
         else:
             self.module = build_layers(specs, layers, seed=seed, device=device)
+        if tp_mesh is not None:
+            shard_arriving_gradients(self.module)
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
