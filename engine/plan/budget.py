@@ -214,8 +214,7 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=one
-            * (micro_batches * (s > 0) + max(counts.before[s], counts.after[s]) * (s < last)),
+            held=one * (micro_batches * (s > 0) + _in_flight(counts, s) * (s < last)),
         )
         for s in range(schedule.num_stages)
     )
