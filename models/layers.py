@@ -8,6 +8,7 @@ the layers it owns.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -81,12 +82,11 @@ class LayerSpec:
 
     def num_parameters(self) -> int:
         """Parameter count, computed on the meta device (no memory)."""
-        return sum(p.numel() for p in self.build("meta").parameters())
+        return _num_parameters(self)
 
     def forward_flops(self, batch_size: int, seq_len: int) -> int:
         """Analytic forward FLOPs for one (batch_size, seq_len) micro-batch."""
-        module: Any = self.build("meta")
-        return int(module.forward_flops(batch_size, seq_len))
+        return _forward_flops(self, batch_size, seq_len)
 
     def example_input(
         self, batch_size: int, seq_len: int, device: torch.device | str = "meta"
@@ -294,3 +294,16 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_parameters(spec: LayerSpec) -> int:
+    """Once per distinct spec: the 126 blocks of a 405B model are one spec, and the planner
+    asks for every layer's count per candidate split."""
+    return sum(p.numel() for p in spec.build("meta").parameters())
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_flops(spec: LayerSpec, batch_size: int, seq_len: int) -> int:
+    module: Any = spec.build("meta")
+    return int(module.forward_flops(batch_size, seq_len))

@@ -16,16 +16,28 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
 
 from engine.config import ParallelConfig, parse_size
-from engine.plan import Hardware, PlanRequest, measured_forward, search, write_plan
-from engine.plan.candidates import Candidate
+from engine.plan import (
+    Hardware,
+    PlanRequest,
+    measured_forward,
+    measured_split_forward,
+    search,
+    write_plan,
+)
+from engine.plan.candidates import Candidate, meshes
 from engine.plan.request import Prediction
 from engine.plan.search import predict
 from models import layer_specs
@@ -60,6 +72,48 @@ def _layouts(devices: int, global_batch: int) -> list[Candidate]:
         c(1, 2, 1),
         c(1, 1, 2),
     ]
+
+
+_SIZES = (1, 2, 4, 8)
+"""Micro-batch sizes the planner may choose."""
+
+_REPEATS = 15
+"""Runs each layer is timed over (the median): this VM's single runs vary by ±15 %."""
+
+_LINK_SIZES = (64 * 1024, 8 * 1024 * 1024)
+"""Bytes of the two all-reduces the link is fitted from: a tensor-parallel activation's
+order and a data-parallel gradient's."""
+
+
+def _all_reduce_seconds(rank: int, ranks: int, store_path: str, out: str) -> None:
+    """One rank's median seconds of a gloo all-reduce at each `_LINK_SIZES` (rank 0 writes)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ranks)
+    seconds = []
+    for size in _LINK_SIZES:
+        tensor = torch.ones(size // 4)
+        samples = []
+        for _ in range(30):
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            samples.append(time.perf_counter() - start)
+        seconds.append(statistics.median(samples[5:]))
+    if rank == 0:
+        Path(out).write_text(" ".join(map(str, seconds)))
+    dist.destroy_process_group()
+
+
+def _link(ranks: int) -> tuple[float, float]:
+    """(latency, bandwidth) of gloo between `ranks` processes of this host, fitted to the
+    ring all-reduce time the cost model uses: 2(r - 1)(n / (r · bandwidth) + latency)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/seconds"
+        spawn(_all_reduce_seconds, args=(ranks, f"{folder}/store", out), nprocs=ranks)
+        small, large = map(float, Path(out).read_text().split())
+    steps = 2 * (ranks - 1)
+    slope = (large - small) / (_LINK_SIZES[1] - _LINK_SIZES[0])
+    latency = max(small - slope * _LINK_SIZES[0], 0.0) / steps
+    return latency, steps / (ranks * slope)
 
 
 def _measure(request: PlanRequest, plan: Prediction, steps: int, folder: Path) -> float:
@@ -99,6 +153,46 @@ def _hand_choice(request: PlanRequest) -> Prediction:
     raise ValueError("no micro-batch size fits the hand choice")
 
 
+def _request(
+    args: argparse.Namespace, sizes: tuple[int, ...], widths: Sequence[int]
+) -> PlanRequest:
+    """A request with the layers and the link measured now: this VM's speed drifts by up to
+    25 % within minutes, so each layout is predicted from costs taken just before its run."""
+    specs = layer_specs(args.model)
+    latency, bandwidth = _link(args.devices) if args.devices > 1 else (0.0, 1e12)
+    latency = latency if args.latency is None else args.latency
+    bandwidth = bandwidth if args.link_bandwidth is None else args.link_bandwidth
+    return PlanRequest(
+        model=args.model,
+        devices=args.devices,
+        device_memory=parse_size(args.device_memory),
+        global_batch=args.global_batch,
+        seq_len=args.seq_len,
+        precision="fp32",
+        device=args.device,
+        hardware=Hardware(link_bandwidth=bandwidth, latency=latency, gpus_per_node=8),
+        measured={b: measured_forward(specs, b, args.seq_len, _REPEATS) for b in sizes},
+        measured_split={
+            (b, tp): measured_split_forward(specs, b, args.seq_len, tp, _REPEATS)
+            for b in sizes
+            for tp in widths
+            if tp > 1
+        },
+        micro_batch_sizes=sizes,
+    )
+
+
+def _row(name: str, request: PlanRequest, plan: Prediction, steps: int, folder: Path) -> None:
+    measured = _measure(request, plan, steps, folder)
+    error = plan.step_time / measured - 1
+    link = (
+        f"{request.hardware.latency * 1e3:.2f} ms, {request.hardware.link_bandwidth / 1e9:.2f} GB/s"
+    )
+    print(
+        f"{name:<44} {plan.step_time:>9.4f}s {measured:>9.4f}s {error:>+7.1%}   {link}", flush=True
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-bench")
@@ -107,35 +201,30 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--device-memory", default="4GB")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--link-bandwidth", type=float, default=2e9, help="gloo on one host")
+    parser.add_argument("--link-bandwidth", type=float, help="bytes/s (measured: gloo here)")
+    parser.add_argument("--latency", type=float, help="seconds (measured: gloo here)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)  # each rank trains on one thread (--threads 1)
-    specs = layer_specs(args.model)
-    sizes = (1, 2, 4, 8)
-    request = PlanRequest(
-        model=args.model,
-        devices=args.devices,
-        device_memory=parse_size(args.device_memory),
-        global_batch=args.global_batch,
+    layouts = meshes(
+        args.model,
+        args.devices,
+        num_layers=len(layer_specs(args.model)),
         seq_len=args.seq_len,
-        precision="fp32",
-        device=args.device,
-        hardware=Hardware(link_bandwidth=args.link_bandwidth, latency=1e-4, gpus_per_node=8),
-        measured={b: measured_forward(specs, b, args.seq_len) for b in sizes},
-        micro_batch_sizes=sizes,
+        gpus_per_node=8,
     )
-    print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}")
+    widths = sorted({m.tp for m in layouts})
+    print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   link (measured)")
     with tempfile.TemporaryDirectory() as folder:
-        rows = [(c.describe(), predict(request, c)) for c in _layouts(args.devices, 16)]
+        for c in _layouts(args.devices, args.global_batch):
+            request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
+            _row(c.describe(), request, predict(request, c), args.steps, Path(folder))
+        request = _request(args, _SIZES, widths)
         chosen = search(request).plans[0]
-        rows.append(("planner: " + chosen.candidate.describe(), chosen))
+        _row("planner: " + chosen.candidate.describe(), request, chosen, args.steps, Path(folder))
+        request = _request(args, _SIZES, ())
         hand = _hand_choice(request)
-        rows.append(("hand: " + hand.candidate.describe(), hand))
-        for name, plan in rows:
-            measured = _measure(request, plan, args.steps, Path(folder))
-            error = plan.step_time / measured - 1
-            print(f"{name:<44} {plan.step_time:>9.4f}s {measured:>9.4f}s {error:>+7.1%}")
+        _row("hand: " + hand.candidate.describe(), request, hand, args.steps, Path(folder))
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ from engine.plan import (
     PlanResult,
     Prediction,
     measured_forward,
+    measured_split_forward,
     plot_plan,
     search,
     write_plan,
 )
+from engine.plan.candidates import meshes
 from models import LayerSpec, layer_specs
 from partitioners import Partition, layer_costs, partition_model
 
@@ -157,10 +159,25 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
     sizes = _sizes(args.micro_batch_sizes)
     hardware = Hardware(**flag_values(Hardware, args))
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
-    measured = None
+    measured = split = None
     if args.profile:
         specs = layer_specs(model)
         measured = {b: measured_forward(specs, b, args.seq_len) for b in sizes}
+        widths = {
+            mesh.tp
+            for mesh in meshes(
+                model,
+                args.devices,
+                num_layers=len(specs),
+                seq_len=args.seq_len,
+                gpus_per_node=hardware.gpus_per_node,
+            )
+        }
+        split = {
+            (b, tp): measured_split_forward(specs, b, args.seq_len, tp)
+            for b in sizes
+            for tp in sorted(widths - {1})
+        }
     return PlanRequest(
         model=model,
         devices=args.devices,
@@ -171,6 +188,7 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
         device="cpu" if args.profile else "cuda",
         hardware=hardware,
         measured=measured,
+        measured_split=split,
         micro_batch_sizes=sizes,
         top=args.top,
     )

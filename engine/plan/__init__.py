@@ -11,7 +11,7 @@ from engine.plan.plan_file import (
     read_plan,
     write_plan,
 )
-from engine.plan.profile import measured_forward, profile_stage_costs
+from engine.plan.profile import measured_forward, measured_split_forward, profile_stage_costs
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction
 from engine.plan.search import predict, search
 
@@ -24,6 +24,7 @@ __all__ = [
     "Prediction",
     "apply_plan",
     "measured_forward",
+    "measured_split_forward",
     "merge_plan",
     "plan_fields",
     "plot_plan",

@@ -4,6 +4,7 @@ counts, boundaries, per-layer bytes and times, and simulations, each computed on
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -89,8 +90,9 @@ class SearchContext:
 
     @functools.cache  # noqa: B019
     def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
-        """Candidates that differ only in their data-parallel tails share one simulation."""
-        return simulate_stages(self.lowered(schedule), stages, p2p=p2p)
+        """Candidates that differ only in their data-parallel tails share one simulation. The
+        schedules are the generators' (`built`), lowered here: valid by their tests."""
+        return simulate_stages(self.lowered(schedule), stages, p2p=p2p, validated=True)
 
     @functools.cache  # noqa: B019
     def lowered(self, schedule: Schedule) -> Schedule:
@@ -132,6 +134,19 @@ class SearchContext:
         """Per layout, prefix sums of each layer's fixed states and gradients (no trace)."""
         return state_sums(self.specs, states, self.request.precision)
 
+    @functools.cache  # noqa: B019
+    def stage_floors(self, states: StateLayout, stages: int, twice: bool) -> tuple[int, int | None]:
+        """Of the balanced split into `stages`: stage 0's states and gradients (counted twice
+        where `twice`: the dp all-reduce's copy), and the most of any later stage's (which
+        also keep what they send back: `search._floor` adds it), None for a single stage."""
+        fixed, grads = self.state_sums(states)
+        bounds = self.boundaries(stages)
+        each = [
+            fixed[b] - fixed[a] + (2 if twice else 1) * (grads[b] - grads[a])
+            for a, b in itertools.pairwise(bounds)
+        ]
+        return each[0], max(each[1:], default=None)
+
     @functools.cached_property
     def received(self) -> int:
         """The bytes of one sequence's hidden state as a stage receives (and keeps) it."""
@@ -141,7 +156,9 @@ class SearchContext:
     @functools.cache  # noqa: B019
     def forward(self, mbs: int, tp: int) -> tuple[float, ...]:
         """Seconds of each layer's forward for one micro-batch on one device."""
-        measured = self.request.measured
+        measured, split = self.request.measured, self.request.measured_split
+        if split is not None and (mbs, tp) in split:
+            return split[mbs, tp]
         if measured is not None:
             return tuple(t / tp for t in measured[mbs])
         rate = self.request.hardware.achieved_flops

@@ -21,16 +21,25 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from engine.config.sizes import format_size
+from engine.memory.fake_world import stage_grid
 from engine.memory.states import stage_params
+from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
 from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
 from partitioners import Partition
 from partitioners.costs import activation_costs, measured_costs
 
-__all__ = ["available_memory", "measured_forward", "profile_stage_costs", "stage_profile_bytes"]
+__all__ = [
+    "available_memory",
+    "measured_forward",
+    "measured_split_forward",
+    "profile_stage_costs",
+    "stage_profile_bytes",
+]
 
 _MEMINFO = Path("/proc/meminfo")
 
@@ -183,8 +192,54 @@ def profile_stage_costs(
 
 
 def measured_forward(
-    specs: Sequence[LayerSpec], micro_batch_size: int, seq_len: int
+    specs: Sequence[LayerSpec], micro_batch_size: int, seq_len: int, repeats: int = 3
 ) -> tuple[float, ...]:
     """Each layer's forward seconds on this CPU for one micro-batch: a third of its measured
-    forward plus backward (`partitioners.measured_costs`), as the simulator's costs split it."""
-    return tuple(t / 3 for t in measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len))
+    forward plus backward (`partitioners.measured_costs`, the median of `repeats`), as the
+    simulator's costs split it."""
+    costs = measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats)
+    return tuple(t / 3 for t in costs)
+
+
+def measured_split_forward(
+    specs: Sequence[LayerSpec], micro_batch_size: int, seq_len: int, tp: int, repeats: int = 3
+) -> tuple[float, ...]:
+    """Each layer's forward seconds on this CPU split `tp` ways, as the engine splits it
+    (DTensor, `parallelize_module`), on a fake world of `tp` ranks: its collectives return at
+    once, so this is one rank's compute and DTensor's own work, without the transfers (the
+    cost model adds those from the link). A third of forward plus backward, as
+    `measured_forward`. Why not the unsplit time over `tp`: on a CPU, DTensor's dispatch
+    costs about as much as the half of the GEMMs it saves at small sizes."""
+    if repeats < 1 or tp < 2:
+        raise ValueError(f"repeats={repeats} and tp={tp}: give at least 1 and 2")
+    with stage_grid(1, tp) as grid:
+        assert grid.tp_mesh is not None
+        return tuple(
+            _time_split_layer(specs, i, micro_batch_size, seq_len, grid.tp_mesh, repeats) / 3
+            for i in range(len(specs))
+        )
+
+
+def _time_split_layer(
+    specs: Sequence[LayerSpec],
+    index: int,
+    batch_size: int,
+    seq_len: int,
+    tp_mesh: DeviceMesh,
+    repeats: int,
+) -> float:
+    """Median seconds of one split layer's forward plus backward, after a warm-up run."""
+    spec = specs[index]
+    stack = build_sharded_layers(
+        specs, range(index, index + 1), seed=0, device="cpu", tp_mesh=tp_mesh
+    )
+    x = spec.example_input(batch_size, seq_len, device="cpu")
+    if x.is_floating_point():
+        x = torch.randn(x.shape).requires_grad_()
+    samples = []
+    with sharded_loss_scope(index == len(specs) - 1):
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            stack(x).float().sum().backward()
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:])

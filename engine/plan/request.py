@@ -37,6 +37,9 @@ class PlanRequest:
     measured: Mapping[int, tuple[float, ...]] | None = None
     """Per micro-batch size, each layer's measured forward seconds (`--profile`); FLOPs at
     the hardware's rate when None."""
+    measured_split: Mapping[tuple[int, int], tuple[float, ...]] | None = None
+    """Per (micro-batch size, tp > 1), each layer's forward seconds measured split tp ways
+    (`measured_split_forward`); `measured` over tp where a pair is missing."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     top: int = 3

@@ -11,7 +11,6 @@ the best plan: memory, bubble (idle time, imbalance included), communication or 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -231,15 +230,12 @@ class _Screen:
 def _floor(state: SearchContext, c: Candidate) -> int:
     """A lower bound of the candidate's peak under any recompute, without its schedule or a
     trace: the highest stage's states, gradients (twice where the dp all-reduce copies them)
-    and the input gradients it sends back and keeps to the step's end."""
-    fixed, grads = state.state_sums(state.layout(c))
-    bounds = state.boundaries(c.num_stages)
-    held = c.micro_batches * c.micro_batch_size * state.received
+    and the input gradients it sends back and keeps to the step's end (`stage_floors`)."""
     twice = c.mesh.dp > 1 and c.zero == 0
-    return max(
-        fixed[b] - fixed[a] + (2 if twice else 1) * (grads[b] - grads[a]) + held * (s > 0)
-        for s, (a, b) in enumerate(itertools.pairwise(bounds))
-    )
+    first, later = state.stage_floors(state.layout(c), c.num_stages, twice)
+    if later is None:
+        return first
+    return max(first, later + c.micro_batches * c.micro_batch_size * state.received)
 
 
 def _all_candidates(state: SearchContext) -> list[Candidate]:

@@ -133,13 +133,16 @@ class Timed:
     result: SimResult
 
 
-def simulate_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float) -> SimResult:
-    """The schedule's step under the stages' action costs and the transfer delay `p2p`."""
+def simulate_stages(
+    schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float, validated: bool = False
+) -> SimResult:
+    """The schedule's step under the stages' action costs and the transfer delay `p2p`
+    (`validated`: as `simulate`'s)."""
     costs = ActionCosts(
         per_stage=tuple((s.forward, s.backward, s.input_grad, s.weight_grad) for s in stages),
         comm=p2p,
     )
-    return simulate(schedule, costs)
+    return simulate(schedule, costs, validated=validated)
 
 
 def with_tails(result: SimResult, tails: Sequence[float]) -> Timed:

@@ -8,6 +8,7 @@ value. `format_schedule` is its text form, one line per rank (`rank 0: 0F0 0F1 0
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,15 @@ class Schedule:
         return self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+        return self._stages_by_rank[rank] if 0 <= rank < self.num_ranks else ()
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        """Each rank's stages, once: the planner asks for them hundreds of thousands of times."""
+        return tuple(
+            tuple(s for s, r in enumerate(self.placement) if r == rank)
+            for rank in range(self.num_ranks)
+        )
 
     def __str__(self) -> str:
         return format_schedule(self)

@@ -171,10 +171,17 @@ def _bubble(busy: tuple[float, ...], step_time: float) -> float:
     return (total - sum(busy)) / total if total > 0 else 0.0
 
 
-def simulate(schedule: Schedule, costs: ActionCosts | None = None) -> SimResult:
-    """Dry-run one step; compute-only schedules are lowered first. Raises on deadlock."""
+def simulate(
+    schedule: Schedule, costs: ActionCosts | None = None, *, validated: bool = False
+) -> SimResult:
+    """Dry-run one step; compute-only schedules are lowered first. Raises on deadlock.
+
+    `validated`: the schedule is known valid (the planner's come from the generators and
+    `add_communication`, tested valid at every size), so the check, which on a schedule of
+    tens of thousands of actions costs more than the simulation, is skipped."""
     costs = costs or ActionCosts()
-    validate(schedule)
+    if not validated:
+        validate(schedule)
     if costs.per_stage is not None and len(costs.per_stage) != schedule.num_stages:
         raise ValueError(
             f"costs.per_stage has {len(costs.per_stage)} entries for {schedule.num_stages} "

@@ -350,3 +350,19 @@ def test_a_stage_recomputed_per_layer_keeps_its_layers_inputs_not_their_activati
         ]
         == "every:1"
     )
+
+
+def test_a_layer_time_measured_split_is_used_for_its_width_and_the_unsplit_one_otherwise() -> None:
+    layers = len(SearchContext(SMALL).specs)
+    whole = tuple(float(i + 1) for i in range(layers))
+    split = tuple(0.75 * t for t in whole)
+    request = replace(
+        SMALL,
+        device="cpu",
+        measured={1: whole, 2: whole},
+        measured_split={(1, 2): split},
+    )
+    context = SearchContext(request)
+    assert context.forward(1, 2) == split  # not whole / 2: DTensor's own work included
+    assert context.forward(2, 2) == tuple(t / 2 for t in whole)
+    assert context.forward(1, 1) == whole

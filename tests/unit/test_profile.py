@@ -14,7 +14,7 @@ import torch
 import engine.plan.profile
 import engine.runtime.stage
 from engine.cli.main import main
-from engine.plan.profile import profile_stage_costs, stage_profile_bytes
+from engine.plan.profile import measured_split_forward, profile_stage_costs, stage_profile_bytes
 from engine.runtime.stage import PipelineStage
 from models import LayerSpec, layer_specs
 from partitioners import Partition, partition_model
@@ -154,3 +154,28 @@ def test_a_tiny_model_gets_four_positive_costs_per_stage_with_i_and_w_splitting_
     for f, b, i, w in per_stage:
         assert min(f, b, i, w) > 0
         assert 0.3 * b < i + w < 3 * b  # the same kernels as B, split in two
+
+
+def test_a_split_profile_times_each_layer_as_the_engine_splits_it_on_a_fake_world(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    specs = layer_specs("llama-tiny")
+    built: list[tuple[range, int]] = []
+    build = engine.plan.profile.build_sharded_layers
+
+    def recording(specs: list[LayerSpec], indices: range, **kwargs: object) -> object:
+        mesh = kwargs["tp_mesh"]
+        assert isinstance(mesh, torch.distributed.device_mesh.DeviceMesh)
+        built.append((indices, mesh.size()))
+        return build(specs, indices, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.plan.profile, "build_sharded_layers", recording)
+    seconds = measured_split_forward(specs, 2, 32, tp=2, repeats=1)
+    assert len(seconds) == len(specs) and min(seconds) > 0
+    assert built == [(range(i, i + 1), 2) for i in range(len(specs))]
+    assert not torch.distributed.is_initialized()  # the fake world is torn down
+
+
+def test_a_split_profile_of_one_rank_is_refused() -> None:
+    with pytest.raises(ValueError, match="tp=1"):
+        measured_split_forward(layer_specs("llama-tiny"), 1, 32, tp=1)
