@@ -10,15 +10,18 @@ code, not a copy of it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from engine.memory.tp_shards import shard_for_tp, shard_sequence_for_tp
+from engine.config import require
+from engine.memory.fake_world import stage_grid
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
@@ -103,20 +106,14 @@ class StageTrace:
         return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
 
 
-def build_stage(
-    specs: Sequence[LayerSpec], tp: int = 1, *, sequence_parallel: bool = False
-) -> LayerStack:
-    """The stage's layers on the meta device, weights tied inside the stage shared, each
-    tensor-parallel weight cut to one of `tp` ranks' shards (`shard_for_tp`), and with
-    `sequence_parallel` the activations between blocks too (`shard_sequence_for_tp`).
+def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
+    """The stage's layers on the meta device, weights tied inside the stage shared (the
+    runtime's stage splits them over tp, as the engine does).
 
     `models.build_layers` would initialise every weight on the CPU first, which planning a
     70B stage cannot afford.
     """
     layers = {i: spec.build("meta") for i, spec in enumerate(specs)}
-    shard_for_tp(layers.values(), tp)
-    if sequence_parallel:
-        shard_sequence_for_tp(layers.values(), tp)
     _share_ties(list(layers.values()), specs)
     return LayerStack(layers)
 
@@ -330,8 +327,8 @@ def trace_stage(
     """
     order: tuple[bool | None, ...] = styles or (None,)
     split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
-    with fake_device(cuda=cuda):
-        module = build_stage(specs, shape.tp, sequence_parallel=shape.sequence_parallel)
+    with _split_world(shape.tp) as tp_mesh, fake_device(cuda=cuda):
+        module = build_stage(specs)
         fake_parameters(module)
         run = StageRun(
             module,
@@ -342,6 +339,7 @@ def trace_stage(
             shape=shape,
             local_in=local[0],
             local_out=local[1],
+            tp_mesh=tp_mesh,
         )
         tracker = MemoryTracker(block=block)
         with tracker, run.stage.step_scope():
@@ -365,6 +363,25 @@ def trace_stage(
         held_per_micro_batch=held,
         weight_copies=weight_copies,
     )
+
+
+@contextlib.contextmanager
+def _split_world(tp: int) -> Iterator[DeviceMesh | None]:
+    """The tp mesh a traced stage is split over: the engine's own DTensor plans on a fake world
+    of `tp` ranks (`stage_grid`), so the trace sees what DTensor allocates (its collectives'
+    buffers, the vocabulary-parallel loss, the embedding's replicated gradient) and not a
+    stand-in with the shards' shapes. None where tp is 1."""
+    if tp == 1:
+        yield None
+        return
+    require(
+        not dist.is_initialized(),
+        f"tracing a stage split over tp={tp} joins a fake world of {tp} ranks, which a "
+        "process already in a process group cannot: estimate before init_process_group "
+        "(meshpipe partitions by memory before its ranks meet)",
+    )
+    with stage_grid(1, tp) as grid:
+        yield grid.tp_mesh
 
 
 def local_edges(schedule: Schedule, stage: int) -> tuple[bool, bool]:

@@ -1,14 +1,15 @@
-"""One tensor-parallel rank's share of a layer, as meta shapes the replay can run, and under
-sequence parallelism the same rank's sequence shards between its blocks."""
+"""One tensor-parallel rank's share of a layer's weights, as meta shapes: what the memory
+model counts per parameter without building DTensors (the replay itself runs the engine's
+DTensor plans on a fake world: `replay.trace_stage`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["shard_for_tp", "shard_sequence_for_tp"]
+__all__ = ["shard_for_tp"]
 
 
 def shard_for_tp(layers: Iterable[nn.Module], tp: int) -> None:
@@ -35,52 +36,3 @@ def shard_for_tp(layers: Iterable[nn.Module], tp: int) -> None:
             bias = getattr(target, "bias", None)
             if by_rows and isinstance(bias, nn.Parameter):
                 target.bias = nn.Parameter(torch.empty(bias.shape[0] // tp, device="meta"))
-
-
-def shard_sequence_for_tp(layers: Iterable[nn.Module], tp: int) -> None:
-    """Under sequence parallelism, make one rank's layers hold what its collectives leave it:
-    the activations between blocks as 1/tp of the sequence.
-
-    Hooks stand in for the collectives, allocating what each one returns on a rank: a new
-    sequence shard out of every row-wise and vocabulary-embedding output (the reduce-scatter),
-    the whole sequence again into every `sequence_gather` block and the LM head (the
-    all-gather, kept for the backward of the layers it feeds), and a learned position table
-    asked for its shard's positions only. Norms and residual adds then run on the shard as on
-    a rank. Shapes and bytes only: no rank's values.
-    """
-    if tp == 1:
-        return
-    for layer in layers:
-        plan = {**getattr(layer, "tp_plan", {}), **getattr(layer, "sp_plan", {})}
-        for name, role in plan.items():
-            target = layer if name == "" else layer.get_submodule(name)
-            if role in ("rowwise", "vocab_embedding"):
-                target.register_forward_hook(_scatter(tp))
-            elif role in ("vocab_head", "sequence_gather"):
-                target.register_forward_pre_hook(_gather(tp))
-            elif role == "sequence_positions":
-                target.register_forward_pre_hook(_positions(tp))
-
-
-def _scatter(tp: int) -> Callable[[nn.Module, object, torch.Tensor], torch.Tensor]:
-    def hook(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
-        return output[:, : output.shape[1] // tp].clone()
-
-    return hook
-
-
-def _gather(tp: int) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
-    def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return (inputs[0].repeat(1, tp, 1), *inputs[1:])
-
-    return hook
-
-
-def _positions(
-    tp: int,
-) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
-    def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        positions = inputs[0]
-        return (positions[..., : positions.shape[-1] // tp], *inputs[1:])
-
-    return hook

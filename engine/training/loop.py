@@ -337,11 +337,12 @@ def _batch(
     return batch.inputs, batch.targets, batch.documents
 
 
-def _open_run(config: TrainConfig, mesh: Mesh, place: ReplicaPlace | None) -> _Run:
+def _open_run(
+    config: TrainConfig, mesh: Mesh, place: ReplicaPlace | None, partition: Partition
+) -> _Run:
     replicas = None if place is None else ReplicaGroup(place, timeout_s=config.run.timeout)
     data = open_data(config, dp_rank=mesh.dp_rank if place is None else place.replica)
     specs = config.model.specs()
-    partition = stage_partition(config, specs)
     engine = _build_engine(config, mesh, specs, partition, replicas)
     assert engine.optimizer is not None
     lr = config.optimizer.lr
@@ -482,6 +483,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     place = ReplicaPlace.from_env() if config.fault_tolerance.fault_tolerant else None
     if place is None or not place.attempt:  # a relaunch finds the checkpoints its run wrote
         check_outputs(config)
+    # before the ranks meet: `--partition memory` traces tp stages on a fake world of its own
+    partition = stage_partition(config, config.model.specs())
     mesh = init_mesh(
         config.parallel.pp,
         config.parallel.dp if place is None else 1,  # a replica is a world of its own
@@ -499,14 +502,19 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     with holding_folder(root, mesh.rank) as note:
         if note is not None:
             _say(mesh, note)
-        return _train_on(config, mesh, progress=progress, place=place)
+        return _train_on(config, mesh, partition, progress=progress, place=place)
 
 
 def _train_on(
-    config: TrainConfig, mesh: Mesh, *, progress: bool, place: ReplicaPlace | None = None
+    config: TrainConfig,
+    mesh: Mesh,
+    partition: Partition,
+    *,
+    progress: bool,
+    place: ReplicaPlace | None = None,
 ) -> TrainResult:
     """`train` once the mesh is up and this run holds its checkpoint folder."""
-    run = _open_run(config, mesh, place)
+    run = _open_run(config, mesh, place, partition)
     first = run.restore()
     if run.replicas is not None:
         heal_state(run.engine, run.scheduler, run.replicas)

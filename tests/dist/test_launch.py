@@ -190,3 +190,15 @@ def test_a_finished_local_run_leaves_no_rank_folders_behind(
     assert main(["train", *ARGS, "--data", tokens, "--pp", "2"]) == 0
     rank_folders = ("torchelastic_", "meshpipe-ranks-")  # the agent's default, and ours
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(rank_folders)] == []
+
+
+def test_partition_memory_under_tp_splits_before_the_ranks_meet(
+    tokens: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--partition memory` traces tp stages with the engine's DTensor plans on a fake world of
+    their own, which a rank already in its process group could not join: each rank splits
+    the model before its group exists, and trains as one process would (to tp's rounding)."""
+    argv = ["train", *ARGS, "--data", tokens, "--pp", "2", "--tp", "2"]
+    assert main([*argv, "--partition", "memory", "--device-memory", "1GB"]) == 0
+    expected = _single_process_losses(tokens)[-1]
+    assert _final_loss(capsys.readouterr().out) == pytest.approx(expected, abs=1e-4)

@@ -35,6 +35,7 @@ def _tiny(**changes: object) -> MemoryConfig:
         {"model": "gpt-tiny", "tp": 2},
         {"model": "gpt-tiny", "tp": 2, "sequence_parallel": True, "precision": "fp32"},
         {"tp": 2, "precision": "fp32"},
+        {"tp": 2},
         {"tp": 2, "sequence_parallel": True, "precision": "fp32"},
         {"model": "gpt-tiny", "tp": 2, "pp": 2, "precision": "fp32", "micro_batches": 4},
         {"tp": 2, "dp": 2, "zero": 1, "precision": "fp32", "optimizer_impl": "fused"},
@@ -48,6 +49,7 @@ def _tiny(**changes: object) -> MemoryConfig:
         "tp2-bf16",
         "tp2-sp",
         "tp2-llama",
+        "tp2-llama-bf16",
         "tp2-sp-llama",
         "pp2-tp2-head-on-stage-1",
         "tp2-zero1",
@@ -60,7 +62,9 @@ def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
     gathers and DTensor's collectives run for real against fake peers; every stage's row and
     every rank's peak agree to the byte (under tp: GPT's vocabulary-parallel embedding tied to
     its head, Llama's untied, GPT's untied on its stage at pp 2, whose gradients
-    `shard_arriving_gradients` cuts to the shard as they arrive)."""
+    `shard_arriving_gradients` cuts to the shard as they arrive; the estimate traces the
+    engine's DTensor plans on a fake world, so the loss on sharded logits and the collectives'
+    buffers allocate as they do in the run)."""
     config = _tiny(**changes)
     predicted, measured = estimate_memory(config), measure_memory(config)
     assert predicted.stages == measured.stages
