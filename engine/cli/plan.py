@@ -159,25 +159,7 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
     sizes = _sizes(args.micro_batch_sizes)
     hardware = Hardware(**flag_values(Hardware, args))
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
-    measured = split = None
-    if args.profile:
-        specs = layer_specs(model)
-        measured = {b: measured_forward(specs, b, args.seq_len) for b in sizes}
-        widths = {
-            mesh.tp
-            for mesh in meshes(
-                model,
-                args.devices,
-                num_layers=len(specs),
-                seq_len=args.seq_len,
-                gpus_per_node=hardware.gpus_per_node,
-            )
-        }
-        split = {
-            (b, tp): measured_split_forward(specs, b, args.seq_len, tp)
-            for b in sizes
-            for tp in sorted(widths - {1})
-        }
+    measured, split = _profile(args, model, sizes, hardware) if args.profile else (None, None)
     return PlanRequest(
         model=model,
         devices=args.devices,
@@ -192,6 +174,27 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
         micro_batch_sizes=sizes,
         top=args.top,
     )
+
+
+def _profile(
+    args: argparse.Namespace, model: str, sizes: tuple[int, ...], hardware: Hardware
+) -> tuple[dict[int, tuple[float, ...]], dict[tuple[int, int], tuple[float, ...]]]:
+    """`--profile`: each layer timed here per micro-batch size, and split as the engine splits
+    it for every tp width the search will weigh (`measured_split_forward`)."""
+    specs = layer_specs(model)
+    measured = {b: measured_forward(specs, b, args.seq_len) for b in sizes}
+    layouts = meshes(
+        model,
+        args.devices,
+        num_layers=len(specs),
+        seq_len=args.seq_len,
+        gpus_per_node=hardware.gpus_per_node,
+    )
+    widths = sorted({mesh.tp for mesh in layouts} - {1})
+    split = {
+        (b, tp): measured_split_forward(specs, b, args.seq_len, tp) for b in sizes for tp in widths
+    }
+    return measured, split
 
 
 def _sizes(text: str) -> tuple[int, ...]:

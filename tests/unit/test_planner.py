@@ -366,3 +366,24 @@ def test_a_layer_time_measured_split_is_used_for_its_width_and_the_unsplit_one_o
     assert context.forward(1, 2) == split  # not whole / 2: DTensor's own work included
     assert context.forward(2, 2) == tuple(t / 2 for t in whole)
     assert context.forward(1, 1) == whole
+
+
+def test_profile_times_each_layer_whole_and_split_for_every_tp_the_search_weighs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import engine.cli.plan
+    import engine.plan
+
+    asked: list[tuple[int, int]] = []
+    split = engine.plan.measured_split_forward
+
+    def recording(specs: list[object], mbs: int, seq_len: int, tp: int) -> tuple[float, ...]:
+        asked.append((mbs, tp))
+        return split(specs, mbs, seq_len, tp, repeats=1)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.cli.plan, "measured_split_forward", recording)
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
+    argv += ["--global-batch", "4", "--seq-len", "16", "--micro-batch-sizes", "1,2", "--profile"]
+    assert main(argv) == 0
+    assert sorted(asked) == [(1, 2), (2, 2)]  # tp 2 is the only split width of 2 devices
+    assert capsys.readouterr().out.splitlines()[4].startswith("1  ")
