@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engine.parallel.tensor_parallel import shard_arriving_gradient
+
 __all__ = ["FullyShardedLayers", "check_unshared", "shard_layers"]
 
 
@@ -54,8 +56,26 @@ def shard_layers(
         assert isinstance(layer, FSDPModule)
         layer.set_gradient_divide_factor(1.0)
         layer.set_force_sum_reduction_for_comms(True)
+        layer.register_forward_pre_hook(_shard_gathered_gradients)
         sharded.append(layer)
     return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
+
+
+_HOOKED = "_meshpipe_shards_arriving_gradients"
+"""Marks a gathered parameter whose gradient hook is registered (FSDP2 keeps one per layer
+parameter, refilled at each gather)."""
+
+
+def _shard_gathered_gradients(layer: nn.Module, _args: object) -> None:
+    """Under tp, the parameters FSDP gathers for a forward (its pre-forward hook runs first) are
+    DTensors over tp, and DTensor's backward hands the vocabulary-parallel embedding's gradient
+    to them replicated: the whole vocabulary × d_model, held until the reduce-scatter. Each
+    gets `shard_arriving_gradient` once, as the engine's stage gives its own parameters
+    without ZeRO-3, so a rank holds its shard from the start."""
+    for param in layer.parameters():
+        if not getattr(param, _HOOKED, False):
+            shard_arriving_gradient(param)
+            setattr(param, _HOOKED, True)
 
 
 def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:

@@ -196,10 +196,15 @@ def shard_arriving_gradients(module: nn.Module) -> None:
     fp32 is 4.2 GB) until `align_gradients` would cut it at the step's end. Replicate → Shard is
     a local slice, so the values are the same; only the bytes held differ."""
     for param in module.parameters():
-        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
-            param.register_hook(
-                functools.partial(_laid_out, param.device_mesh, tuple(param.placements))
-            )
+        shard_arriving_gradient(param)
+
+
+def shard_arriving_gradient(param: torch.Tensor) -> None:
+    """`shard_arriving_gradients` for one parameter (nothing where tp does not split it)."""
+    if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+        param.register_hook(
+            functools.partial(_laid_out, param.device_mesh, tuple(param.placements))
+        )
 
 
 def _laid_out(mesh: DeviceMesh, placements: tuple[Placement, ...], grad: torch.Tensor) -> object:
