@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from engine.comm.collective import naming_failures
-from models import LayerSpec
+from models import LayerSpec, LayerStack
 
 __all__ = ["TiedWeights", "new_tie_groups", "share_local_ties", "tied_parameters"]
 
@@ -95,17 +94,21 @@ def new_tie_groups(
     return groups
 
 
-def share_local_ties(specs: Sequence[LayerSpec], stages: Sequence[Any]) -> None:
-    """Stages on one rank that hold the same tie key share one parameter (V placement puts
-    GPT-2's embedding and head on rank 0), so autograd sums the two uses itself."""
+def share_local_ties(
+    specs: Sequence[LayerSpec] | Mapping[int, LayerSpec], stacks: Sequence[LayerStack]
+) -> None:
+    """Layers of one rank's stacks that hold the same tie key share one parameter, so autograd
+    sums the uses itself: stages placed on one rank (V placement puts GPT-2's embedding and
+    head on rank 0), or one stage whose layers were each given their own (built on meta, or
+    split over tp). `specs[i]` describes each stack's layer i."""
     first: dict[str, nn.Parameter] = {}
-    for stage in stages:
-        for i in stage.layers:
+    for stack in stacks:
+        for i in stack.indices:
             spec = specs[i]
             if spec.tie_key is None or spec.tied_param is None:
                 continue
             parent_name, _, leaf = f"layers.{i}.{spec.tied_param}".rpartition(".")
-            parent = stage.module.get_submodule(parent_name)
+            parent = stack.get_submodule(parent_name)
             if spec.tie_key in first:
                 setattr(parent, leaf, first[spec.tie_key])
             else:

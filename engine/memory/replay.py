@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.comm.ties import share_local_ties
 from engine.config import require
 from engine.memory.fake_world import stage_grid
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
@@ -113,24 +114,9 @@ def build_stage(specs: Sequence[LayerSpec]) -> LayerStack:
     `models.build_layers` would initialise every weight on the CPU first, which planning a
     70B stage cannot afford.
     """
-    layers = {i: spec.build("meta") for i, spec in enumerate(specs)}
-    _share_ties(list(layers.values()), specs)
-    return LayerStack(layers)
-
-
-def _share_ties(layers: Sequence[nn.Module], specs: Sequence[LayerSpec]) -> None:
-    """Weights tied inside the stage become one parameter again (building on meta, or
-    splitting over tp, made each layer its own), as the engine shares them."""
-    first: dict[str, nn.Parameter] = {}
-    for layer, spec in zip(layers, specs, strict=True):
-        if spec.tie_key is None or spec.tied_param is None:
-            continue
-        parent_name, _, leaf = spec.tied_param.rpartition(".")
-        parent = layer.get_submodule(parent_name)
-        if spec.tie_key in first:
-            setattr(parent, leaf, first[spec.tie_key])
-        else:
-            first[spec.tie_key] = getattr(parent, leaf)
+    stack = LayerStack({i: spec.build("meta") for i, spec in enumerate(specs)})
+    share_local_ties(specs, [stack])
+    return stack
 
 
 def fake_parameters(module: nn.Module) -> None:
@@ -171,7 +157,9 @@ def _runtime_stage(
         sequence_parallel=shape.sequence_parallel and tp_mesh is not None,
     )
     if tp_mesh is not None:
-        _share_ties(list(module.layers.values()), specs)
+        # the split made each layer its own, as in the engine; a measured stage's layers
+        # carry global indices
+        share_local_ties(dict(zip(module.indices, specs, strict=True)), [module])
     return runtime
 
 

@@ -145,7 +145,7 @@ class PipelineEngine:
         if self.split_units:
             for stage in stages.values():
                 stage.enable_split_backward()
-        share_local_ties(specs, list(stages.values()))
+        share_local_ties(specs, [stage.module for stage in stages.values()])
         self.fsdp: FullyShardedLayers | None = None
         """ZeRO-3: this rank's layers, each fully sharded over the stage's replicas."""
         if options.zero == 3:
