@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from engine.parallel.tensor_parallel import shard_arriving_gradient
 
@@ -52,11 +53,13 @@ def shard_layers(
     sharded: list[FSDPModule] = []
     for layer in layers:
         per_micro_batch = reshard == "micro-batch"
+        split = any(isinstance(p, DTensor) for p in layer.parameters())  # over tp, before FSDP
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
         assert isinstance(layer, FSDPModule)
         layer.set_gradient_divide_factor(1.0)
         layer.set_force_sum_reduction_for_comms(True)
-        layer.register_forward_pre_hook(_shard_gathered_gradients)
+        if split:
+            layer.register_forward_pre_hook(_shard_gathered_gradients)
         sharded.append(layer)
     return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
 
