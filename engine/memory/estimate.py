@@ -30,7 +30,6 @@ from engine.config import (
     check_replica_sync,
     format_size,
     from_flat,
-    recompute_groups,
     replace_flat,
     require,
     to_flat,
@@ -46,7 +45,7 @@ from engine.memory.replay import (
     local_edges,
     stage_actions,
 )
-from engine.memory.sharding import sharded_states, sharded_step_peak
+from engine.memory.sharding import fsdp_step_peak, sharded_states, sharded_step_peak
 from engine.memory.states import (
     OPTIMIZER_IMPLS,
     ParamInfo,
@@ -276,18 +275,6 @@ class Layout:
             ]
         return found
 
-    def gathered_together(self, config: MemoryConfig, stages: Sequence[int]) -> int:
-        """The most consecutive layers of `stages` one recomputed run regathers at once (1
-        without recompute): ZeRO-3 per micro-batch keeps them gathered until their backward."""
-        runs = [
-            len(run) if recomputed else 1
-            for s in stages
-            for run, recomputed in recompute_groups(
-                len(self.partition.layers_of(s)), config.engine.recompute_of(s)
-            )
-        ]
-        return max(runs, default=1)
-
 
 def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
     """What one micro-batch of `stage` looks like to the replay."""
@@ -301,6 +288,8 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
         recompute=config.engine.recompute_of(stage),
         tp=config.parallel.tp,
         sequence_parallel=config.engine.sequence_parallel,
+        fsdp_replicas=config.parallel.dp if config.engine.zero == 3 else 0,
+        fsdp_reshard=config.engine.zero_reshard,
     )
 
 
@@ -417,14 +406,14 @@ def _step_peak(
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
+    if layout.states.zero == 3:
+        reduces = [traces[s].reduce for s in stages]
+        return fsdp_step_peak(
+            params, layout.states, peak=peak, live_end=live, held=held, reduces=reduces
+        )
     if layout.states.zero:
         return sharded_step_peak(
-            sharded_states(
-                params,
-                layout.states,
-                precision=config.engine.precision,
-                together=layout.gathered_together(config, stages),
-            ),
+            sharded_states(params, layout.states, precision=config.engine.precision),
             layout.states,
             params,
             peak=peak,

@@ -26,13 +26,13 @@ from engine.parallel import (
     ShardedOptimizer,
     align_gradients,
     local_tensor,
-    shard_layers,
 )
 from engine.runtime.optim import build_from_spec, build_sharded
 from engine.runtime.precision import compute_dtype
+from engine.runtime.sharded_stages import fully_shard_stages
 from engine.runtime.stage import PipelineStage
 
-__all__ = ["RankStates", "fsdp_resizes"]
+__all__ = ["RankStates", "fsdp_resizes", "gathered_bytes"]
 
 
 @contextlib.contextmanager
@@ -85,10 +85,9 @@ class RankStates:
         dtype = compute_dtype(precision)
         if zero == 3:
             check_zero_optimizer(zero, spec.impl)
-            for stage in stages:
-                stage.drop_weight_copies()
-            layers = [layer for stage in stages for layer in stage.module.layers.values()]
-            self.fsdp = shard_layers(layers, grid.dp_mesh, dtype, pp_rank=0, reshard=reshard)
+            self.fsdp = fully_shard_stages(
+                stages, grid.dp_mesh, precision, pp_rank=0, reshard=reshard
+            )
         if zero in (1, 2):
             group, dp, dp_rank = grid.dp_group, grid.dp, grid.dp_rank
             self.sharded = build_sharded(
@@ -165,16 +164,8 @@ class RankStates:
         return [local_tensor(p.grad) for p in self.params() if p.grad is not None]
 
     def gathered(self) -> int:
-        """Bytes of ZeRO-3's gathered layers now (FSDP2's all-gather outputs in use)."""
-        if self.fsdp is None:
-            return 0
-        return sum(
-            t.untyped_storage().nbytes()
-            for layer in self.fsdp.layers
-            for group in fully_shard.state(layer)._fsdp_param_groups  # type: ignore[attr-defined]
-            for param in group.fsdp_params
-            for t in param.all_gather_outputs
-        )
+        """Bytes of ZeRO-3's gathered layers now (`gathered_bytes`)."""
+        return gathered_bytes(self.fsdp)
 
     def weights(self) -> list[torch.Tensor]:
         """The tensors kept across steps as weights (this rank's shards)."""
@@ -190,6 +181,19 @@ class RankStates:
         ]
         masters = [f.master for f in self.sharded.flats] if self.sharded else []
         return states + masters
+
+
+def gathered_bytes(fsdp: FullyShardedLayers | None) -> int:
+    """Bytes of ZeRO-3's gathered layers now (FSDP2's all-gather outputs in use); 0 without."""
+    if fsdp is None:
+        return 0
+    return sum(
+        t.untyped_storage().nbytes()
+        for layer in fsdp.layers
+        for group in fully_shard.state(layer)._fsdp_param_groups  # type: ignore[attr-defined]
+        for param in group.fsdp_params
+        for t in param.all_gather_outputs
+    )
 
 
 def _unsharded_grads(fsdp: FullyShardedLayers) -> list[torch.Tensor]:

@@ -18,13 +18,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from engine.comm.ties import share_local_ties
 from engine.config import require
-from engine.memory.fake_world import stage_grid
+from engine.memory.fake_world import StageGrid, stage_grid
+from engine.memory.rank_states import fsdp_resizes, gathered_bytes
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device, round_up
+from engine.parallel import FullyShardedLayers
 from engine.runtime.precision import LossScaler, compute_dtype
+from engine.runtime.sharded_stages import fully_shard_stages
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind, split_units
 from engine.schedule.schedule import Schedule
@@ -67,6 +71,11 @@ class StageShape:
     sequence_parallel: bool = False
     """Sequence parallelism: activations between blocks, and those crossing stage boundaries,
     are 1/tp of the sequence."""
+    fsdp_replicas: int = 0
+    """ZeRO-3: the data-parallel replicas FSDP2 shards every layer over (the replay runs the
+    engine's `shard_layers` on a fake world of them); 0 without ZeRO-3."""
+    fsdp_reshard: str = "step"
+    """ZeRO-3: when a layer gives its gathered weights back, as `--zero-reshard`."""
 
     @property
     def boundary_seq_len(self) -> int:
@@ -74,6 +83,8 @@ class StageShape:
         parallelism; after the all-gather of the received shards otherwise)."""
         return self.seq_len // self.tp if self.sequence_parallel else self.seq_len
 
+
+_NOTHING = Span(peak=0, net=0)
 
 Phase = tuple[ActionKind, bool]
 """An action kind and whether its micro-batch's backward is split (I + W) or fused (B): a
@@ -96,8 +107,13 @@ class StageTrace:
     held_per_micro_batch: int
     """Sent tensors and losses one micro-batch leaves alive until the step's end."""
     weight_copies: int
-    """Of the first forward's net bytes: the low-precision weight copies autocast made, kept
-    until the step's end and shared by every micro-batch."""
+    """Of the first forward's net bytes: the low-precision weight copies autocast made (or,
+    under ZeRO-3, the layers FSDP gathered), kept until the step's end and shared by every
+    micro-batch."""
+    reduce: Span = _NOTHING
+    """ZeRO-3 gathered for the step: after the stage's last backward, FSDP's reduce-scatter of
+    every layer's gradient into its shard, and the reshard (none per micro-batch: each
+    backward reduces its own)."""
 
     @property
     def kept_per_micro_batch(self) -> int:
@@ -307,15 +323,17 @@ def trace_stage(
     block: int,
     local: tuple[bool, bool] = (False, False),
 ) -> StageTrace:
-    """Trace the step start and two micro-batches of each backward style, in the stage's order.
+    """Trace the step start and two micro-batches of each backward style, in the stage's order,
+    and under ZeRO-3 the step's gradient reduction.
 
     The order matters where styles mix: the first backward of the step allocates the gradients
     (a B all of them, an I only the non-GEMM ones) and later ones accumulate, and the first
-    forward casts the weights (so it must be of the first style: `memory.stage_trace` checks).
+    forward casts (or gathers) the weights, so it must be of the first style:
+    `memory.stage_trace` checks.
     """
     order: tuple[bool | None, ...] = styles or (None,)
     split = frozenset(2 * i + j for i, style in enumerate(order) if style for j in (0, 1))
-    with _split_world(shape.tp) as tp_mesh, fake_device(cuda=cuda):
+    with _stage_world(shape) as grid, fake_device(cuda=cuda):
         module = build_stage(specs)
         fake_parameters(module)
         run = StageRun(
@@ -327,49 +345,81 @@ def trace_stage(
             shape=shape,
             local_in=local[0],
             local_out=local[1],
-            tp_mesh=tp_mesh,
+            tp_mesh=grid.tp_mesh,
         )
+        fsdp = _fully_shard(run, shape, grid)
         tracker = MemoryTracker(block=block)
-        with tracker, run.stage.step_scope():
-            begin = tracker.measure(run.begin)
-            spans: list[dict[Phase, Span]] = [{}, {}]
-            for i, style in enumerate(order):
-                for j in (0, 1):
-                    for kind in _group(style):
-                        action = Action(0, kind, 2 * i + j)
-                        copies = tracker.weight_copies
-                        phase = (kind, bool(style))
-                        spans[j][phase] = tracker.measure(functools.partial(run.act, action))
-                        if i == j == 0 and kind is ActionKind.F:
-                            weight_copies = tracker.weight_copies - copies
-                    if i == j == 0:
-                        held = run.held_bytes(block)
+        with tracker, fsdp_resizes(tracker), run.stage.step_scope():
+            begin = tracker.measure(functools.partial(_begin, run, fsdp))
+            spans, weight_copies, held = _trace_micro_batches(run, order, tracker, fsdp)
+            reduce = tracker.measure(fsdp.reduce_gradients) if fsdp else _NOTHING
     return StageTrace(
         begin=begin,
         first=spans[0],
         later=spans[1],
         held_per_micro_batch=held,
         weight_copies=weight_copies,
+        reduce=reduce,
     )
+
+
+def _trace_micro_batches(
+    run: StageRun,
+    order: tuple[bool | None, ...],
+    tracker: MemoryTracker,
+    fsdp: FullyShardedLayers | None,
+) -> tuple[list[dict[Phase, Span]], int, int]:
+    """Spans of two micro-batches of each style (the first's and a later one's), the step-long
+    copies the first forward made, and what one micro-batch leaves held."""
+    spans: list[dict[Phase, Span]] = [{}, {}]
+    weight_copies = held = 0
+    for i, style in enumerate(order):
+        for j in (0, 1):
+            for kind in _group(style):
+                copies = tracker.weight_copies + gathered_bytes(fsdp)
+                spans[j][(kind, bool(style))] = tracker.measure(
+                    functools.partial(run.act, Action(0, kind, 2 * i + j))
+                )
+                if i == j == 0 and kind is ActionKind.F:
+                    weight_copies = tracker.weight_copies + gathered_bytes(fsdp) - copies
+            if i == j == 0:
+                held = run.held_bytes(tracker.block)
+    return spans, weight_copies, held
+
+
+def _begin(run: StageRun, fsdp: FullyShardedLayers | None) -> None:
+    run.begin()
+    if fsdp is not None:
+        fsdp.begin_step()
+
+
+def _fully_shard(run: StageRun, shape: StageShape, grid: StageGrid) -> FullyShardedLayers | None:
+    """ZeRO-3: the stage's layers sharded by the engine's FSDP2 protocol over the grid's
+    replicas, gathered in the compute dtype with no autocast weight copies, as the engine runs
+    them (so the activations, norms and gradients have FSDP's dtypes)."""
+    if not shape.fsdp_replicas:
+        return None
+    with unset_fake_temporarily():  # FSDP slices the mesh's real rank tensor
+        return fully_shard_stages(
+            [run.stage], grid.dp_mesh, shape.precision, pp_rank=0, reshard=shape.fsdp_reshard
+        )
 
 
 @contextlib.contextmanager
-def _split_world(tp: int) -> Iterator[DeviceMesh | None]:
-    """The tp mesh a traced stage is split over: the engine's own DTensor plans on a fake world
-    of `tp` ranks (`stage_grid`), so the trace sees what DTensor allocates (its collectives'
-    buffers, the vocabulary-parallel loss, the embedding's replicated gradient) and not a
-    stand-in with the shards' shapes. None where tp is 1."""
-    if tp == 1:
-        yield None
-        return
+def _stage_world(shape: StageShape) -> Iterator[StageGrid]:
+    """The grid a traced stage is split over: the engine's own DTensor plans (tp) and FSDP2
+    (ZeRO-3's replicas) on a fake world (`stage_grid`), so the trace sees what they allocate
+    (collectives' buffers, the vocabulary-parallel loss, the embedding's replicated gradient,
+    FSDP's gathers and reduce-scatters) and not a stand-in with the shards' shapes."""
+    dp = max(shape.fsdp_replicas, 1)
     require(
-        not dist.is_initialized(),
-        f"tracing a stage split over tp={tp} joins a fake world of {tp} ranks, which a "
-        "process already in a process group cannot: estimate before init_process_group "
-        "(meshpipe partitions by memory before its ranks meet)",
+        dp * shape.tp == 1 or not dist.is_initialized(),
+        f"tracing a stage split over dp={dp} × tp={shape.tp} joins a fake world of "
+        f"{dp * shape.tp} ranks, which a process already in a process group cannot: estimate "
+        "before init_process_group (meshpipe partitions by memory before its ranks meet)",
     )
-    with stage_grid(1, tp) as grid:
-        yield grid.tp_mesh
+    with stage_grid(dp, shape.tp) as grid:
+        yield grid
 
 
 def local_edges(schedule: Schedule, stage: int) -> tuple[bool, bool]:

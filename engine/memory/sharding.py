@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.memory.states import ParamInfo, StateLayout
-from engine.memory.tracker import round_up
+from engine.memory.tracker import Span, round_up
 
-__all__ = ["ShardedStates", "sharded_states", "sharded_step_peak"]
+__all__ = ["ShardedStates", "fsdp_step_peak", "sharded_states", "sharded_step_peak"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +62,9 @@ def _flats(params: Sequence[ParamInfo], narrow: bool) -> list[tuple[int, bool]]:
 
 
 def sharded_states(
-    params: Sequence[ParamInfo], states: StateLayout, *, precision: str, together: int = 1
+    params: Sequence[ParamInfo], states: StateLayout, *, precision: str
 ) -> ShardedStates:
-    """A replica's states of `params` under `states.zero` (1, 2 or 3); `together`: how many
-    consecutive layers one recomputed run gathers at once (ZeRO-3 per micro-batch)."""
+    """A replica's states of `params` under `states.zero` (1, 2 or 3)."""
     dp, block = states.dp, states.block
     size = 4 if precision == "fp32" else 2
     step = round_up(4, block) if states.step_counters else 0
@@ -79,7 +78,7 @@ def sharded_states(
                 for n, p in zip(shards, params, strict=True)
             ),
             optimizer=sum(2 * round_up(4 * n, block) + step for n in shards),
-            gathered=_one_turn(params, size, block, together)
+            gathered=_one_turn(params, size, block)
             if per_micro_batch
             else sum(round_up(size * p.numel, block) for p in params),
         )
@@ -94,18 +93,42 @@ def sharded_states(
     return ShardedStates(weights=weights, gradients=gradients, optimizer=optimizer, gathered=0)
 
 
-def _one_turn(params: Sequence[ParamInfo], size: int, block: int, together: int) -> int:
-    """Resharded per micro-batch, the largest turn: `together` consecutive layers gathered in
-    the compute dtype (a recomputed run keeps every layer it regathered until that layer's
-    backward), the next layer FSDP prefetches, and the largest layer's unsharded gradient with
-    the fp32 copy the reduce-scatter sends."""
+def _one_turn(params: Sequence[ParamInfo], size: int, block: int) -> int:
+    """Resharded per micro-batch, about the largest turn (the planner's bound; the estimate
+    traces FSDP itself): a layer gathered in the compute dtype, the next layer FSDP
+    prefetches, and the largest layer's unsharded gradient with the fp32 copy the
+    reduce-scatter sends."""
     layers: dict[int, int] = {}
     for p in params:
         layers[p.layer] = layers.get(p.layer, 0) + round_up(p.numel * size, block)
-    sizes = [layers[k] for k in sorted(layers)]
-    largest = max(sizes, default=0)
-    window = max((sum(sizes[i : i + together]) for i in range(len(sizes))), default=0)
-    return window + largest + largest + largest * 4 // size
+    largest = max(layers.values(), default=0)
+    return largest + largest + largest + largest * 4 // size
+
+
+def fsdp_step_peak(
+    params: Sequence[ParamInfo],
+    layout: StateLayout,
+    *,
+    peak: int,
+    live_end: int,
+    held: int,
+    reduces: Sequence[Span],
+) -> int:
+    """ZeRO-3: the step's peak above the kept shards, from the FSDP replay of the row.
+
+    The replay ran FSDP2 itself (`replay.trace_stage`): its gathers, compute-dtype gradients
+    and their fp32 accumulation are in `peak`. After the schedule each stage reduce-scatters
+    its layers' gradients into their shards and reshards (`reduces`, traced; nothing where
+    each backward did so) while the sends are held; then AdamW steps the shards, its
+    temporaries the size of the largest one.
+    """
+    live = live_end
+    for span in reduces:
+        peak = max(peak, live + span.peak)
+        live += span.net
+    dp, block = layout.dp, layout.block
+    largest = max((-(-p.rows // dp) * (p.numel // max(p.rows, 1)) for p in params), default=0)
+    return max(peak, live - held + layout.temporaries * round_up(4 * largest, block))
 
 
 def sharded_step_peak(
@@ -119,21 +142,16 @@ def sharded_step_peak(
     cached: int,
     precision: str,
 ) -> int:
-    """The step's peak above the kept states, from the zero-0 replay of the same row.
+    """ZeRO-1/2: the step's peak above the kept states, from the zero-0 replay of the same row.
 
     The replay casts each Linear weight once per step (`cached` bytes) and allocates fp32
     gradients as backwards arrive. ZeRO-1/2 keep those weights in the compute dtype already:
-    no copies. ZeRO-3 gathers every parameter in the compute dtype, norms and embeddings too.
-    After the schedule: ZeRO-1 all-reduces its buffers in place; ZeRO-2 posts every buffer's
-    reduce-scatter into a shard-sized output while the sends are still held, then drops the
-    whole buffers before the step; the optimizer's per-tensor temporaries are shard-sized.
+    no copies. After the schedule: ZeRO-1 all-reduces its buffers in place; ZeRO-2 posts
+    every buffer's reduce-scatter into a shard-sized output while the sends are still held,
+    then drops the whole buffers before the step; the optimizer's per-tensor temporaries are
+    shard-sized.
     """
     block = layout.block
-    if layout.zero == 3:
-        extra = states.gathered - cached
-        if layout.zero_reshard == "micro-batch":  # the replay's whole fp32 gradients: shards
-            extra -= sum(round_up(4 * p.numel, block) for p in params) - states.gradients
-        return max(peak + extra, live_end - held + extra)
     copies = cached if precision != "fp32" else 0
     flats = _flats(params, precision != "fp32")
     shards = [-(-numel // layout.dp) for numel, _ in flats]

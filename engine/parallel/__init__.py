@@ -9,7 +9,12 @@ from engine.parallel.flat import (
     castable_linear_params,
     local_gradient,
 )
-from engine.parallel.fsdp import FullyShardedLayers, check_unshared, shard_layers
+from engine.parallel.fsdp import (
+    FullyShardedLayers,
+    check_unshared,
+    fold_compute_gradients,
+    shard_layers,
+)
 from engine.parallel.param_server import ParameterServer
 from engine.parallel.replica_meeting import ReplicaMeetings
 from engine.parallel.tensor_parallel import (
@@ -42,6 +47,7 @@ __all__ = [
     "build_sharded_layers",
     "castable_linear_params",
     "check_unshared",
+    "fold_compute_gradients",
     "full_tensor",
     "local_gradient",
     "local_tensor",

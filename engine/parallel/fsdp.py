@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.parallel.tensor_parallel import shard_arriving_gradient
 
-__all__ = ["FullyShardedLayers", "check_unshared", "shard_layers"]
+__all__ = ["FullyShardedLayers", "check_unshared", "fold_compute_gradients", "shard_layers"]
 
 
 def shard_layers(
@@ -79,6 +79,17 @@ def _shard_gathered_gradients(layer: nn.Module, _args: object) -> None:
         if not getattr(param, _HOOKED, False):
             shard_arriving_gradient(param)
             setattr(param, _HOOKED, True)
+
+
+def fold_compute_gradients(layers: Sequence[nn.Module]) -> None:
+    """Add the compute-dtype gradients a split backward left on `layers`' gathered parameters
+    into FSDP's fp32 accumulation, as FSDP's post-backward does for autograd's (the I and W
+    halves assign some outside autograd, after it or without it)."""
+    for layer in layers:
+        for group in fully_shard.state(layer)._fsdp_param_groups:  # type: ignore[attr-defined]
+            for param in group.fsdp_params:
+                param.accumulate_unsharded_grad_if_needed()
+                param.to_accumulated_grad_if_needed()
 
 
 def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:

@@ -33,13 +33,13 @@ from engine.parallel import (
     SequenceShards,
     ShardedOptimizer,
     align_gradients,
-    shard_layers,
 )
 from engine.runtime.gradients import StepGradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.optim import build_from_spec, build_sharded
 from engine.runtime.precision import LossScaler, compute_dtype, step_casts
+from engine.runtime.sharded_stages import fully_shard_stages
 from engine.runtime.stage import PipelineStage
 from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
@@ -153,13 +153,13 @@ class PipelineEngine:
         return stages
 
     def _fully_shard(self, stages: dict[int, PipelineStage]) -> FullyShardedLayers:
-        for stage in stages.values():
-            stage.drop_weight_copies()
-        layers = [layer for stage in stages.values() for layer in stage.module.layers.values()]
         dp_mesh = self.mesh.device_mesh["dp"] if self.mesh.device_mesh is not None else None
-        dtype = compute_dtype(self.options.precision)
-        return shard_layers(
-            layers, dp_mesh, dtype, pp_rank=self.mesh.pp_rank, reshard=self.options.zero_reshard
+        return fully_shard_stages(
+            list(stages.values()),
+            dp_mesh,
+            self.options.precision,
+            pp_rank=self.mesh.pp_rank,
+            reshard=self.options.zero_reshard,
         )
 
     def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:

@@ -8,7 +8,7 @@ backward the stage stashes its inputs and outputs — the micro-batch is *in fli
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -132,17 +132,22 @@ class PipelineStage:
         )
         self._hooks_on = False
         self._fused_weight_grads = False
-        self._eager_params: list[nn.Parameter] = []
+        self._eager_modules: list[nn.Module] = []
         dtype = compute_dtype(precision)
         self._copies = WeightCopies(self.module, dtype) if dtype is not torch.float32 else None
+        self._fold_gradients: Callable[[], None] = lambda: None
         self._in_step = False
         self.peak_in_flight = 0
         self.peak_pending_w = 0
 
-    def drop_weight_copies(self) -> None:
-        """No per-step low-precision copies: FSDP (ZeRO-3) gathers every weight in the
-        compute dtype itself."""
+    def fully_shard(self, fold_gradients: Callable[[], None]) -> None:
+        """ZeRO-3: no per-step low-precision copies (FSDP gathers every weight in the compute
+        dtype itself), and each I and W ends with `fold_gradients`, which hands the gradients
+        they assigned outside autograd (W's, and I's of the non-Linear parameters) to FSDP's
+        fp32 accumulation, as FSDP's post-backward does for autograd's. Otherwise two of a
+        row would sum in the compute dtype, and what a stage holds would depend on the order."""
         self._copies = None
+        self._fold_gradients = fold_gradients
 
     def enable_split_backward(self) -> None:
         """Prepare the split backward: I now, the weight GEMMs later in W.
@@ -179,7 +184,7 @@ class PipelineStage:
             if isinstance(module, nn.Linear):
                 module.register_forward_hook(self._record_output, prepend=True)
             else:
-                self._eager_params += [p for p in module.parameters(recurse=False)]
+                self._eager_modules.append(module)
         self._hooks_on = True
 
     def _record_output(
@@ -363,7 +368,9 @@ class PipelineStage:
         roots, grads = self._roots(state, output_grads)
         wanted = [x for x in state.inputs if x.requires_grad]
         nodes = [out for _, _, out in state.weight_nodes]
-        eager = [p for p in self._eager_params if p.requires_grad]
+        eager = [  # looked up now: FSDP (ZeRO-3) swaps a layer's parameters as it gathers
+            p for m in self._eager_modules for p in m.parameters(recurse=False) if p.requires_grad
+        ]
         manual = self.precision == "fp32"
         targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
         with (
@@ -380,6 +387,7 @@ class PipelineStage:
         cut = len(wanted) + len(nodes)
         input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
         _accumulate(eager, found[cut:])
+        self._fold_gradients()
         self._pending_w[micro_batch] = _PendingWeightGrad(
             [
                 (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
@@ -412,6 +420,7 @@ class PipelineStage:
                 values = list(torch.autograd.grad(out, params, grad))
             masters = params if self._copies is None else [self._copies.master(p) for p in params]
             _accumulate(masters, values)
+        self._fold_gradients()
 
     def _input_message(
         self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception

@@ -409,8 +409,10 @@ def test_zero_3_is_offered_with_what_train_needs() -> None:
 
 def test_zero3_resharded_per_micro_batch_holds_gradient_shards_and_one_layer() -> None:
     """Per micro-batch, ZeRO-3 keeps fp32 gradient shards (1/dp) instead of the stage's whole
-    fp32 gradients, and one layer's turn gathered instead of every layer: at llama-7b's size
-    and dp 8 the step's peak above the states halves; the kept states do not change."""
+    fp32 gradients, and gathers a layer at a time instead of every layer: at llama-7b's size
+    and dp 8 the step's peak above the states is lower by a quarter (no more: each layer's
+    fp32 reduce-scatter input lives until the stage's backward ends, docs/MEMORY.md); the kept
+    states do not change."""
     base: dict[str, object] = {"model": "llama-7b", "pp": 4, "dp": 8, "zero": 3}
     base |= {"micro_batches": 8, "seq_len": 512}
     step = estimate_memory(MemoryConfig.of(**base))  # type: ignore[arg-type]
@@ -418,17 +420,7 @@ def test_zero3_resharded_per_micro_batch_holds_gradient_shards_and_one_layer() -
     for kept, resharded in zip(step.stages, micro.stages, strict=True):
         assert 8 * resharded.gradients == pytest.approx(kept.gradients, rel=1e-3)
         assert (resharded.weights, resharded.optimizer) == (kept.weights, kept.optimizer)
-        assert resharded.step_peak < kept.step_peak / 2
-
-
-def test_zero3_per_micro_batch_counts_a_recomputed_run_gathered_together() -> None:
-    """A run recomputed as one (`--recompute full`) regathers its layers and keeps each until
-    its backward: four 200-byte bf16 layers gathered together cost three more than one."""
-    params = [ParamInfo(100, True, rows=10, layer=i) for i in range(4)]
-    layout = StateLayout(dp=2, zero=3, zero_reshard="micro-batch")
-    one, run = (sharded_states(params, layout, precision="bf16", together=k) for k in (1, 4))
-    assert run.gathered - one.gathered == 3 * 200
-    assert run.gradients == one.gradients == 4 * 4 * 50
+        assert resharded.step_peak < 0.8 * kept.step_peak
 
 
 def test_memory_balanced_with_gradients_minimises_the_largest_modelled_stage() -> None:

@@ -4,6 +4,8 @@ process on torch's fake process group (`engine.memory.fake_world`); and ZeRO-3's
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch.distributed as dist
 
@@ -29,6 +31,9 @@ def _tiny(**changes: object) -> MemoryConfig:
         {"dp": 2, "zero": 1, "pp": 2, "schedule": "zb_h1", "micro_batches": 4},
         {"dp": 2, "zero": 2, "pp": 2, "micro_batches": 4},
         {"dp": 2, "zero": 3, "precision": "fp32"},
+        {"dp": 2, "zero": 3},
+        {"dp": 2, "zero": 3, "pp": 2, "schedule": "zb_h1", "micro_batches": 4},
+        {"dp": 2, "zero": 3, "zero_reshard": "micro-batch", "recompute": "full"},
         {"model": "gpt-tiny", "tp": 2, "precision": "fp32"},
         {"model": "gpt-tiny", "tp": 2},
         {"model": "gpt-tiny", "tp": 2, "sequence_parallel": True, "precision": "fp32"},
@@ -38,12 +43,16 @@ def _tiny(**changes: object) -> MemoryConfig:
         {"model": "gpt-tiny", "tp": 2, "pp": 2, "precision": "fp32", "micro_batches": 4},
         {"tp": 2, "dp": 2, "zero": 1, "precision": "fp32", "optimizer_impl": "fused"},
         {"tp": 2, "dp": 2, "zero": 3, "precision": "fp32"},
+        {"tp": 2, "dp": 2, "zero": 3},
     ],
     ids=[
         "zero0-dp2",
         "zero1-zb_h1",
         "zero2-1f1b",
         "zero3-fp32",
+        "zero3-bf16",
+        "zero3-zb_h1",
+        "zero3-per-micro-batch-recomputed",
         "tp2-fp32",
         "tp2-bf16",
         "tp2-sp",
@@ -53,6 +62,7 @@ def _tiny(**changes: object) -> MemoryConfig:
         "pp2-tp2-head-on-stage-1",
         "tp2-zero1",
         "tp2-zero3",
+        "tp2-zero3-bf16",
     ],
 )
 def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
@@ -63,24 +73,13 @@ def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
     every rank's peak agree to the byte (under tp: GPT's vocabulary-parallel embedding tied to
     its head, Llama's untied, GPT's untied on its stage at pp 2, whose gradients
     `shard_arriving_gradients` cuts to the shard as they arrive, under ZeRO-3 on FSDP's
-    gathered parameters too; the estimate traces the
-    engine's DTensor plans on a fake world, so the loss on sharded logits and the collectives'
-    buffers allocate as they do in the run)."""
+    gathered parameters too). The estimate traces the engine's DTensor plans and FSDP2 on a
+    fake world, so the loss on sharded logits, the collectives' buffers and FSDP's gathers,
+    compute-dtype gradients and their fp32 accumulation allocate as they do in the run."""
     config = _tiny(**changes)
     predicted, measured = estimate_memory(config), measure_memory(config)
     assert predicted.stages == measured.stages
     assert predicted.rank_peaks == measured.rank_peaks
-
-
-def test_zero3_under_bf16_holds_the_modelled_states_and_peaks_within_its_documented_gap() -> None:
-    """FSDP2's shards hold what the model says to the byte; the step peak differs by what
-    docs/MEMORY.md names (FSDP computes with every parameter in bf16, the replay with
-    autocast over fp32 masters): 17,600 bytes of 2.9 MB here."""
-    config = _tiny(dp=2, zero=3)
-    predicted, measured = estimate_memory(config), measure_memory(config)
-    for p, m in zip(predicted.stages, measured.stages, strict=True):
-        assert (m.weights, m.gradients, m.optimizer) == (p.weights, p.gradients, p.optimizer)
-    assert measured.peak == pytest.approx(predicted.peak, rel=0.01)
 
 
 def test_the_fake_world_is_torn_down_and_refuses_a_world_of_another_size() -> None:
@@ -118,11 +117,18 @@ def test_auto_reshards_per_micro_batch_when_the_gathered_step_does_not_fit() -> 
     assert "over" in choice.line and "resharded per micro-batch it is" in choice.line
 
 
-def test_auto_stays_gathered_where_resharding_would_not_lower_the_peak() -> None:
-    """At pp 2 × dp 2 llama-tiny's stages are so small that a turn's buffers outweigh the
-    gradient shards: per micro-batch the peak would be higher."""
-    config = _tiny(dp=2, zero=3, pp=2, micro_batches=4)
-    choice = choose_reshard(config, 1)
+def test_auto_stays_gathered_where_resharding_would_not_lower_the_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the predicted peak resharded per micro-batch is no lower (a stage of one large
+    layer regathers it for every forward and backward), the gathers are not worth it. The
+    peaks are stood in for: llama-tiny's are lower per micro-batch at every layout here."""
+    peaks = {"step": 2_000_000, "micro-batch": 2_000_000}
+    monkeypatch.setattr(
+        "engine.memory.reshard.estimate_memory",
+        lambda config: SimpleNamespace(peak=peaks[config.engine.zero_reshard]),
+    )
+    choice = choose_reshard(_tiny(dp=2, zero=3), 1)
     assert choice is not None and choice.reshard == "step" and "no less" in choice.reason
 
 
