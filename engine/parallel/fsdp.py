@@ -61,7 +61,22 @@ def shard_layers(
         if split:
             layer.register_forward_pre_hook(_shard_gathered_gradients)
         sharded.append(layer)
+    _one_reduce_scatter_in_flight(sharded)
     return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
+
+
+def _one_reduce_scatter_in_flight(layers: Sequence[FSDPModule]) -> None:
+    """FSDP keeps a reduce-scatter's input until the next one of its communication context
+    starts (or the backward ends), and one context is shared under a root. Here each layer is
+    its own root, so a stage's backward per micro-batch would hold every layer's fp32 input
+    at once, as much as the unsharded gradients resharding per micro-batch is meant to save.
+    The layers share one list of those inputs, so the next layer's reduce-scatter frees the
+    last one's, as under one root (contexts exist once lazily initialised)."""
+    in_flight: list[object] = []
+    for layer in layers:
+        state = fully_shard.state(layer)  # type: ignore[attr-defined]
+        state._lazy_init()
+        state._comm_ctx.reduce_scatter_states = in_flight
 
 
 _HOOKED = "_meshpipe_shards_arriving_gradients"

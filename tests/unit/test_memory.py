@@ -409,10 +409,9 @@ def test_zero_3_is_offered_with_what_train_needs() -> None:
 
 def test_zero3_resharded_per_micro_batch_holds_gradient_shards_and_one_layer() -> None:
     """Per micro-batch, ZeRO-3 keeps fp32 gradient shards (1/dp) instead of the stage's whole
-    fp32 gradients, and gathers a layer at a time instead of every layer: at llama-7b's size
-    and dp 8 the step's peak above the states is lower by a quarter (no more: each layer's
-    fp32 reduce-scatter input lives until the stage's backward ends, docs/MEMORY.md); the kept
-    states do not change."""
+    fp32 gradients, and gathers a layer at a time instead of every layer, with one layer's
+    reduce-scatter input in flight: at llama-7b's size and dp 8 the step's peak above the
+    states is less than half; the kept states do not change."""
     base: dict[str, object] = {"model": "llama-7b", "pp": 4, "dp": 8, "zero": 3}
     base |= {"micro_batches": 8, "seq_len": 512}
     step = estimate_memory(MemoryConfig.of(**base))  # type: ignore[arg-type]
@@ -420,7 +419,7 @@ def test_zero3_resharded_per_micro_batch_holds_gradient_shards_and_one_layer() -
     for kept, resharded in zip(step.stages, micro.stages, strict=True):
         assert 8 * resharded.gradients == pytest.approx(kept.gradients, rel=1e-3)
         assert (resharded.weights, resharded.optimizer) == (kept.weights, kept.optimizer)
-        assert resharded.step_peak < 0.8 * kept.step_peak
+        assert resharded.step_peak < kept.step_peak / 2
 
 
 def test_memory_balanced_with_gradients_minimises_the_largest_modelled_stage() -> None:
