@@ -402,7 +402,8 @@ def _step_peak(
         for a in layout.schedule.rows[layout.schedule.rank_of(stages[0])]
         if a.is_compute and a.stage in stages
     ]
-    peak, live = compose(stages, actions, traces)
+    zero = layout.states.zero
+    peak, live = compose(stages, actions, traces, gradients_first=zero in (1, 2))
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)

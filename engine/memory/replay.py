@@ -116,6 +116,15 @@ class StageTrace:
     backward reduces its own)."""
 
     @property
+    def first_gradients(self) -> int:
+        """Bytes the step's first backwards allocate and later ones do not: the gradients."""
+        return sum(
+            span.net - self.later[phase].net
+            for phase, span in self.first.items()
+            if phase[0] is not ActionKind.F
+        )
+
+    @property
     def kept_per_micro_batch(self) -> int:
         """Bytes a forward keeps until its backward, the weight copies aside (where fused and
         split micro-batches mix, a split one keeps its Linears' outputs too; the replay counts
@@ -451,20 +460,29 @@ def in_flight(actions: Sequence[Action]) -> int:
 
 
 def compose(
-    stages: Sequence[int], actions: Sequence[Action], traces: Mapping[int, StageTrace]
+    stages: Sequence[int],
+    actions: Sequence[Action],
+    traces: Mapping[int, StageTrace],
+    *,
+    gradients_first: bool = False,
 ) -> tuple[int, int]:
     """Peak and final live bytes of `replay`, from each event's traced peak and net change.
 
     Micro-batches allocate alike, so this equals replaying all of them (tested).
+    `gradients_first`: the step's gradient buffers exist from its start (ZeRO-1/2's flat
+    fp32 buffers) rather than growing through the first backward: they count at the start
+    and every backward is a later one (accumulating).
     """
     events = [traces[s].begin for s in stages]
+    if gradients_first:
+        events += [Span(peak=g, net=g) for g in (traces[s].first_gradients for s in stages)]
     split = split_units(actions)
     seen: set[tuple[int, Phase]] = set()
     for action in actions:
         phase = (action.kind, (action.stage, action.micro_batch) in split)
         key = (action.stage, phase)
-        spans = traces[action.stage].later if key in seen else traces[action.stage].first
-        events.append(spans[phase])
+        later = key in seen or (gradients_first and action.kind is not ActionKind.F)
+        events.append((traces[action.stage].later if later else traces[action.stage].first)[phase])
         seen.add(key)
     live = peak = 0
     for span in events:

@@ -51,6 +51,13 @@ class LayerBytes:
     """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
 
 
+_TRACED_REPLICAS = 2
+"""ZeRO-3's layers are traced under FSDP on a fake world of this many replicas, whatever the
+candidate's dp: what a layer's forward keeps and its transients do not depend on the replica
+count beyond the shards' padding, and one trace per layer serves every dp the search weighs
+(`meshpipe memory` replays the chosen plan at its own dp exactly)."""
+
+
 @functools.lru_cache(maxsize=64)
 def layer_bytes(
     specs: tuple[LayerSpec, ...],
@@ -73,6 +80,8 @@ def layer_bytes(
         precision=precision,
         recompute="none",
         tp=tp,
+        fsdp_replicas=_TRACED_REPLICAS if states.zero == 3 else 0,
+        fsdp_reshard=states.zero_reshard,
     )
     sums = layer_sums(specs, shape, device, 1, (split,))
     block = CUDA_BLOCK if device == "cuda" else 1
