@@ -38,10 +38,12 @@ class StageGrid:
 
 
 @contextlib.contextmanager
-def stage_grid(dp: int, tp: int, *, device: str = "cpu") -> Iterator[StageGrid]:
+def stage_grid(dp: int, tp: int, *, device: str = "cpu", fsdp: bool = False) -> Iterator[StageGrid]:
     """A `dp × tp` grid for one rank: on a fake world made here (and torn down after), on
-    the launched world when it has `dp · tp` ranks, or none at all when `dp · tp` is 1."""
-    if dp * tp == 1:
+    the launched world when it has `dp · tp` ranks, or none at all when `dp · tp` is 1 and
+    `fsdp` is not asked for (FSDP2 shards over a dp mesh even of one rank, as the engine's
+    ZeRO-3 at pp > 1 and dp 1 does)."""
+    if dp * tp == 1 and not fsdp:
         yield StageGrid(dp=1, tp=1, dp_mesh=None, tp_mesh=None)
         return
     made = not dist.is_initialized()
@@ -57,7 +59,7 @@ def stage_grid(dp: int, tp: int, *, device: str = "cpu") -> Iterator[StageGrid]:
         yield StageGrid(
             dp=dp,
             tp=tp,
-            dp_mesh=mesh["dp"] if dp > 1 else None,
+            dp_mesh=mesh["dp"] if dp > 1 or fsdp else None,
             tp_mesh=mesh["tp"] if tp > 1 else None,
             dp_rank=mesh.get_local_rank("dp"),
         )

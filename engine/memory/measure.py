@@ -283,7 +283,12 @@ def measure_memory(config: MemoryConfig, *, fake: bool = False) -> MemoryReport:
         "ZeRO for real, or estimate it)",
     )
     context = fake_device(cuda=config.device == "cuda") if fake else contextlib.nullcontext()
-    grid = stage_grid(1, 1) if fake else stage_grid(parallel.dp, parallel.tp, device=config.device)
+    zero3 = config.engine.zero == 3
+    grid = (
+        stage_grid(1, 1)
+        if fake
+        else stage_grid(parallel.dp, parallel.tp, device=config.device, fsdp=zero3)
+    )
     with context, grid as rank:
         measured = {
             s: _run_step(config, layout, [s], fake, rank)
@@ -318,7 +323,8 @@ def activation_peaks(config: MemoryConfig) -> tuple[int, ...]:
     layout = resolve(config)
     parallel = config.parallel
     peaks = []
-    with stage_grid(parallel.dp, parallel.tp, device=config.device) as grid:
+    zero3 = config.engine.zero == 3
+    with stage_grid(parallel.dp, parallel.tp, device=config.device, fsdp=zero3) as grid:
         for rank in range(parallel.pp):
             step = _Step(config, layout, layout.schedule.stages_of(rank), False, grid)
             step.states = None

@@ -420,14 +420,14 @@ def _stage_world(shape: StageShape) -> Iterator[StageGrid]:
     (ZeRO-3's replicas) on a fake world (`stage_grid`), so the trace sees what they allocate
     (collectives' buffers, the vocabulary-parallel loss, the embedding's replicated gradient,
     FSDP's gathers and reduce-scatters) and not a stand-in with the shards' shapes."""
-    dp = max(shape.fsdp_replicas, 1)
+    dp, fsdp = max(shape.fsdp_replicas, 1), shape.fsdp_replicas > 0
     require(
-        dp * shape.tp == 1 or not dist.is_initialized(),
+        (dp * shape.tp == 1 and not fsdp) or not dist.is_initialized(),
         f"tracing a stage split over dp={dp} × tp={shape.tp} joins a fake world of "
         f"{dp * shape.tp} ranks, which a process already in a process group cannot: estimate "
         "before init_process_group (meshpipe partitions by memory before its ranks meet)",
     )
-    with stage_grid(dp, shape.tp) as grid:
+    with stage_grid(dp, shape.tp, fsdp=fsdp) as grid:
         yield grid
 
 
