@@ -37,10 +37,7 @@ from engine.config import (
 from engine.memory.fitting import fitting_partition, least_memory_partition, stage_needs
 from engine.memory.replay import (
     StageShape,
-    StageTrace,
     backward_styles,
-    cached_trace,
-    compose,
     in_flight,
     local_edges,
     stage_actions,
@@ -55,6 +52,7 @@ from engine.memory.states import (
     stage_params,
     tail_peak,
 )
+from engine.memory.traces import StageTrace, cached_trace, compose
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import ActionKind, split_units
 from engine.schedule.schedule import Schedule

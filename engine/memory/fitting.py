@@ -22,14 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from engine.memory.replay import (
-    StageShape,
-    backward_styles,
-    cached_trace,
-    in_flight,
-    stage_actions,
-)
+from engine.memory.replay import StageShape, backward_styles, in_flight, stage_actions
 from engine.memory.states import stage_params
+from engine.memory.traces import cached_trace
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import Action, ActionKind
 from engine.schedule.schedule import Schedule

@@ -116,7 +116,7 @@ def fsdp_step_peak(
 ) -> int:
     """ZeRO-3: the step's peak above the kept shards, from the FSDP replay of the row.
 
-    The replay ran FSDP2 itself (`replay.trace_stage`): its gathers, compute-dtype gradients
+    The replay ran FSDP2 itself (`traces.trace_stage`): its gathers, compute-dtype gradients
     and their fp32 accumulation are in `peak`. After the schedule each stage reduce-scatters
     its layers' gradients into their shards and reshards (`reduces`, traced; nothing where
     each backward did so) while the sends are held; then AdamW steps the shards, its

@@ -1,6 +1,6 @@
 """One tensor-parallel rank's share of a layer's weights, as meta shapes: what the memory
 model counts per parameter without building DTensors (the replay itself runs the engine's
-DTensor plans on a fake world: `replay.trace_stage`)."""
+DTensor plans on a fake world: `traces.trace_stage`)."""
 
 from __future__ import annotations
 
