@@ -7,6 +7,7 @@ measured seconds per step and the error. Then the planner's own choice for the s
 against the hand choice (balanced split, 1F1B, no recompute, the largest micro-batch that fits).
 
     PYTHONPATH=$PWD python scripts/plan_check.py --model gpt-bench --devices 2
+    PYTHONPATH=$PWD python scripts/plan_check.py --model gpt-bench --devices 4 --zero-levels
 
 A GPU run: add `--device cuda --device-memory 80GB` on a machine with the GPUs (the layer
 times are then measured on the CPU only if --profile; give --device-flops instead).
@@ -71,6 +72,27 @@ def _layouts(devices: int, global_batch: int) -> list[Candidate]:
         c(2, 1, 1, recompute=(0,)),
         c(1, 2, 1),
         c(1, 1, 2),
+    ]
+
+
+_ZERO_MODES = ((0, "step"), (1, "step"), (2, "step"), (3, "step"), (3, "micro-batch"))
+"""(ZeRO level, reshard) of each row of `--zero-levels`."""
+
+
+def _zero_layouts(global_batch: int) -> list[Candidate]:
+    """Issue #21's throughput check: pp 2 × dp 2, 1F1B, at every ZeRO level (and ZeRO-3
+    resharded per micro-batch), micro-batches of 2 sequences."""
+    return [
+        Candidate(
+            mesh=ParallelConfig(pp=2, dp=2, tp=1),
+            schedule="1f1b",
+            stages_per_rank=1,
+            micro_batches=global_batch // 4,
+            micro_batch_size=2,
+            zero=zero,
+            zero_reshard=reshard,
+        )
+        for zero, reshard in _ZERO_MODES
     ]
 
 
@@ -182,7 +204,10 @@ def _request(
     )
 
 
-def _row(name: str, request: PlanRequest, plan: Prediction, steps: int, folder: Path) -> None:
+def _row(
+    name: str, request: PlanRequest, plan: Prediction, steps: int, folder: Path
+) -> tuple[float, float]:
+    """Print and return (predicted, measured) seconds per step."""
     measured = _measure(request, plan, steps, folder)
     error = plan.step_time / measured - 1
     link = (
@@ -191,6 +216,19 @@ def _row(name: str, request: PlanRequest, plan: Prediction, steps: int, folder: 
     print(
         f"{name:<44} {plan.step_time:>9.4f}s {measured:>9.4f}s {error:>+7.1%}   {link}", flush=True
     )
+    return plan.step_time, measured
+
+
+def _zero_levels(args: argparse.Namespace, folder: Path) -> None:
+    """Every ZeRO level at pp 2 × dp 2, predicted and measured, then each against ZeRO-1."""
+    rows = {}
+    for c in _zero_layouts(args.global_batch):
+        request = _request(args, (c.micro_batch_size,), ())
+        rows[c.describe()] = _row(c.describe(), request, predict(request, c), args.steps, folder)
+    base = next(times for name, times in rows.items() if name.endswith("zero1"))
+    print(f"\n{'layout':<44} {'predicted/ZeRO-1':>17} {'measured/ZeRO-1':>16}")
+    for name, (predicted, measured) in rows.items():
+        print(f"{name:<44} {predicted / base[0]:>16.2f}x {measured / base[1]:>15.2f}x")
 
 
 def main() -> None:
@@ -204,6 +242,9 @@ def main() -> None:
     parser.add_argument("--link-bandwidth", type=float, help="bytes/s (measured: gloo here)")
     parser.add_argument("--latency", type=float, help="seconds (measured: gloo here)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--zero-levels", action="store_true", help="pp 2 × dp 2 at every ZeRO level (4 devices)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # each rank trains on one thread (--threads 1)
     layouts = meshes(
@@ -215,6 +256,12 @@ def main() -> None:
     )
     widths = sorted({m.tp for m in layouts})
     print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   link (measured)")
+    if args.zero_levels:
+        if args.devices != 4:
+            parser.error("--zero-levels runs pp 2 × dp 2: give --devices 4")
+        with tempfile.TemporaryDirectory() as folder:
+            _zero_levels(args, Path(folder))
+        return
     with tempfile.TemporaryDirectory() as folder:
         for c in _layouts(args.devices, args.global_batch):
             request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
