@@ -16,6 +16,7 @@ times are then measured on the CPU only if --profile; give --device-flops instea
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -175,12 +176,26 @@ def _hand_choice(request: PlanRequest) -> Prediction:
     raise ValueError("no micro-batch size fits the hand choice")
 
 
+def _sharing(args: argparse.Namespace) -> float:
+    """How many ranks share each CPU core on this machine (1 where each has its own): the
+    layers are timed on one idle core, and with more ranks than cores each computes that much
+    slower."""
+    if args.device != "cpu":
+        return 1.0
+    return max(1.0, args.devices / (os.cpu_count() or 1))
+
+
+def _scaled(seconds: tuple[float, ...], factor: float) -> tuple[float, ...]:
+    return tuple(t * factor for t in seconds)
+
+
 def _request(
     args: argparse.Namespace, sizes: tuple[int, ...], widths: Sequence[int]
 ) -> PlanRequest:
     """A request with the layers and the link measured now: this VM's speed drifts by up to
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
     specs = layer_specs(args.model)
+    shared = _sharing(args)
     latency, bandwidth = _link(args.devices) if args.devices > 1 else (0.0, 1e12)
     latency = latency if args.latency is None else args.latency
     bandwidth = bandwidth if args.link_bandwidth is None else args.link_bandwidth
@@ -193,9 +208,11 @@ def _request(
         precision="fp32",
         device=args.device,
         hardware=Hardware(link_bandwidth=bandwidth, latency=latency, gpus_per_node=8),
-        measured={b: measured_forward(specs, b, args.seq_len, _REPEATS) for b in sizes},
+        measured={
+            b: _scaled(measured_forward(specs, b, args.seq_len, _REPEATS), shared) for b in sizes
+        },
         measured_split={
-            (b, tp): measured_split_forward(specs, b, args.seq_len, tp, _REPEATS)
+            (b, tp): _scaled(measured_split_forward(specs, b, args.seq_len, tp, _REPEATS), shared)
             for b in sizes
             for tp in widths
             if tp > 1
