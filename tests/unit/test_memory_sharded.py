@@ -95,6 +95,22 @@ def test_the_fake_world_is_torn_down_and_refuses_a_world_of_another_size() -> No
     assert not dist.is_initialized()
 
 
+def test_a_zero3_estimate_inside_a_process_group_is_refused_by_name() -> None:
+    """The replay shards with FSDP2 on a fake world of its own, which a process already in a
+    process group cannot join: it says so and what to do, instead of tracing something else."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from engine.memory.traces import cached_trace
+
+    cached_trace.cache_clear()  # traces are cached per stage shape: this one must run
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match="estimate before init_process_group"):
+            estimate_memory(_tiny(dp=2, zero=3))
+    finally:
+        dist.destroy_process_group()
+
+
 # --- --zero-reshard auto ------------------------------------------------------------------------
 
 
