@@ -69,7 +69,7 @@ def sharded_states(
     size = 4 if precision == "fp32" else 2
     step = round_up(4, block) if states.step_counters else 0
     if states.zero == 3:
-        shards = [-(-p.rows // dp) * (p.numel // max(p.rows, 1)) for p in params]
+        shards = [_fsdp_shard(p, dp) for p in params]
         per_micro_batch = states.zero_reshard == "micro-batch"
         return ShardedStates(
             weights=sum(round_up(4 * n, block) for n in shards),
@@ -91,6 +91,11 @@ def sharded_states(
         masters = round_up(4 * shard, block) if narrow else 0
         optimizer += masters + 2 * round_up(4 * shard, block) + step
     return ShardedStates(weights=weights, gradients=gradients, optimizer=optimizer, gathered=0)
+
+
+def _fsdp_shard(param: ParamInfo, dp: int) -> int:
+    """Elements of one replica's FSDP2 shard: dim 0 padded to a multiple of dp, then split."""
+    return -(-param.rows // dp) * (param.numel // max(param.rows, 1))
 
 
 def _one_turn(params: Sequence[ParamInfo], size: int, block: int) -> int:
@@ -127,7 +132,7 @@ def fsdp_step_peak(
         peak = max(peak, live + span.peak)
         live += span.net
     dp, block = layout.dp, layout.block
-    largest = max((-(-p.rows // dp) * (p.numel // max(p.rows, 1)) for p in params), default=0)
+    largest = max((_fsdp_shard(p, dp) for p in params), default=0)
     return max(peak, live - held + layout.temporaries * round_up(4 * largest, block))
 
 
