@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> tuple[str, bool]:
     budget: int | None = args.device_memory
     choice = choose_reshard(config, budget)
     if choice is not None:
-        config = with_reshard(config, choice.reshard)
+        config = with_reshard(config, choice.reshard, choice.stages)
     if args.measure:
         check_measurable(config)
     report = estimate_memory(config)

@@ -131,10 +131,10 @@ class EngineOptions:
     state, and a layer is gathered in the compute dtype once per step."""
     zero_reshard: str = "auto"
     """ZeRO-3: when a layer gives its gathered weights back. auto (the default): chosen by the
-    memory model before the ranks start: step when the stage's predicted peak fits
-    --device-memory or no budget is given, else micro-batch where the schedule allows it (a
-    split backward does not: it stays step); the engine used as a library, with no budget,
-    runs step. step: gathered at the step's first
+    memory model before the ranks start, per pipeline rank: step where the rank's predicted
+    peak fits --device-memory or no budget is given, else micro-batch on its stages where that
+    lowers the peak and the schedule allows it (a split backward does not: it stays step); the
+    engine used as a library, with no budget, runs step. step: gathered at the step's first
     forward and kept for every micro-batch, gradients accumulated unsharded in fp32 and
     reduce-scattered once after the stage's last backward (the least communication; the stage's
     gathered weights and whole fp32 gradients live over the step). micro-batch: gathered for each
@@ -142,6 +142,12 @@ class EngineOptions:
     micro-batch's backward into the fp32 shard, as DeepSpeed's ZeRO-3 runs (1/dp of the
     gradients and a layer or two gathered at a time, for a gather per forward and backward and a
     reduce-scatter per micro-batch). Not with a split backward (zb_* schedules)."""
+    zero_reshard_stages: tuple[int, ...] | None = field(
+        default=None, metadata=flat(parse=parse_stages, text=_stages_text)
+    )
+    """ZeRO-3: the stages --zero-reshard micro-batch applies to (comma-separated, such as 0,1);
+    all by default, and the others keep their layers gathered for the step. `auto` fills it in
+    with the stages of the pipeline ranks whose predicted peak does not fit --device-memory."""
     sequence_parallel: bool = False
     """With --tp > 1: run norms, position embeddings and the residual stream between the
     attention and MLP blocks on 1/tp of the sequence per tp rank (Megatron's and torch's
@@ -192,6 +198,13 @@ class EngineOptions:
             f"--zero-reshard {self.zero_reshard} applies to ZeRO-3's gathered layers, but "
             f"--zero is {self.zero}: add --zero 3 or drop --zero-reshard",
         )
+        if self.zero_reshard_stages is not None and self.zero_reshard != "micro-batch":
+            stages = _stages_text(self.zero_reshard_stages)
+            raise ValueError(
+                f"--zero-reshard-stages {stages} names the stages resharded per micro-batch, but "
+                f"--zero-reshard is {self.zero_reshard}: add --zero 3 --zero-reshard micro-batch, "
+                "or drop --zero-reshard-stages"
+            )
 
     def _check_loss_scaling(self) -> None:
         require(
@@ -217,6 +230,12 @@ class EngineOptions:
             f"--precision fp16 (this run is {self.precision}, which scales no loss): drop them "
             "or use --precision fp16",
         )
+
+    def reshard_of(self, stage: int) -> str:
+        """When `stage`'s gathered layers go back under ZeRO-3: `micro-batch` or `step` (which
+        an unresolved `auto` runs, as the engine used as a library with no budget does)."""
+        chosen = self.zero_reshard_stages is None or stage in self.zero_reshard_stages
+        return "micro-batch" if self.zero_reshard == "micro-batch" and chosen else "step"
 
     def recompute_of(self, stage: int) -> str:
         """The recompute policy `stage` runs."""

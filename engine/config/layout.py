@@ -67,6 +67,12 @@ def check_layout(
     )
     outside = [s for s in engine.recompute_stages or () if not 0 <= s < stages]
     require(not outside, f"recompute stages {outside} are outside 0..{stages - 1}")
+    outside = [s for s in engine.zero_reshard_stages or () if not 0 <= s < stages]
+    require(
+        not outside,
+        f"--zero-reshard-stages {outside} are outside the run's stages 0..{stages - 1}: name "
+        "stages among them",
+    )
     require(
         parallel.tp > 1 or not engine.sequence_parallel,
         "--sequence-parallel splits the sequence over the tensor-parallel ranks of each stage, "

@@ -287,7 +287,7 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
         tp=config.parallel.tp,
         sequence_parallel=config.engine.sequence_parallel,
         fsdp_replicas=config.parallel.dp if config.engine.zero == 3 else 0,
-        fsdp_reshard=config.engine.zero_reshard,
+        fsdp_reshard=config.engine.reshard_of(stage),
     )
 
 
@@ -306,6 +306,11 @@ def _partition(config: MemoryConfig, specs: list[LayerSpec], schedule: Schedule)
         config.engine.recompute_stages is None,
         "--partition memory with --recompute-stages: the split is chosen for one recompute "
         "policy on every stage; give --recompute alone",
+    )
+    require(
+        config.engine.zero_reshard_stages is None,
+        "--partition memory with --zero-reshard-stages: the split is chosen for one reshard "
+        "mode on every stage; give --zero-reshard alone",
     )
     budget = config.partition.budget
     assert budget is not None  # PartitionConfig requires it with `memory`
@@ -454,11 +459,13 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     )
 
 
-def _states(config: MemoryConfig, layout: Layout, params: Sequence[ParamInfo]) -> dict[str, int]:
-    """Weights, gradients and optimizer bytes of one replica's `params` (what a layer's turn
-    gathers is the step's, not kept: `_step_peak`)."""
+def _states(config: MemoryConfig, layout: Layout, stage: int) -> dict[str, int]:
+    """Weights, gradients and optimizer bytes of one replica's share of `stage` (what a
+    layer's turn gathers is the step's, not kept: `_step_peak`)."""
+    params = layout.params([stage])
     if layout.states.zero:
-        sharded = sharded_states(params, layout.states, precision=config.engine.precision)
+        states = replace(layout.states, zero_reshard=config.engine.reshard_of(stage))
+        sharded = sharded_states(params, states, precision=config.engine.precision)
         return {
             "weights": sharded.weights,
             "gradients": sharded.gradients,
@@ -489,7 +496,7 @@ def stage_memory(
         rank=layout.schedule.rank_of(stage),
         layers=(layers.start, layers.stop),
         parameters=sum(p.numel for p in params),
-        **_states(config, layout, params),
+        **_states(config, layout, stage),
         recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
         weight_copies=0 if layout.states.zero else weight_copies,

@@ -155,7 +155,7 @@ class _Step:
             else RankStates(
                 [run.stage for run in self.runs.values()],
                 zero=config.engine.zero,
-                reshard=config.engine.zero_reshard,
+                reshard=[config.engine.reshard_of(s) for s in stages],
                 precision=config.engine.precision,
                 spec=config.optimizer,
                 grid=grid,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 from unittest import mock
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 from engine.comm.grad_sync import BucketedAllReduce
@@ -73,7 +74,7 @@ class RankStates:
         stages: Sequence[PipelineStage],
         *,
         zero: int,
-        reshard: str,
+        reshard: Sequence[str],
         precision: str,
         spec: OptimizerSpec,
         grid: StageGrid,
@@ -159,8 +160,11 @@ class RankStates:
     def _gradients(self) -> list[torch.Tensor]:
         if self.sharded is not None:
             return [f.grads for f in self.sharded.flats if f.grads is not None]
-        if self.fsdp is not None and not self.fsdp.per_micro_batch:
-            return _unsharded_grads(self.fsdp)
+        if self.fsdp is not None:
+            modules = cast(list[nn.Module], self.fsdp.resharded)  # FSDPModule subclasses them
+            resharded = [p for layer in modules for p in layer.parameters()]
+            sharded = [local_tensor(p.grad) for p in resharded if p.grad is not None]
+            return _unsharded_grads(self.fsdp.kept) + sharded
         return [local_tensor(p.grad) for p in self.params() if p.grad is not None]
 
     def gathered(self) -> int:
@@ -196,11 +200,11 @@ def gathered_bytes(fsdp: FullyShardedLayers | None) -> int:
     )
 
 
-def _unsharded_grads(fsdp: FullyShardedLayers) -> list[torch.Tensor]:
-    """FSDP2's unsharded gradients accumulated over the step (fp32, or the compute dtype's
-    where no reduction dtype differs)."""
+def _unsharded_grads(layers: Sequence[FSDPModule]) -> list[torch.Tensor]:
+    """FSDP2's unsharded gradients of `layers` accumulated over the step (fp32, or the compute
+    dtype's where no reduction dtype differs)."""
     found = []
-    for layer in fsdp.layers:
+    for layer in layers:
         state = fully_shard.state(layer)  # type: ignore[attr-defined]
         for group in state._fsdp_param_groups:
             for param in group.fsdp_params:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from engine.config.sizes import format_size
 from engine.memory.estimate import MemoryReport
+from engine.memory.reshard import stages_text
 from engine.memory.states import deepspeed_zero2_model_states, megatron_activations
 from engine.memory.suggest import Suggestion
 
@@ -44,6 +45,8 @@ def _title(report: MemoryReport) -> str:
     virtual = f" × {v} stages per rank" if v > 1 else ""
     zero = f", ZeRO-{engine.zero}" if engine.zero else ""
     zero += " resharded per micro-batch" if engine.zero_reshard == "micro-batch" else ""
+    if engine.zero_reshard_stages is not None:
+        zero += f" on {stages_text(engine.zero_reshard_stages)}"
     tp = f" × tp {c.parallel.tp}" if c.parallel.tp > 1 else ""
     tp += " (sequence parallel)" if engine.sequence_parallel else ""
     recompute = engine.recompute

@@ -173,7 +173,7 @@ def _fully_shard(run: StageRun, shape: StageShape, grid: StageGrid) -> FullyShar
         return None
     with unset_fake_temporarily():  # FSDP slices the mesh's real rank tensor
         return fully_shard_stages(
-            [run.stage], grid.dp_mesh, shape.precision, pp_rank=0, reshard=shape.fsdp_reshard
+            [run.stage], grid.dp_mesh, shape.precision, pp_rank=0, reshard=[shape.fsdp_reshard]
         )
 
 

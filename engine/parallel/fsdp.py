@@ -33,15 +33,15 @@ def shard_layers(
     dtype: torch.dtype,
     *,
     pp_rank: int,
-    reshard: str = "step",
+    reshard: Sequence[str] | None = None,
 ) -> FullyShardedLayers:
     """`fully_shard` each layer over `mesh` (1-D, the dp replicas): parameters gathered in
     `dtype`, gradients summed over the replicas in fp32 (FSDP's default is the mean, but each
     micro-batch loss is already divided by micro-batches × replicas, as the reference's is,
     and the other ZeRO levels sum); each layer is its own FSDP root, since a stage runs
-    its layers one by one and never the stack's own forward. `reshard` is when a layer gives
-    its gathered weights back: after the step (`step`) or after each forward and backward
-    (`micro-batch`, FSDP's own per-backward reduce-scatter)."""
+    its layers one by one and never the stack's own forward. `reshard`, one per layer, is when
+    it gives its gathered weights back: after the step (`step`, all by default) or after each
+    forward and backward (`micro-batch`, FSDP's own per-backward reduce-scatter)."""
     if mesh is None:
         raise ValueError(
             "zero=3 shards every layer over the data-parallel replicas with FSDP2, which "
@@ -50,9 +50,10 @@ def shard_layers(
         )
     check_unshared(layers, pp_rank)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    modes = ["step"] * len(layers) if reshard is None else list(reshard)
     sharded: list[FSDPModule] = []
-    for layer in layers:
-        per_micro_batch = reshard == "micro-batch"
+    for layer, mode in zip(layers, modes, strict=True):
+        per_micro_batch = mode == "micro-batch"
         split = any(isinstance(p, DTensor) for p in layer.parameters())  # over tp, before FSDP
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
         assert isinstance(layer, FSDPModule)
@@ -62,7 +63,7 @@ def shard_layers(
             layer.register_forward_pre_hook(_shard_gathered_gradients)
         sharded.append(layer)
     _one_reduce_scatter_in_flight(sharded)
-    return FullyShardedLayers(sharded, per_micro_batch=per_micro_batch)
+    return FullyShardedLayers(sharded, per_micro_batch=[m == "micro-batch" for m in modes])
 
 
 def _one_reduce_scatter_in_flight(layers: Sequence[FSDPModule]) -> None:
@@ -123,21 +124,26 @@ def check_unshared(layers: Sequence[nn.Module], pp_rank: int) -> None:
 
 
 class FullyShardedLayers:
-    """The FSDP layers of one rank's stages and the per-step protocol: kept gathered across
-    micro-batches with gradients reduced once, or (`per_micro_batch`) FSDP's own protocol of
-    a gather per forward and backward and a reduce-scatter after each backward, whose sharded
-    gradients FSDP sums over the step's micro-batches."""
+    """The FSDP layers of one rank's stages and the per-step protocol of each: kept gathered
+    across micro-batches with gradients reduced once, or (`per_micro_batch`) FSDP's own
+    protocol of a gather per forward and backward and a reduce-scatter after each backward,
+    whose sharded gradients FSDP sums over the step's micro-batches."""
 
-    def __init__(self, layers: Sequence[FSDPModule], *, per_micro_batch: bool = False) -> None:
+    def __init__(
+        self, layers: Sequence[FSDPModule], *, per_micro_batch: Sequence[bool] | None = None
+    ) -> None:
         self.layers = list(layers)
-        self.per_micro_batch = per_micro_batch
+        flags = [False] * len(self.layers) if per_micro_batch is None else per_micro_batch
+        pairs = list(zip(self.layers, flags, strict=True))
+        self.kept = [layer for layer, flag in pairs if not flag]
+        """The layers kept gathered for the step."""
+        self.resharded = [layer for layer, flag in pairs if flag]
+        """The layers that run FSDP's own protocol, resharded per micro-batch."""
 
     def begin_step(self) -> None:
         """Micro-batch backwards accumulate unsharded gradients and keep the layers gathered
-        (nothing to change when every backward reduces and reshards)."""
-        if self.per_micro_batch:
-            return
-        for layer in self.layers:
+        (nothing to change for a layer whose every backward reduces and reshards)."""
+        for layer in self.kept:
             layer.set_requires_gradient_sync(False, recurse=False)
             layer.set_is_last_backward(False)
             layer.set_reshard_after_backward(False, recurse=False)
@@ -146,9 +152,7 @@ class FullyShardedLayers:
         """After the stage's last backward: every layer's post-backward with sync on (its fp32
         reduce-scatter into the sharded `.grad`), then reshard. Per micro-batch, each backward
         has done so already."""
-        if self.per_micro_batch:
-            return
-        for layer in self.layers:
+        for layer in self.kept:
             layer.set_is_last_backward(True)
             layer.set_reshard_after_backward(True, recurse=False)
             layer.set_requires_gradient_sync(True, recurse=False)

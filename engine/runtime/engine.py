@@ -159,7 +159,7 @@ class PipelineEngine:
             dp_mesh,
             self.options.precision,
             pp_rank=self.mesh.pp_rank,
-            reshard=self.options.zero_reshard,
+            reshard=[self.options.reshard_of(s) for s in stages],
         )
 
     def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:

@@ -21,14 +21,16 @@ def fully_shard_stages(
     precision: str,
     *,
     pp_rank: int,
-    reshard: str,
+    reshard: Sequence[str],
 ) -> FullyShardedLayers:
     """Every layer of `stages` fully sharded over `mesh` (the dp replicas, `shard_layers`),
-    gathered in `precision`'s compute dtype; each stage drops its autocast weight copies and
-    folds its Ws' gradients into FSDP's fp32 accumulation (`PipelineStage.fully_shard`)."""
-    layers = []
-    for stage in stages:
+    gathered in `precision`'s compute dtype and given back as its stage's `reshard` says (one
+    mode per stage); each stage drops its autocast weight copies and folds its Ws' gradients
+    into FSDP's fp32 accumulation (`PipelineStage.fully_shard`)."""
+    layers, modes = [], []
+    for stage, mode in zip(stages, reshard, strict=True):
         own = list(stage.module.layers.values())
         stage.fully_shard(functools.partial(fold_compute_gradients, own))
         layers += own
-    return shard_layers(layers, mesh, compute_dtype(precision), pp_rank=pp_rank, reshard=reshard)
+        modes += [mode] * len(own)
+    return shard_layers(layers, mesh, compute_dtype(precision), pp_rank=pp_rank, reshard=modes)

@@ -123,7 +123,12 @@ def with_reshard_choice(config: TrainConfig, choice: ReshardChoice) -> TrainConf
     """The run with `auto` resolved: the chosen mode, and --device-memory dropped unless
     --partition memory still reads it."""
     kept = config.partition.device_memory if config.partition.by_memory else None
-    resolved: TrainConfig = replace_flat(config, zero_reshard=choice.reshard, device_memory=kept)
+    resolved: TrainConfig = replace_flat(
+        config,
+        zero_reshard=choice.reshard,
+        zero_reshard_stages=choice.stages,
+        device_memory=kept,
+    )
     return resolved
 
 

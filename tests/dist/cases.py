@@ -80,6 +80,7 @@ class Case:
     recompute: str = "none"
     zero: int = 0
     zero_reshard: str = "step"
+    zero_reshard_stages: tuple[int, ...] | None = None
     nan_at_step: int = -1
     micro_batch_size: int = 2
     guard: bool = True
@@ -104,6 +105,11 @@ class Case:
             + (f"-recompute={self.recompute}" if self.recompute != "none" else "")
             + (f"-zero{self.zero}" if self.zero else "")
             + (f"-reshard={self.zero_reshard}" if self.zero_reshard != "step" else "")
+            + (
+                f"-on={'.'.join(map(str, self.zero_reshard_stages))}"
+                if self.zero_reshard_stages is not None
+                else ""
+            )
             + (f"-nan@{self.nan_at_step}" if self.nan_at_step >= 0 else "")
             + ("" if self.guard else "-unguarded")
             + (f"-tp{self.tp}" if self.tp > 1 else "")
@@ -179,6 +185,7 @@ def run_case(case: Case) -> dict[str, Any]:
             recompute=case.recompute,
             zero=case.zero,
             zero_reshard=case.zero_reshard,
+            zero_reshard_stages=case.zero_reshard_stages,
             nonfinite_guard=case.guard,
             compile=case.compile,
             sequence_parallel=case.sequence_parallel,
@@ -244,6 +251,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "zero_bytes": zero_bytes,
         "gathered_at_forwards": gathered,
         "fsdp_layers": len(engine.fsdp.layers) if engine.fsdp is not None else 0,
+        "fsdp_resharded": len(engine.fsdp.resharded) if engine.fsdp is not None else 0,
     }
 
 

@@ -45,9 +45,10 @@ CASES = [
     ),
     Case("gpt-tiny", 2, 2, "gpipe", 2, "uniform", "sgd", clip=0.05, zero=3,
          zero_reshard="micro-batch"),
+    # Each rank holds one stage resharded per micro-batch and one kept for the step.
     Case(
         "llama", 2, 2, "interleaved_1f1b", 2, "uniform", "sgd", stages_per_rank=2,
-        precision="fp16", zero=3, zero_reshard="micro-batch",
+        precision="fp16", zero=3, zero_reshard="micro-batch", zero_reshard_stages=(1, 2),
     ),
     # Unclipped: clipping rescales a gradient that is off by a constant factor (such as FSDP's
     # default average over dp instead of the sum) back to the same update.
@@ -168,6 +169,17 @@ def test_zero3_resharded_per_micro_batch_gathers_a_layer_at_a_time(
     assert CASES[8].zero_reshard == "micro-batch" and CASES[8].recompute == "every:1"
     for layers, most in _gathered(CASES[8], runs):
         assert most <= 2 < layers
+
+
+def test_zero3_reshards_only_the_stages_named_on_a_rank_holding_both_modes(
+    runs: dict[str, Any],
+) -> None:
+    """Stages 1 and 2 reshard per micro-batch, 0 and 3 keep their layers for the step: each
+    rank (stages 0 and 2, or 1 and 3) runs both protocols, and CASES[10] holds it to the
+    reference above."""
+    assert CASES[10].zero_reshard_stages == (1, 2)
+    for rank in runs[str(CASES[10])]:
+        assert 0 < rank["fsdp_resharded"] < rank["fsdp_layers"]
 
 
 def _engine(dp: int, zero: int, *, seed: int) -> PipelineEngine:

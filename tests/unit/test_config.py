@@ -53,6 +53,7 @@ def test_train_keeps_every_old_setting_its_name_and_its_default() -> None:
         "sequence_parallel",
         "tp",
         "zero_reshard",
+        "zero_reshard_stages",
         "loss_scale",
         "initial_scale_power",
         "loss_scale_window",
@@ -133,6 +134,21 @@ def test_a_composite_keeps_its_own_defaults_for_a_shared_section() -> None:
         ({"cost_model": "bytes"}, "unknown cost model 'bytes'"),
         ({"zero_reshard": "layer"}, "zero_reshard='layer': choose auto, step or micro-batch"),
         ({"dp": 2, "zero": 2, "zero_reshard": "micro-batch"}, "add --zero 3 or drop"),
+        (
+            {"dp": 2, "zero": 3, "zero_reshard": "step", "zero_reshard_stages": "0"},
+            "--zero-reshard-stages 0 names the stages resharded per micro-batch, but "
+            "--zero-reshard is step",
+        ),
+        (
+            {
+                "pp": 2,
+                "dp": 2,
+                "zero": 3,
+                "zero_reshard": "micro-batch",
+                "zero_reshard_stages": "2",
+            },
+            r"--zero-reshard-stages \[2\] are outside the run's stages 0..1",
+        ),
         (
             {"pp": 2, "dp": 2, "zero": 3, "zero_reshard": "micro-batch", "schedule": "zb_h1"},
             r"--zero-reshard micro-batch with schedule zb_h1: its split backward.*use 1f1b",

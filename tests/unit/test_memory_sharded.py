@@ -24,6 +24,9 @@ def _tiny(**changes: object) -> MemoryConfig:
     return MemoryConfig.of(**{**base, **changes})  # type: ignore[arg-type]
 
 
+_RESHARD_ONLY_STAGE_1 = {"zero_reshard": "micro-batch", "zero_reshard_stages": (1,)}
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -36,6 +39,9 @@ def _tiny(**changes: object) -> MemoryConfig:
         {"dp": 2, "zero": 3, "pp": 2, "schedule": "zb_h1", "micro_batches": 4},
         {"dp": 2, "zero": 3, "zero_reshard": "micro-batch", "recompute": "full"},
         {"dp": 1, "zero": 3, "pp": 2, "micro_batches": 4},
+        {"dp": 2, "zero": 3, "pp": 2, "micro_batches": 4, **_RESHARD_ONLY_STAGE_1},
+        {"dp": 2, "zero": 3, "pp": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2}
+        | {"micro_batches": 4, "zero_reshard": "micro-batch", "zero_reshard_stages": (2,)},
         {"model": "gpt-tiny", "tp": 2, "precision": "fp32"},
         {"model": "gpt-tiny", "tp": 2},
         {"model": "gpt-tiny", "tp": 2, "sequence_parallel": True, "precision": "fp32"},
@@ -57,6 +63,8 @@ def _tiny(**changes: object) -> MemoryConfig:
         "zero3-zb_h1",
         "zero3-per-micro-batch-recomputed",
         "zero3-dp1-pp2",
+        "zero3-stage-1-per-micro-batch",
+        "zero3-one-rank-both-modes",
         "tp2-fp32",
         "tp2-bf16",
         "tp2-sp",
@@ -146,10 +154,48 @@ def test_auto_stays_gathered_where_resharding_would_not_lower_the_peak(
     peaks = {"step": 2_000_000, "micro-batch": 2_000_000}
     monkeypatch.setattr(
         "engine.memory.reshard.estimate_memory",
-        lambda config: SimpleNamespace(peak=peaks[config.engine.zero_reshard]),
+        lambda config: SimpleNamespace(
+            peak=peaks[config.engine.zero_reshard], rank_peaks=(peaks[config.engine.zero_reshard],)
+        ),
     )
     choice = choose_reshard(_tiny(dp=2, zero=3), 1)
     assert choice is not None and choice.reshard == "step" and "no less" in choice.reason
+
+
+def _pp2(**changes: object) -> MemoryConfig:
+    """Two pipeline ranks whose peaks differ (the embedding's stage, the head's stage)."""
+    return _zero3(pp=2, **changes)
+
+
+def test_auto_reshards_only_the_stages_of_the_ranks_over_the_budget() -> None:
+    """A rank's peak is its own stages' alone, so a budget between the two ranks' peaks
+    gathered for the step reshards the higher rank's stages and lets the other keep the least
+    communication; the run's predicted peaks are then the resharded rank's and the kept one's."""
+    kept = estimate_memory(_pp2(zero_reshard="step")).rank_peaks
+    resharded = estimate_memory(_pp2(zero_reshard="micro-batch")).rank_peaks
+    high = max(range(2), key=kept.__getitem__)
+    choice = choose_reshard(_pp2(), min(kept))
+    assert choice is not None and choice.reshard == "micro-batch" and choice.stages == (high,)
+    assert f"on stages {high}" in choice.line and f"rank {high}'s stages" in choice.line
+    mixed = estimate_memory(_pp2(zero_reshard="micro-batch", zero_reshard_stages=choice.stages))
+    assert mixed.rank_peaks[high] == resharded[high] < kept[high]
+    assert mixed.rank_peaks[1 - high] == kept[1 - high]
+
+
+def test_auto_reshards_every_stage_when_every_rank_is_over() -> None:
+    kept = estimate_memory(_pp2(zero_reshard="step")).rank_peaks
+    choice = choose_reshard(_pp2(), min(kept) - 1)
+    assert choice is not None and choice.reshard == "micro-batch" and choice.stages is None
+
+
+def test_auto_under_partition_memory_reshards_every_stage_where_no_kept_split_fits() -> None:
+    """--partition memory splits the layers for one reshard mode on every stage, so `auto`
+    does not mix them there; where no split fits gathered for the step, it reshards all."""
+    kept = estimate_memory(_pp2(zero_reshard="step")).rank_peaks
+    budget = f"{min(kept)}B"
+    choice = choose_reshard(_pp2(partition="memory", device_memory=budget), min(kept))
+    assert choice is not None and choice.reshard == "micro-batch" and choice.stages is None
+    assert "--partition memory finds no split within" in choice.reason
 
 
 def test_auto_stays_gathered_where_a_split_backward_cannot_reshard() -> None:
@@ -184,3 +230,23 @@ def test_train_resolves_auto_before_its_ranks_start() -> None:
     assert run.engine.zero_reshard == "micro-batch" and run.partition.device_memory is None
     assert free is not None and free.reshard == "step"
     assert reshard_choice(TrainConfig.of(**fields, zero_reshard="step")) is None
+
+
+def test_train_runs_the_stages_auto_chose() -> None:
+    from engine.memory.reshard import ReshardChoice
+    from engine.training.config import TrainConfig
+    from engine.training.preflight import with_reshard_choice
+
+    fields: dict[str, object] = {"model": "llama-tiny", "pp": 2, "dp": 2, "zero": 3}
+    fields |= {"optimizer_impl": "per_tensor", "device_memory": "2MiB", "device": "cpu"}
+    choice = ReshardChoice(reshard="micro-batch", stages=(1,), reason="stage 1 is over")
+    run = with_reshard_choice(TrainConfig.of(**fields), choice)
+    assert [run.engine.reshard_of(s) for s in (0, 1)] == ["step", "micro-batch"]
+
+
+def test_partition_memory_refuses_reshard_stages_given_by_hand() -> None:
+    """The split is chosen for one mode on every stage, as with --recompute-stages."""
+    config = _tiny(pp=2, dp=2, zero=3, zero_reshard="micro-batch", zero_reshard_stages=(0,))
+    config = replace_flat(config, partition="memory", device_memory="1GB")
+    with pytest.raises(ValueError, match="--partition memory with --zero-reshard-stages"):
+        estimate_memory(config)
