@@ -111,6 +111,18 @@ def test_recompute_stages_restrict_a_given_policy(capsys: pytest.CaptureFixture[
     assert code == 0 and "recompute full on (1,)" in out
 
 
+def test_zero_reshard_stages_reshard_only_those_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    """Stage 1 holds its gradients sharded over the step, stage 0 whole: 2 replicas halve it."""
+    zero3 = ["--dp", "2", "--zero", "3", "--optimizer-impl", "per_tensor"]
+    flags = [*zero3, "--zero-reshard", "micro-batch", "--zero-reshard-stages", "1"]
+    code, out, _ = _memory(capsys, *flags)
+    assert code == 0 and "ZeRO-3 resharded per micro-batch on stage 1 " in out
+    _, kept = _estimate(capsys, *zero3, "--zero-reshard", "step")
+    _, mixed = _estimate(capsys, *flags)
+    gradients = [[s["gradients"] for s in e["stages"]] for e in (kept, mixed)]
+    assert gradients[1][0] == gradients[0][0] and gradients[1][1] < gradients[0][1]
+
+
 def test_an_unknown_cost_model_is_named_unknown_with_the_usable_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
