@@ -153,6 +153,31 @@ def state_sums(
     return tuple(fixed), tuple(grads)
 
 
+@dataclass(frozen=True)
+class _StageBytes:
+    """A stage's peak in parts, so that a rank of several stages counts each part as its
+    stages hold it together: states and stashes add up, one micro-batch's transients do not
+    (a rank computes one action at a time)."""
+
+    fixed: int
+    during: int
+    """The step's stashes and gradients, without the transient."""
+    transient: int
+    tail: int
+    """The gradient reduction's buffers after the step."""
+    held: int
+
+    @property
+    def peak(self) -> int:
+        return self.fixed + max(self.during + self.transient, self.tail) + self.held
+
+
+def _rank_bytes(parts: Sequence[_StageBytes]) -> int:
+    during = sum(p.during for p in parts) + max(p.transient for p in parts)
+    tail = sum(p.tail for p in parts)
+    return sum(p.fixed + p.held for p in parts) + max(during, tail)
+
+
 def _stage_bytes(
     sums: LayerBytes,
     layers: range,
@@ -164,7 +189,7 @@ def _stage_bytes(
     every: int,
     reduce_copy: bool,
     held: int,
-) -> int:
+) -> _StageBytes:
     """One stage's peak: states, then the larger of its step and its gradient reduction,
     plus `held`, the sends kept to the step's end (counted whole: a bound). Recomputed in
     runs of `every` layers (0: the whole stage), a forward keeps each run's input and a
@@ -182,14 +207,20 @@ def _stage_bytes(
         peak += micro_batch_size * max(
             sum(sums.kept[start : min(start + (every or stop), stop)]) for start in runs
         )
-    during = max(before * kept, grads + after * kept) + peak
+    during = max(before * kept, grads + after * kept)
     tail = 2 * grads if reduce_copy else grads
-    return fixed + max(during, tail) + held
+    return _StageBytes(fixed=fixed, during=during, transient=peak, tail=tail, held=held)
 
 
 def _in_flight(counts: StageCounts, stage: int) -> int:
     """The most micro-batches whose output the stage has sent and whose gradient is to come."""
     return max(counts.before[stage], counts.after[stage])
+
+
+def _sends(schedule: Schedule, stage: int, to: int) -> bool:
+    """Whether `stage` sends to the stage `to` over the network (a neighbour on the same rank,
+    as at the V's turn, is handed what crosses in memory)."""
+    return 0 <= to < schedule.num_stages and schedule.rank_of(to) != schedule.rank_of(stage)
 
 
 def rank_peaks(
@@ -209,11 +240,11 @@ def rank_peaks(
     Sends are whole hidden states, as the replay counts them under tensor parallelism too.
     Every input gradient sent back is kept until the step ends; an output sent forward only
     until its gradient arrives, as the runtime's exchange keeps them (`engine.memory.replay`):
-    at most the stage's in-flight micro-batches (counted whole: a bound).
+    at most the stage's in-flight micro-batches (counted whole: a bound). A rank of several
+    stages holds their states, stashes and sends together and one transient at a time.
     """
-    last = schedule.num_stages - 1
     one = micro_batch_size * sums.received
-    stages = tuple(
+    parts = tuple(
         _stage_bytes(
             sums,
             range(boundaries[s], boundaries[s + 1]),
@@ -223,9 +254,15 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=one * (micro_batches * (s > 0) + _in_flight(counts, s) * (s < last)),
+            held=one
+            * (
+                micro_batches * _sends(schedule, s, s - 1)
+                + _in_flight(counts, s) * _sends(schedule, s, s + 1)
+            ),
         )
         for s in range(schedule.num_stages)
     )
-    ranks = tuple(sum(stages[s] for s in schedule.stages_of(r)) for r in range(schedule.num_ranks))
-    return stages, ranks
+    ranks = tuple(
+        _rank_bytes([parts[s] for s in schedule.stages_of(r)]) for r in range(schedule.num_ranks)
+    )
+    return tuple(p.peak for p in parts), ranks

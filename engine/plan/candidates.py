@@ -5,8 +5,11 @@ The engine's own refusals (`engine.config.check_layout`) are applied here as rul
 candidate is one `meshpipe train` would refuse: tensor parallelism within a node, dividing the
 model's heads and widths, and with a sequence length it divides when stages exchange shards;
 ZeRO only with replicas (every level composes with tensor parallelism); ZeRO-3 resharded per
-micro-batch not with a split backward (zb_*); at most one stage per layer; interleaved 1F1B
-with a multiple of the pipeline's ranks as micro-batches.
+micro-batch not with a split backward (zb_* and the V schedules); at most one stage per layer;
+interleaved 1F1B with a multiple of the pipeline's ranks as micro-batches; DualPipeV with at
+least as many micro-batches as stages; no ZeRO-3 where the model ties its embedding to its head
+and one rank holds both (a single stage, or the V placement's rank 0): FSDP2 shards each layer
+on its own (`engine.parallel.fsdp.check_unshared`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from models import get_config
 
 __all__ = ["Candidate", "candidates", "divisors", "meshes"]
 
-SPLIT_SCHEDULES = frozenset({"zb_h1", "zb_h2", "zb_drain"})
-"""Schedules whose backward is split into I and W."""
+SPLIT_SCHEDULES = frozenset({"zb_h1", "zb_h2", "zb_drain", *V_SCHEDULES})
+"""Schedules whose backward is split into I and W (every V schedule splits some)."""
 
 STAGES_PER_RANK = (2, 4)
 """v tried with the virtual schedules."""
@@ -104,14 +107,15 @@ def meshes(
 
 
 def _schedules(pp: int, num_layers: int, names: Sequence[str]) -> Iterator[tuple[str, int]]:
-    """(schedule, stages per rank): one schedule for a single stage (they all run it alike).
-    The V schedules (two stages per rank folded in a V) are not searched yet: the memory
-    screen and the plan file know loop placements only."""
+    """(schedule, stages per rank): one schedule for a single stage (they all run it alike);
+    the V schedules fold two stages per rank."""
     if pp == 1:
         yield "1f1b", 1
         return
     for name in names:
         if name in V_SCHEDULES:
+            if 2 * pp <= num_layers:
+                yield name, 2
             continue
         if name not in VIRTUAL_SCHEDULES:
             yield name, 1
@@ -141,8 +145,10 @@ def candidates(
     num_layers: int,
     micro_batch_sizes: Sequence[int],
     schedules: Sequence[str] = tuple(SCHEDULES),
+    tied: bool = False,
 ) -> Iterator[Candidate]:
-    """Every layout of one mesh (no recompute yet: the memory check adds it where needed)."""
+    """Every layout of one mesh (no recompute yet: the memory check adds it where needed);
+    `tied`: the model's embedding and head share a weight."""
     if global_batch % mesh.dp:
         return
     for mbs in micro_batch_sizes:
@@ -150,9 +156,13 @@ def candidates(
             continue
         m = global_batch // (mesh.dp * mbs)
         for name, v in _schedules(mesh.pp, num_layers, schedules):
-            if name == "interleaved_1f1b" and m % mesh.pp:
+            if (name == "interleaved_1f1b" and m % mesh.pp) or (
+                name == "dualpipe_v" and m < 2 * mesh.pp
+            ):
                 continue
             for zero, reshard in _zero_levels(mesh, name in SPLIT_SCHEDULES):
+                if zero == 3 and tied and (mesh.pp == 1 or name in V_SCHEDULES):
+                    continue
                 yield Candidate(
                     mesh=mesh,
                     schedule=name,

@@ -254,6 +254,7 @@ def _all_candidates(state: SearchContext) -> list[Candidate]:
             num_layers=len(state.specs),
             micro_batch_sizes=request.micro_batch_sizes,
             schedules=request.schedules,
+            tied=any(spec.tie_key is not None for spec in state.specs),
         )
     return found
 

@@ -101,7 +101,18 @@ def test_the_plans_are_fastest_first_and_fit_the_exact_replay(small_result: Plan
 
 
 @pytest.mark.parametrize(
-    ("name", "v"), [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("zb_h2", 1), ("looped_bfs", 2)]
+    ("name", "v"),
+    [
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("zb_h1", 1),
+        ("zb_h2", 1),
+        ("looped_bfs", 2),
+        ("zb_v", 2),
+        ("v_half", 2),
+        ("v_min", 2),
+        ("dualpipe_v", 2),
+    ],
 )
 def test_a_long_step_extended_from_two_samples_is_its_full_simulation_within_half_a_percent(
     name: str, v: int
@@ -152,6 +163,37 @@ def test_tensor_parallel_candidates_shard_at_every_zero_level() -> None:
     assert any(c.mesh.tp > 1 for c in found) and any(c.zero for c in found)
     assert {c.zero for c in found if c.mesh.tp > 1 and c.mesh.dp > 1} == {0, 1, 2, 3}
     assert not any(c.zero and c.mesh.dp == 1 for c in found)
+
+
+def test_the_v_schedules_are_searched_where_the_engine_runs_them() -> None:
+    """Two stages per rank folded in a V; DualPipeV with as many micro-batches as stages; no
+    ZeRO-3 where one rank would hold GPT's tied embedding and head (a single stage, or the V's
+    rank 0), which the engine refuses."""
+    found = [
+        c
+        for mesh in meshes("gpt-tiny", 4, num_layers=7, seq_len=32, gpus_per_node=8)
+        for c in candidates(mesh, global_batch=8, num_layers=7, micro_batch_sizes=(1, 2), tied=True)
+    ]
+    v_shaped = [c for c in found if c.schedule in ("zb_v", "v_half", "v_min", "dualpipe_v")]
+    assert {c.schedule for c in v_shaped} == {"zb_v", "v_half", "v_min", "dualpipe_v"}
+    assert all(c.stages_per_rank == 2 and c.mesh.pp == 2 and c.split for c in v_shaped)
+    assert all(c.micro_batches >= 4 for c in v_shaped if c.schedule == "dualpipe_v")
+    assert not any(c.zero == 3 and (c.mesh.pp == 1 or c in v_shaped) for c in found)
+    assert any(c.zero == 3 for c in found)
+
+
+def test_a_v_plan_is_found_and_trains_as_its_flags_say(tmp_path: Path) -> None:
+    request = replace(SMALL, schedules=("zb_v", "v_half", "v_min", "dualpipe_v"), top=4)
+    result = search(request)
+    plans = [p for p in result.plans if p.candidate.mesh.pp > 1]
+    assert plans and all(p.candidate.stages_per_rank == 2 for p in plans)
+    for plan in plans:
+        assert max(plan.rank_peaks) <= request.device_memory
+        path = tmp_path / "plan.json"
+        write_plan(path, request, plan)
+        config = _train(["--plan", str(path), "--steps", "2"])
+        assert config.schedule.schedule == plan.candidate.schedule
+        assert config.parallel.world_size == request.devices
 
 
 def test_every_plan_is_a_layout_train_accepts(small_result: PlanResult) -> None:
@@ -298,7 +340,7 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
     ],
 )
 def test_the_memory_screen_is_within_ten_percent_of_the_replay(
-    mesh: ParallelConfig, schedule: str, zero: int, every: int
+    mesh: ParallelConfig, schedule: str, zero: int, every: int, tolerance: float = 0.1
 ) -> None:
     request = PlanRequest(
         model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
@@ -306,7 +348,7 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
     layout = Candidate(
         mesh=mesh,
         schedule=schedule,
-        stages_per_rank=1,
+        stages_per_rank=1 if schedule in ("1f1b", "gpipe") else 2,
         micro_batches=4,
         micro_batch_size=2,
         zero=zero,
@@ -316,10 +358,27 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
     screened = predict(request, layout)
     replayed = _replayed(request, screened)
     for fast, exact in zip(screened.rank_peaks, replayed.rank_peaks, strict=True):
-        assert fast == pytest.approx(exact, rel=0.1)
+        assert fast == pytest.approx(exact, rel=tolerance)
 
 
-@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("zb_h2", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "zero"),
+    [("v_min", 2), ("v_half", 0), ("zb_v", 0), ("dualpipe_v", 3), ("interleaved_1f1b", 0)],
+)
+def test_the_memory_screen_of_two_stages_per_rank_is_within_a_quarter_of_the_replay(
+    schedule: str, zero: int
+) -> None:
+    """Per stage the screen counts its most micro-batches in flight; a rank of two stages
+    rarely holds both stages' most at once, so its sum is looser (+21 % for interleaved_1f1b's
+    rank 1 and +19 % for v_min's rank 0 here). The exact replay of each plan the search keeps
+    has the last word."""
+    mesh = ParallelConfig(pp=2, dp=2, tp=1)
+    test_the_memory_screen_is_within_ten_percent_of_the_replay(mesh, schedule, zero, 0, 0.25)
+
+
+@pytest.mark.parametrize(
+    ("name", "v"), [("1f1b", 1), ("zb_h2", 1), ("interleaved_1f1b", 2), ("zb_v", 2), ("v_min", 2)]
+)
 def test_stage_counts_in_one_pass_are_the_replays_counts_per_stage(name: str, v: int) -> None:
     schedule = make_schedule(name, num_ranks=4, micro_batches=8, stages_per_rank=v)
     counts = stage_counts(schedule)
