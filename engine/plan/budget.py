@@ -116,18 +116,26 @@ class StageCounts:
 
     before: tuple[int, ...]
     after: tuple[int, ...]
+    together: tuple[frozenset[tuple[int, ...]] | None, ...] = ()
+    """Per rank of several stages, the states its stages reach at once: each their in-flight
+    counts, then 1 for each whose gradients exist (`stages_of` order), none another covers.
+    None (or nothing) where unknown; a rank's stages then count their most at once."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
     """`in_flight` and `held_with_gradients` of every stage in one pass over the rows (the
-    search counts schedules of thousands of actions)."""
+    search counts schedules of thousands of actions), and each rank's states together."""
     n = schedule.num_stages
     live, before, after, started = [0] * n, [0] * n, [0] * n, [False] * n
     forward = ActionKind.F
     closes, backward = (ActionKind.B, ActionKind.W), (ActionKind.B, ActionKind.I)
-    for row in schedule.rows:
+    together = []
+    for rank, row in enumerate(schedule.rows):
+        mine = schedule.stages_of(rank)
+        states = set()
         for action in row:
             kind, s = action.kind, action.stage
+            grown = kind is forward or (kind in backward and not started[s])
             if kind is forward:
                 live[s] += 1
                 before[s] = max(before[s], live[s])
@@ -137,7 +145,20 @@ def stage_counts(schedule: Schedule) -> StageCounts:
                 live[s] -= 1
             if started[s]:
                 after[s] = max(after[s], live[s])
-    return StageCounts(before=tuple(before), after=tuple(after))
+            if grown and len(mine) > 1:  # only a forward or a first backward adds bytes
+                states.add(tuple(live[t] for t in mine) + tuple(int(started[t]) for t in mine))
+        together.append(_uncovered(states) if states else None)
+    return StageCounts(before=tuple(before), after=tuple(after), together=tuple(together))
+
+
+def _uncovered(states: set[tuple[int, ...]]) -> frozenset[tuple[int, ...]]:
+    """The states no other is at least as large as in every place (only those can peak);
+    largest first, so each is checked against the few kept, not every state."""
+    kept: list[tuple[int, ...]] = []
+    for a in sorted(states, key=sum, reverse=True):
+        if not any(all(x <= y for x, y in zip(a, b, strict=True)) for b in kept):
+            kept.append(a)
+    return frozenset(kept)
 
 
 def state_sums(
@@ -160,6 +181,9 @@ class _StageBytes:
     (a rank computes one action at a time)."""
 
     fixed: int
+    kept: int
+    """One micro-batch's stash."""
+    grads: int
     during: int
     """The step's stashes and gradients, without the transient."""
     transient: int
@@ -172,8 +196,17 @@ class _StageBytes:
         return self.fixed + max(self.during + self.transient, self.tail) + self.held
 
 
-def _rank_bytes(parts: Sequence[_StageBytes]) -> int:
-    during = sum(p.during for p in parts) + max(p.transient for p in parts)
+def _rank_bytes(parts: Sequence[_StageBytes], states: frozenset[tuple[int, ...]] | None) -> int:
+    """A rank's peak: its stages' states at once (`StageCounts.together`; without them, each
+    stage's most in flight) and the largest transient."""
+    if states is None:
+        stashes = sum(p.during for p in parts)
+    else:
+        k = len(parts)
+        stashes = max(
+            sum(p.kept * s[i] + p.grads * s[k + i] for i, p in enumerate(parts)) for s in states
+        )
+    during = stashes + max(p.transient for p in parts)
     tail = sum(p.tail for p in parts)
     return sum(p.fixed + p.held for p in parts) + max(during, tail)
 
@@ -209,7 +242,9 @@ def _stage_bytes(
         )
     during = max(before * kept, grads + after * kept)
     tail = 2 * grads if reduce_copy else grads
-    return _StageBytes(fixed=fixed, during=during, transient=peak, tail=tail, held=held)
+    return _StageBytes(
+        fixed=fixed, kept=kept, grads=grads, during=during, transient=peak, tail=tail, held=held
+    )
 
 
 def _in_flight(counts: StageCounts, stage: int) -> int:
@@ -262,7 +297,9 @@ def rank_peaks(
         )
         for s in range(schedule.num_stages)
     )
+    together = counts.together or (None,) * schedule.num_ranks
     ranks = tuple(
-        _rank_bytes([parts[s] for s in schedule.stages_of(r)]) for r in range(schedule.num_ranks)
+        _rank_bytes([parts[s] for s in schedule.stages_of(r)], together[r])
+        for r in range(schedule.num_ranks)
     )
     return tuple(p.peak for p in parts), ranks

@@ -72,6 +72,9 @@ class SearchContext:
             counts=StageCounts(
                 before=_extend(low.before, high.before, m, pp),
                 after=_extend(low.after, high.after, m, pp),
+                together=tuple(
+                    a if a == b else None for a, b in zip(low.together, high.together, strict=True)
+                ),
             ),
         )
 
