@@ -14,6 +14,7 @@ the reference to tolerance only.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,19 @@ from torch.distributed.tensor import DTensor
 from engine.parallel.tensor_parallel import shard_arriving_gradient
 
 __all__ = ["FullyShardedLayers", "check_unshared", "fold_compute_gradients", "shard_layers"]
+
+
+def _quiet_view_warnings() -> None:
+    """FSDP2 warns when a layer returns a view (a norm under fake tensors, DTensor's local
+    outputs), since an in-place op on it would skip the pre-backward hook. meshpipe's layers
+    and stages never modify a layer's output in place (residuals add out of place, sends
+    detach), so for its own layers the warning only alarms; it stays for any other module.
+    Set when layers are sharded (adding the same filter again replaces it)."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDP(GPT|Llama)\w*\) returned a view tensor",
+        category=UserWarning,
+    )
 
 
 def shard_layers(
@@ -49,6 +63,7 @@ def shard_layers(
             "zero=0, 1 or 2 in one process"
         )
     check_unshared(layers, pp_rank)
+    _quiet_view_warnings()
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     modes = ["step"] * len(layers) if reshard is None else list(reshard)
     sharded: list[FSDPModule] = []

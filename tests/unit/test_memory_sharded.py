@@ -4,6 +4,7 @@ process on torch's fake process group (`engine.memory.fake_world`); and ZeRO-3's
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,17 @@ def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
     predicted, measured = estimate_memory(config), measure_memory(config)
     assert predicted.stages == measured.stages
     assert predicted.rank_peaks == measured.rank_peaks
+
+
+def test_fsdp_does_not_warn_of_views_meshpipes_layers_return() -> None:
+    """Their outputs are never modified in place, so FSDP2's warning would only alarm (the
+    tp × ZeRO-3 trace returns views from the embedding and the final norm)."""
+    from engine.memory.traces import cached_trace
+
+    cached_trace.cache_clear()  # the trace must run, not come from the cache
+    with warnings.catch_warnings(record=True) as caught:
+        estimate_memory(_tiny(tp=2, dp=2, zero=3))
+    assert not [w for w in caught if "returned a view tensor" in str(w.message)]
 
 
 def test_the_fake_world_is_torn_down_and_refuses_a_world_of_another_size() -> None:
