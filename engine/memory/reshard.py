@@ -10,8 +10,9 @@ and holds a layer or two at a time. A pipeline rank's memory is its own stages' 
 does not fit the device reshard per micro-batch where that lowers the rank's peak (a small
 stage's extra turn buffers can outweigh its gradient shards), and every other rank keeps the
 least communication. A schedule with a split backward (zb_*) cannot reshard per micro-batch,
-so it stays `step`; so does a run whose partition is chosen by memory (`--partition memory`
-splits for one mode on every stage).
+so it stays `step`. A run whose partition is chosen by memory gets one mode on every stage
+(`--partition memory` splits for one mode), `micro-batch` where no split fits gathered for the
+step.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def _report(config: MemoryConfig, reshard: str) -> MemoryReport | None:
     split within the budget in that mode."""
     try:
         return estimate_memory(with_reshard(config, reshard))
-    except ValueError:
-        if not config.partition.by_memory:
+    except ValueError as error:
+        if not config.partition.by_memory or "no split fits" not in str(error):
             raise
         return None
 

@@ -6,7 +6,8 @@ a step gathers a layer in the compute dtype and keeps it gathered for the step's
 micro-batches and for the backwards (no reshard after forward or backward), while gradients
 accumulate unsharded without being reduced. After the stage's last backward of the step every
 layer runs FSDP's post-backward with gradient sync on: one reduce-scatter in fp32 per layer,
-and the layer is resharded. `--zero-reshard micro-batch` leaves FSDP its own protocol instead:
+and the layer is resharded. `--zero-reshard micro-batch` (on the stages
+`--zero-reshard-stages` names, all by default) leaves FSDP its own protocol instead:
 gathered for each forward and backward, reduce-scattered after each backward. FSDP casts every
 parameter (norms and embeddings too), so the arithmetic differs from autocast's and agrees with
 the reference to tolerance only.
