@@ -459,10 +459,11 @@ def estimate_memory(config: MemoryConfig) -> MemoryReport:
     )
 
 
-def _states(config: MemoryConfig, layout: Layout, stage: int) -> dict[str, int]:
-    """Weights, gradients and optimizer bytes of one replica's share of `stage` (what a
-    layer's turn gathers is the step's, not kept: `_step_peak`)."""
-    params = layout.params([stage])
+def _states(
+    config: MemoryConfig, layout: Layout, stage: int, params: Sequence[ParamInfo]
+) -> dict[str, int]:
+    """Weights, gradients and optimizer bytes of one replica's `params`, those of `stage` (what
+    a layer's turn gathers is the step's, not kept: `_step_peak`)."""
     if layout.states.zero:
         states = replace(layout.states, zero_reshard=config.engine.reshard_of(stage))
         sharded = sharded_states(params, states, precision=config.engine.precision)
@@ -496,7 +497,7 @@ def stage_memory(
         rank=layout.schedule.rank_of(stage),
         layers=(layers.start, layers.stop),
         parameters=sum(p.numel for p in params),
-        **_states(config, layout, stage),
+        **_states(config, layout, stage, params),
         recompute=config.engine.recompute_of(stage),
         kept_per_micro_batch=kept,
         weight_copies=0 if layout.states.zero else weight_copies,

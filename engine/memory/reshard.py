@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-from engine.config import format_size, replace_flat
+from engine.config import PartitionConfig, format_size, replace_flat
 from engine.memory.estimate import MemoryConfig, MemoryReport, estimate_memory
 from engine.schedule.actions import split_units
 
@@ -162,13 +163,20 @@ def choose_reshard_without_budget() -> ReshardChoice:
     )
 
 
-def with_reshard(
-    config: MemoryConfig, reshard: str, stages: tuple[int, ...] | None = None
-) -> MemoryConfig:
-    """`config` with ZeRO-3's reshard mode set on `stages` (all by default), and its budget
-    kept only where `--partition memory` still reads it."""
+class _Partitioned(Protocol):
+    @property
+    def partition(self) -> PartitionConfig: ...
+
+
+Config = TypeVar("Config", bound=_Partitioned)
+"""A composite config with a partition section: an estimate's or a training run's."""
+
+
+def with_reshard(config: Config, reshard: str, stages: tuple[int, ...] | None = None) -> Config:
+    """`config` (an estimate's or a run's) with ZeRO-3's reshard mode set on `stages` (all by
+    default), and its budget kept only where `--partition memory` still reads it."""
     kept = config.partition.device_memory if config.partition.by_memory else None
-    changed: MemoryConfig = replace_flat(
+    changed: Config = replace_flat(
         config, zero_reshard=reshard, zero_reshard_stages=stages, device_memory=kept
     )
     return changed

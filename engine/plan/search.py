@@ -240,6 +240,7 @@ def _floor(state: SearchContext, c: Candidate) -> int:
 
 def _all_candidates(state: SearchContext) -> list[Candidate]:
     request = state.request
+    tied = any(spec.tie_key is not None for spec in state.specs)
     found: list[Candidate] = []
     for mesh in meshes(
         request.model,
@@ -254,7 +255,7 @@ def _all_candidates(state: SearchContext) -> list[Candidate]:
             num_layers=len(state.specs),
             micro_batch_sizes=request.micro_batch_sizes,
             schedules=request.schedules,
-            tied=any(spec.tie_key is not None for spec in state.specs),
+            tied=tied,
         )
     return found
 

@@ -26,9 +26,13 @@ from engine.checkpoint.hf_interop import open_weights
 from engine.checkpoint.manifest import unverified_note, verify_manifest
 from engine.checkpoint.owner import check_folder_free
 from engine.comm.mesh import check_device
-from engine.config import replace_flat
 from engine.memory.estimate import MemoryConfig, resolve
-from engine.memory.reshard import ReshardChoice, choose_reshard, choose_reshard_without_budget
+from engine.memory.reshard import (
+    ReshardChoice,
+    choose_reshard,
+    choose_reshard_without_budget,
+    with_reshard,
+)
 from engine.training.config import TrainConfig
 from engine.training.loaders import open_data
 from engine.training.monitors import check_monitors
@@ -120,16 +124,9 @@ def reshard_choice(config: TrainConfig) -> ReshardChoice | None:
 
 
 def with_reshard_choice(config: TrainConfig, choice: ReshardChoice) -> TrainConfig:
-    """The run with `auto` resolved: the chosen mode, and --device-memory dropped unless
-    --partition memory still reads it."""
-    kept = config.partition.device_memory if config.partition.by_memory else None
-    resolved: TrainConfig = replace_flat(
-        config,
-        zero_reshard=choice.reshard,
-        zero_reshard_stages=choice.stages,
-        device_memory=kept,
-    )
-    return resolved
+    """The run with `auto` resolved: the chosen mode and stages, and --device-memory dropped
+    unless --partition memory still reads it (`with_reshard`)."""
+    return with_reshard(config, choice.reshard, choice.stages)
 
 
 def writable_folder(folder: Path, flag: str, given: str) -> None:

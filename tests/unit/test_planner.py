@@ -73,6 +73,7 @@ def _brute_force_best(request: PlanRequest) -> float:
             global_batch=request.global_batch,
             num_layers=len(state.specs),
             micro_batch_sizes=request.micro_batch_sizes,
+            tied=any(spec.tie_key is not None for spec in state.specs),
         ):
             try:
                 state.pipeline(c)
