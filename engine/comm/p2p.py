@@ -4,7 +4,8 @@ The first exchange on an edge carries a small header with the number, shapes, dt
 requires-grad flags of the tensors that follow; later exchanges reuse it (no per-message shape
 negotiation) and the sender checks every message against it, so a stage whose output changes
 shape fails with both shapes named instead of corrupting its peer. Sends are posted
-asynchronously and awaited at the end of the step; every wait has a timeout. Each edge
+asynchronously and awaited once the schedule proves them delivered (`engine.schedule.delivery`)
+or at the end of the step; every wait has a timeout. Each edge
 travels over its own process group (`engine.channels`), in order, without tags: what NCCL
 needs, and what gloo then tests on the CPU. Gloo cannot send CUDA tensors, so ranks that share
 a GPU over gloo stage each message through host memory (the *wire* device).
@@ -180,25 +181,23 @@ class StageExchange:
         for work in works:
             self._wait(work, action, what)
         grads = [m.requires_grad and training for m in self._received[key]]
-        arrived = tuple(t.to(self._device) for t in tensors)
-        if action.kind is ActionKind.RECV_B:
-            self._release(Action(action.stage, ActionKind.SEND_F, action.micro_batch))
+        arrived = (t.to(self._device) for t in tensors)
         return tuple(t.requires_grad_(g) for t, g in zip(arrived, grads, strict=True))
 
-    def _release(self, sent: Action) -> None:
-        """Drop the sends of `sent`, delivered for certain: the peer computed the gradient that
-        just arrived from the activation they carried. So a stage's output is freed with its
-        backward, not held to the step's end (m outputs per rank otherwise)."""
-        done = [entry for entry in self._pending if entry[2] == sent]
+    def release(self, sends: tuple[Action, ...]) -> None:
+        """Wait on `sends` now and drop their buffers: the caller knows them delivered (the
+        schedule's `released_at`), so the wait returns at once and the buffers do not stay
+        alive to the step's end."""
+        done = [entry for entry in self._pending if entry[2] in sends]
         if not done:
             return
-        self._pending = [entry for entry in self._pending if entry[2] != sent]
+        self._pending = [entry for entry in self._pending if entry[2] not in sends]
         for work, _, action in done:
-            self._wait(work, action, "activations")
+            self._wait(work, action, _edge(action)[2])
 
     def wait_sends(self) -> None:
-        """Wait until every posted send was delivered (end of step: buffers may be freed): the
-        input gradients sent back, and in evaluation the activations."""
+        """Wait until every posted send was delivered (end of step: buffers may be freed):
+        those no later receive proved delivered, and in evaluation the activations."""
         pending, self._pending = self._pending, []
         for work, _, action in pending:
             self._wait(work, action, "data")

@@ -40,6 +40,8 @@ from engine.memory.replay import (
     backward_styles,
     in_flight,
     local_edges,
+    rank_events,
+    sends_released,
     stage_actions,
 )
 from engine.memory.sharding import fsdp_step_peak, sharded_states, sharded_step_peak
@@ -400,14 +402,12 @@ def _step_peak(
     config: MemoryConfig, layout: Layout, stages: Sequence[int], traces: Mapping[int, StageTrace]
 ) -> int:
     """Peak of a row's replay on `stages`, then of the step's tail (DP all-reduce, optimizer)."""
-    actions = [
-        a
-        for a in layout.schedule.rows[layout.schedule.rank_of(stages[0])]
-        if a.is_compute and a.stage in stages
-    ]
+    releases = sends_released(layout.schedule, stages)
+    events = rank_events(layout.schedule, stages)
     zero = layout.states.zero
-    peak, live = compose(stages, actions, traces, gradients_first=zero in (1, 2))
+    peak, live = compose(stages, events, traces, gradients_first=zero in (1, 2), releases=releases)
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)
+    held -= sum(traces[sent.stage].sent_back for sends in releases.values() for sent in sends)
     cached = sum(traces[s].weight_copies for s in stages)
     params = layout.params(stages)
     if layout.states.zero == 3:

@@ -27,7 +27,14 @@ from engine.memory.estimate import (
 )
 from engine.memory.fake_world import StageGrid, stage_grid
 from engine.memory.rank_states import RankStates, fsdp_resizes
-from engine.memory.replay import StageRun, build_stage, fake_parameters, local_edges
+from engine.memory.replay import (
+    StageRun,
+    build_stage,
+    fake_parameters,
+    local_edges,
+    rank_events,
+    sends_released,
+)
 from engine.memory.states import optimizer_bytes, param_info, tail_peak
 from engine.memory.tracker import MemoryTracker, fake_device, round_up
 from engine.schedule.actions import Action, split_units
@@ -148,6 +155,8 @@ class _Step:
     ):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
         self.actions = [a for a in row if a.is_compute and a.stage in stages]
+        self.events = rank_events(layout.schedule, stages)
+        self.releases = sends_released(layout.schedule, stages)
         self.runs = _runs(config, layout, stages, self.actions, fake, grid)
         self.states = (
             None
@@ -189,8 +198,11 @@ class _Step:
             net = self.tracker.measure(lambda: self.runs[first.stage].act(first)).net
             self.weight_copies = self.tracker.weight_copies - copies
             self.kept = net - self.weight_copies - (self._gathered() - gathered)
-            for action in self.actions[1:]:
-                self.runs[action.stage].act(action)
+            for action in self.events[1:]:
+                if action.is_compute:
+                    self.runs[action.stage].act(action)
+                for sent in self.releases.get(action, ()):
+                    self.runs[sent.stage].release_sent(sent.micro_batch)
             self.held = sum(run.held_bytes(self.block) for run in self.runs.values())
             self.live_end = self.tracker.live
             self.cached = self.tracker.weight_copies

@@ -22,6 +22,8 @@ from engine.memory.tracker import round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
 from engine.schedule.actions import Action, ActionKind
+from engine.schedule.delivery import released_at
+from engine.schedule.passes import as_lowered
 from engine.schedule.schedule import Schedule
 from models import LayerSpec, LayerStack
 
@@ -33,6 +35,8 @@ __all__ = [
     "fake_parameters",
     "in_flight",
     "local_edges",
+    "rank_events",
+    "sends_released",
     "stage_actions",
 ]
 
@@ -131,8 +135,9 @@ class StageRun:
 
     F receives its input into a new buffer (the first stage slices the step's token batch);
     B and I receive the output gradient into a new buffer. A stage's output sent forward is
-    released once its gradient has arrived (`StageExchange.recv` of RECV_B: the peer used it);
-    the input gradients sent back are awaited only at the step's end (`wait_sends`).
+    released once its gradient has arrived (RECV_B: the peer used it), an input gradient sent
+    back when the schedule proves it delivered (`release_sent`, at the receive
+    `engine.schedule.delivery.released_at` names), and what is left at the step's end.
     Gradients start the step as None, as `train_step` sets them. `split` names the
     micro-batches whose backward is I + W (the engine's `split_units`); others run a fused B.
     `local_in` / `local_out`: the previous / next stage lives on the same rank (V placement),
@@ -162,8 +167,8 @@ class StageRun:
             self.stage.enable_split_backward()
         self.shape, self.first, self.last, self.split = shape, first, last, split
         self.device = next(module.parameters()).device
-        self.sent: list[torch.Tensor] = []
-        """Input gradients sent back: held to the step's end."""
+        self.sent: dict[int, list[torch.Tensor]] = {}
+        """Each micro-batch's input gradients sent back, until proved delivered."""
         self.sent_forward: dict[int, list[torch.Tensor]] = {}
         """Each in-flight micro-batch's output sent forward, until its gradient arrives."""
         self.losses: list[torch.Tensor] = []
@@ -193,14 +198,23 @@ class StageRun:
             backward = self.stage.backward_input if kind is ActionKind.I else self.stage.backward
             input_grads = backward(k, grads)
             if not self.local_in:
-                self._send(input_grads)
+                self.sent[k] = self._payload(input_grads)
+
+    def release_sent(self, k: int) -> None:
+        """Micro-batch `k`'s input gradients reached the previous stage: they are dropped."""
+        del self.sent[k]
 
     def held_bytes(self, block: int) -> int:
-        """Bytes of what the step keeps until its end: sent tensors and losses."""
-        forward = [t for sent in self.sent_forward.values() for t in sent]
-        storages = [t.untyped_storage() for t in self.sent + forward + self.losses]
-        held = {storage._cdata: storage.nbytes() for storage in storages}
-        return sum(round_up(n, block) for n in held.values())
+        """Bytes of what the step keeps for now: sent tensors and losses."""
+        return _bytes(
+            [t for sent in (*self.sent.values(), *self.sent_forward.values()) for t in sent]
+            + self.losses,
+            block,
+        )
+
+    def sent_bytes(self, k: int, block: int) -> int:
+        """Bytes of micro-batch `k`'s input gradients sent back (none held: 0)."""
+        return _bytes(self.sent.get(k, []), block)
 
     def finish(self) -> None:
         """The step's end: sends are awaited, the step's losses dropped."""
@@ -223,11 +237,6 @@ class StageRun:
         elif not self.local_out:
             self.sent_forward[k] = self._payload(outputs)
 
-    def _send(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        """What `StageExchange.send` keeps of a backward until the step's end (the stage input
-        sends none)."""
-        self.sent += self._payload(tensors)
-
     @staticmethod
     def _payload(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         return [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
@@ -243,6 +252,12 @@ class StageRun:
         shape = (self.shape.micro_batch_size, self.shape.boundary_seq_len, self.shape.hidden)
         dtype = compute_dtype(self.shape.precision)
         return torch.empty(shape, dtype=dtype, device=self.device).requires_grad_(requires_grad)
+
+
+def _bytes(tensors: list[torch.Tensor], block: int) -> int:
+    """Bytes of the distinct storages under `tensors`, each rounded to the allocator's block."""
+    held = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(round_up(n, block) for n in held.values())
 
 
 def backward_styles(actions: Sequence[Action]) -> tuple[bool, ...]:
@@ -278,3 +293,24 @@ def in_flight(actions: Sequence[Action]) -> int:
         elif action.kind in (ActionKind.B, ActionKind.W):
             live -= 1
     return peak
+
+
+def rank_events(schedule: Schedule, stages: Sequence[int]) -> list[Action]:
+    """What a replay of the rank holding `stages` runs, in its row's order: their compute
+    actions, and the receives that free input gradients they sent back (`sends_released`)."""
+    releases = sends_released(schedule, stages)
+    row = as_lowered(schedule).rows[schedule.rank_of(stages[0])]
+    return [a for a in row if (a.is_compute and a.stage in stages) or a in releases]
+
+
+def sends_released(schedule: Schedule, stages: Sequence[int]) -> dict[Action, tuple[Action, ...]]:
+    """For each receive of the rank's row, the input gradients of `stages` it proves delivered.
+
+    Outputs sent forward are released at their stage's backward (`StageRun.act`: the RECV_B
+    right before it proves them delivered)."""
+    every = released_at(schedule, schedule.rank_of(stages[0]))
+    releases = {
+        recv: tuple(a for a in sends if a.kind is ActionKind.SEND_B and a.stage in stages)
+        for recv, sends in every.items()
+    }
+    return {recv: sends for recv, sends in releases.items() if sends}

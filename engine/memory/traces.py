@@ -50,7 +50,10 @@ class StageTrace:
     first: Mapping[Phase, Span]
     later: Mapping[Phase, Span]
     held_per_micro_batch: int
-    """Sent tensors and losses one micro-batch leaves alive until the step's end."""
+    """Sent tensors and losses one micro-batch leaves alive once its actions ran."""
+    sent_back: int
+    """Of those, its input gradients sent back: freed when the schedule proves them delivered
+    (`engine.schedule.delivery`), the rest at the step's end."""
     weight_copies: int
     """Of the first forward's net bytes: the low-precision weight copies autocast made (or,
     under ZeRO-3, the layers FSDP gathered), kept until the step's end and shared by every
@@ -123,13 +126,14 @@ def trace_stage(
         tracker = MemoryTracker(block=block)
         with tracker, fsdp_resizes(tracker), run.stage.step_scope():
             begin = tracker.measure(functools.partial(_begin, run, fsdp))
-            spans, weight_copies, held = _trace_micro_batches(run, order, tracker, fsdp)
+            spans, weight_copies, held, sent_back = _trace_micro_batches(run, order, tracker, fsdp)
             reduce = tracker.measure(fsdp.reduce_gradients) if fsdp else _NOTHING
     return StageTrace(
         begin=begin,
         first=spans[0],
         later=spans[1],
         held_per_micro_batch=held,
+        sent_back=sent_back,
         weight_copies=weight_copies,
         reduce=reduce,
     )
@@ -140,11 +144,12 @@ def _trace_micro_batches(
     order: tuple[bool | None, ...],
     tracker: MemoryTracker,
     fsdp: FullyShardedLayers | None,
-) -> tuple[list[dict[Phase, Span]], int, int]:
+) -> tuple[list[dict[Phase, Span]], int, int, int]:
     """Spans of two micro-batches of each style (the first's and a later one's), the step-long
-    copies the first forward made, and what one micro-batch leaves held."""
+    copies the first forward made, what one micro-batch leaves held and of that what it sent
+    back."""
     spans: list[dict[Phase, Span]] = [{}, {}]
-    weight_copies = held = 0
+    weight_copies = held = sent_back = 0
     for i, style in enumerate(order):
         for j in (0, 1):
             for kind in _group(style):
@@ -156,7 +161,8 @@ def _trace_micro_batches(
                     weight_copies = tracker.weight_copies + gathered_bytes(fsdp) - copies
             if i == j == 0:
                 held = run.held_bytes(tracker.block)
-    return spans, weight_copies, held
+                sent_back = run.sent_bytes(0, tracker.block)
+    return spans, weight_copies, held, sent_back
 
 
 def _begin(run: StageRun, fsdp: FullyShardedLayers | None) -> None:
@@ -200,13 +206,16 @@ def compose(
     traces: Mapping[int, StageTrace],
     *,
     gradients_first: bool = False,
+    releases: Mapping[Action, tuple[Action, ...]] | None = None,
 ) -> tuple[int, int]:
-    """Peak and final live bytes of `replay`, from each event's traced peak and net change.
+    """Peak and final live bytes of a replay of `actions` (`replay.rank_events`), from each
+    event's traced peak and net change.
 
     Micro-batches allocate alike, so this equals replaying all of them (tested).
     `gradients_first`: the step's gradient buffers exist from its start (ZeRO-1/2's flat
     fp32 buffers) rather than growing through the first backward: they count at the start
-    and every backward is a later one (accumulating).
+    and every backward is a later one (accumulating). `releases`: the input gradients sent
+    back that each receive among `actions` frees (`replay.sends_released`).
     """
     events = [traces[s].begin for s in stages]
     if gradients_first:
@@ -214,6 +223,10 @@ def compose(
     split = split_units(actions)
     seen: set[tuple[int, Phase]] = set()
     for action in actions:
+        if not action.is_compute:
+            freed = sum(traces[sent.stage].sent_back for sent in (releases or {})[action])
+            events.append(Span(peak=0, net=-freed))
+            continue
         phase = (action.kind, (action.stage, action.micro_batch) in split)
         key = (action.stage, phase)
         later = key in seen or (gradients_first and action.kind is not ActionKind.F)

@@ -23,6 +23,7 @@ from engine.memory.sharding import sharded_states
 from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule import ActionKind, Schedule
+from engine.schedule.delivery import held_input_gradients
 from models import LayerSpec
 
 __all__ = [
@@ -120,6 +121,9 @@ class StageCounts:
     """Per rank of several stages, the states its stages reach at once: each their in-flight
     counts, then 1 for each whose gradients exist (`stages_of` order), none another covers.
     None (or nothing) where unknown; a rank's stages then count their most at once."""
+    sent_back: tuple[int, ...] = ()
+    """The most input gradients each stage holds sent back at once, not yet proved delivered
+    (`held_input_gradients`); nothing: none."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
@@ -148,7 +152,12 @@ def stage_counts(schedule: Schedule) -> StageCounts:
             if grown and len(mine) > 1:  # only a forward or a first backward adds bytes
                 states.add(tuple(live[t] for t in mine) + tuple(int(started[t]) for t in mine))
         together.append(_uncovered(states) if states else None)
-    return StageCounts(before=tuple(before), after=tuple(after), together=tuple(together))
+    return StageCounts(
+        before=tuple(before),
+        after=tuple(after),
+        together=tuple(together),
+        sent_back=held_input_gradients(schedule),
+    )
 
 
 def _uncovered(states: set[tuple[int, ...]]) -> frozenset[tuple[int, ...]]:
@@ -264,7 +273,6 @@ def rank_peaks(
     counts: StageCounts,
     boundaries: Sequence[int],
     *,
-    micro_batches: int,
     micro_batch_size: int,
     recomputed: Sequence[bool],
     reduce_copy: bool,
@@ -273,12 +281,14 @@ def rank_peaks(
     """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
 
     Sends are whole hidden states, as the replay counts them under tensor parallelism too.
-    Every input gradient sent back is kept until the step ends; an output sent forward only
-    until its gradient arrives, as the runtime's exchange keeps them (`engine.memory.replay`):
-    at most the stage's in-flight micro-batches (counted whole: a bound). A rank of several
-    stages holds their states, stashes and sends together and one transient at a time.
+    An output sent forward is kept until its gradient arrives, an input gradient sent back
+    until the schedule proves it delivered, as the runtime's exchange keeps them
+    (`engine.schedule.delivery`): the most of each held at once (counted whole: a bound). A
+    rank of several stages holds their states, stashes and sends together and one transient
+    at a time.
     """
     one = micro_batch_size * sums.received
+    sent_back = counts.sent_back or (0,) * schedule.num_stages
     parts = tuple(
         _stage_bytes(
             sums,
@@ -289,11 +299,7 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=one
-            * (
-                micro_batches * _sends(schedule, s, s - 1)
-                + _in_flight(counts, s) * _sends(schedule, s, s + 1)
-            ),
+            held=one * (sent_back[s] + _in_flight(counts, s) * _sends(schedule, s, s + 1)),
         )
         for s in range(schedule.num_stages)
     )

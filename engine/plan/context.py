@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.memory.states import StateLayout
-from engine.memory.tracker import CUDA_BLOCK, round_up
+from engine.memory.tracker import CUDA_BLOCK
 from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_counts, state_sums
 from engine.plan.candidates import Candidate
 from engine.plan.request import PlanRequest
@@ -75,6 +75,7 @@ class SearchContext:
                 together=tuple(
                     a if a == b else None for a, b in zip(low.together, high.together, strict=True)
                 ),
+                sent_back=_extend(low.sent_back, high.sent_back, m, pp),
             ),
         )
 
@@ -140,8 +141,8 @@ class SearchContext:
     @functools.cache  # noqa: B019
     def stage_floors(self, states: StateLayout, stages: int, twice: bool) -> tuple[int, int | None]:
         """Of the balanced split into `stages`: stage 0's states and gradients (counted twice
-        where `twice`: the dp all-reduce's copy), and the most of any later stage's (which
-        also keep what they send back: `search._floor` adds it), None for a single stage."""
+        where `twice`: the dp all-reduce's copy), and the most of any later stage's, None for
+        a single stage."""
         fixed, grads = self.state_sums(states)
         bounds = self.boundaries(stages)
         each = [
@@ -149,12 +150,6 @@ class SearchContext:
             for a, b in itertools.pairwise(bounds)
         ]
         return each[0], max(each[1:], default=None)
-
-    @functools.cached_property
-    def received(self) -> int:
-        """The bytes of one sequence's hidden state as a stage receives (and keeps) it."""
-        block = CUDA_BLOCK if self.request.device == "cuda" else 1
-        return round_up(self.request.seq_len * self.hidden * self.size, block)
 
     @functools.cache  # noqa: B019
     def forward(self, mbs: int, tp: int) -> tuple[float, ...]:

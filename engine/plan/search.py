@@ -62,7 +62,6 @@ def _fit(
             schedule,
             counts,
             bounds,
-            micro_batches=c.micro_batches,
             micro_batch_size=c.micro_batch_size,
             recomputed=[s in chosen for s in range(schedule.num_stages)],
             reduce_copy=c.mesh.dp > 1 and c.zero == 0,
@@ -229,13 +228,12 @@ class _Screen:
 
 def _floor(state: SearchContext, c: Candidate) -> int:
     """A lower bound of the candidate's peak under any recompute, without its schedule or a
-    trace: the highest stage's states, gradients (twice where the dp all-reduce copies them)
-    and the input gradients it sends back and keeps to the step's end (`stage_floors`)."""
+    trace: the highest stage's states and gradients (twice where the dp all-reduce copies
+    them), `stage_floors`. Sends are not counted: how many a stage holds depends on its
+    schedule (`held_input_gradients`)."""
     twice = c.mesh.dp > 1 and c.zero == 0
     first, later = state.stage_floors(state.layout(c), c.num_stages, twice)
-    if later is None:
-        return first
-    return max(first, later + c.micro_batches * c.micro_batch_size * state.received)
+    return first if later is None else max(first, later)
 
 
 def _all_candidates(state: SearchContext) -> list[Candidate]:
@@ -323,7 +321,6 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
         pipeline.shape,
         pipeline.counts,
         bounds,
-        micro_batches=candidate.micro_batches,
         micro_batch_size=candidate.micro_batch_size,
         recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
         reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,

@@ -45,6 +45,7 @@ from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
 from engine.runtime.step_stats import StepStats, pipeline_bubble
 from engine.schedule.actions import split_units
+from engine.schedule.delivery import released_at
 from engine.schedule.resolve import lowered_schedules
 from engine.schedule.schedule import Schedule
 from models import LayerSpec, lm_loss
@@ -540,6 +541,7 @@ class PipelineEngine:
             exchange=self.exchange,
             reports=self.reports,
             gradients_final=dp_reduce,
+            releases=released_at(schedule, self.mesh.pp_rank),
             shards=self._shards,
         )
 

@@ -7,6 +7,7 @@ engine only through a `StepContext`: what a step needs, and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class StepContext:
     reports: StepReports
     gradients_final: Callable[[], None]
     """Called after the rank's last B or W: its gradients are final (the dp reduction starts)."""
+    releases: Mapping[Action, tuple[Action, ...]] = dataclasses.field(default_factory=dict)
+    """The sends each receive of the row proves delivered (`released_at`): freed on arrival."""
     shards: SequenceShards | None = None
     """Under tensor parallelism: send 1/tp of each boundary tensor, all-gather what arrives."""
 
@@ -176,6 +179,7 @@ class StepRun:
     def recv(self, action: Action) -> None:
         exchange = self.context.exchange
         tensors = exchange.recv(action, training=self.training)
+        exchange.release(self.context.releases.get(action, ()))
         if self.context.shards is not None:
             tensors = self.context.shards.incoming(tensors)
         following = self._next_recv.get(action)

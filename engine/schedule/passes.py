@@ -8,6 +8,7 @@ matches `RECV_F(s + 1, k)` and `SEND_B(s, k)` matches `RECV_B(s - 1, k)`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
@@ -15,6 +16,7 @@ from engine.schedule.schedule import Schedule
 
 __all__ = [
     "add_communication",
+    "as_lowered",
     "communication_for",
     "counterpart",
     "forward_only",
@@ -130,6 +132,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             lowered += [*before, action, *after]
         rows.append(tuple(lowered))
     return replace(schedule, rows=tuple(rows), lowered=True)
+
+
+@functools.lru_cache(maxsize=64)
+def as_lowered(schedule: Schedule) -> Schedule:
+    """The schedule with its communication spelled out (itself if it already is)."""
+    return schedule if is_lowered(schedule) else add_communication(schedule)
 
 
 def forward_only(schedule: Schedule) -> Schedule:

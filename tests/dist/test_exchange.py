@@ -1,5 +1,7 @@
-"""What the stage exchange holds: a stage's output sent forward is held only until its
-gradient comes back (the peer has used it), a gradient sent back until the step's end."""
+"""What the stage exchange holds while a rank walks its schedule's row: a send is held until a
+receive proves it delivered (`released_at`): an output sent forward until its gradient comes
+back, an input gradient sent back until its peer's next message to this rank arrives; the
+rest until the step's end."""
 
 from __future__ import annotations
 
@@ -7,48 +9,82 @@ import torch
 import torch.distributed as dist
 
 from engine.comm.p2p import StageExchange
-from engine.schedule.actions import Action, ActionKind
+from engine.schedule import add_communication, make_schedule
+from engine.schedule.actions import ActionKind
+from engine.schedule.delivery import released_at
+from engine.schedule.passes import peer_stage
 from tests.dist.harness import run_ranks
 
 
-def _two_micro_batches(rank: int, world_size: int) -> list[tuple[str, tuple[str, ...]]]:
+def _walk(rank: int, world_size: int, name: str, v: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Every send and receive of this rank's row (compute skipped); after each receive, the
+    sends still held."""
     dist.init_process_group("gloo")
-    world = dist.group.WORLD
-    assert world is not None
+    schedule = add_communication(
+        make_schedule(name, num_ranks=world_size, micro_batches=4, stages_per_rank=v)
+    )
+    edges = [(s, s + d) for s in range(schedule.num_stages) for d in (1, -1)]
+    groups = {e: dist.new_group([0, 1]) for e in edges if 0 <= e[1] < schedule.num_stages}
     exchange = StageExchange(
-        groups={(0, 1): world, (1, 0): world},
-        global_rank_of_stage={0: 0, 1: 1},
+        groups=groups,
+        global_rank_of_stage=dict(enumerate(schedule.placement)),
         device=torch.device("cpu"),
         timeout_s=60,
     )
+    releases = released_at(schedule, rank)
     held: list[tuple[str, tuple[str, ...]]] = []
-
-    def note(event: str) -> None:
-        held.append((event, tuple(str(a) for a in exchange.unsettled_sends)))
-
-    if rank == 0:
-        for k in (0, 1):
-            output = (torch.full((2, 3), k + 1.0),)
-            exchange.send(Action(0, ActionKind.SEND_F, k), output, training=True)
-        note("sent 0 and 1")
-        exchange.recv(Action(0, ActionKind.RECV_B, 0), training=True)
-        note("gradient 0 arrived")
-    else:
-        for k in (0, 1):
-            (x,) = exchange.recv(Action(1, ActionKind.RECV_F, k), training=True)
-            assert torch.equal(x, torch.full((2, 3), k + 1.0))
-        exchange.send(Action(1, ActionKind.SEND_B, 0), (torch.ones(2, 3),), training=True)
-        note("sent gradient 0")
+    for action in schedule.rows[rank]:
+        if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+            exchange.send(action, (torch.full((2, 3), float(action.stage)),), training=True)
+        elif action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            (x,) = exchange.recv(action, training=True)
+            assert torch.equal(x, torch.full((2, 3), float(peer_stage(action))))
+            exchange.release(releases.get(action, ()))
+            held.append((str(action), tuple(str(a) for a in exchange.unsettled_sends)))
     exchange.wait_sends()
-    note("step end")
+    held.append(("step end", tuple(str(a) for a in exchange.unsettled_sends)))
     return held
 
 
-def test_an_output_sent_forward_is_released_when_its_gradient_arrives() -> None:
-    results = run_ranks(_two_micro_batches, 2, timeout_s=120)
-    assert results[0] == [
-        ("sent 0 and 1", ("0SEND_F0", "0SEND_F1")),
-        ("gradient 0 arrived", ("0SEND_F1",)),
+def test_1f1b_holds_an_output_until_its_gradient_and_a_gradient_until_the_next_input() -> None:
+    ranks = run_ranks(_walk, 2, "1f1b", 1, timeout_s=120)
+    assert ranks[0] == [
+        ("0RECV_B0", ("0SEND_F1",)),
+        ("0RECV_B1", ("0SEND_F2",)),
+        ("0RECV_B2", ("0SEND_F3",)),
+        ("0RECV_B3", ()),
         ("step end", ()),
     ]
-    assert results[1] == [("sent gradient 0", ("1SEND_B0",)), ("step end", ())]
+    assert ranks[1] == [
+        ("1RECV_F0", ()),
+        ("1RECV_F1", ("1SEND_B0",)),
+        ("1RECV_F2", ("1SEND_B1",)),
+        ("1RECV_F3", ("1SEND_B2",)),
+        ("step end", ()),
+    ]
+
+
+def test_a_v_rank_holds_one_send_at_a_time() -> None:
+    ranks = run_ranks(_walk, 2, "v_min", 2, timeout_s=120)
+    assert ranks[0] == [
+        ("3RECV_F0", ("0SEND_F0",)),
+        ("0RECV_B0", ("0SEND_F1",)),  # 0SEND_F0 and 3SEND_B0 proved delivered
+        ("3RECV_F1", ("0SEND_F1",)),
+        ("0RECV_B1", ("0SEND_F2",)),
+        ("3RECV_F2", ("0SEND_F2",)),
+        ("0RECV_B2", ("0SEND_F3",)),
+        ("3RECV_F3", ("0SEND_F3",)),
+        ("0RECV_B3", ()),
+        ("step end", ()),
+    ]
+    assert ranks[1] == [
+        ("1RECV_F0", ()),
+        ("2RECV_B0", ()),
+        ("1RECV_F1", ("1SEND_B0",)),
+        ("2RECV_B1", ()),
+        ("1RECV_F2", ("1SEND_B1",)),
+        ("2RECV_B2", ()),
+        ("1RECV_F3", ("1SEND_B2",)),
+        ("2RECV_B3", ()),
+        ("step end", ()),  # 1SEND_B3 follows the row's last receive: awaited here
+    ]
