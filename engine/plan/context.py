@@ -14,7 +14,8 @@ from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_count
 from engine.plan.candidates import Candidate
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages
-from engine.schedule import Schedule, SimResult, add_communication, make_schedule
+from engine.schedule import Schedule, SimResult, make_schedule
+from engine.schedule.passes import as_lowered
 from models import get_config, layer_specs
 from partitioners import Partition, partition_model
 
@@ -100,7 +101,8 @@ class SearchContext:
 
     @functools.cache  # noqa: B019
     def lowered(self, schedule: Schedule) -> Schedule:
-        return add_communication(schedule)
+        """Shared with the in-flight counts' `held_input_gradients` (`as_lowered`'s cache)."""
+        return as_lowered(schedule)
 
     def pipeline(self, c: Candidate) -> Pipeline:
         return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)

@@ -15,6 +15,7 @@ memory replay and the planner's bound all read `released_at`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from engine.schedule.actions import Action, ActionKind
@@ -24,59 +25,103 @@ from engine.schedule.schedule import Schedule
 __all__ = ["held_input_gradients", "released_at"]
 
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+_COMM = frozenset((*_SENDS, ActionKind.RECV_F, ActionKind.RECV_B))
+_F, _W = ActionKind.F, ActionKind.W
 
 
-@functools.lru_cache(maxsize=64)
 def released_at(schedule: Schedule, rank: int) -> dict[Action, tuple[Action, ...]]:
     """For each receive of rank `rank`'s lowered row (`as_lowered`), the sends of that row it
     proves delivered."""
-    schedule = as_lowered(schedule)
-    row = schedule.rows[rank]
-    position = _index(row)
-    releases: dict[Action, list[Action]] = {}
-    for i, action in enumerate(row):
-        proof: Action | None
-        if action.kind is ActionKind.SEND_F:
-            proof = Action(action.stage, ActionKind.RECV_B, action.micro_batch)
-        elif action.kind is ActionKind.SEND_B:
-            proof = _answer_after(schedule, action)
-        else:
-            continue
-        if proof is not None and position.get(proof, -1) > i:
-            releases.setdefault(proof, []).append(action)
-    return {recv: tuple(sends) for recv, sends in releases.items()}
+    return _releases(as_lowered(schedule))[rank]
 
 
-def _answer_after(schedule: Schedule, send: Action) -> Action | None:
-    """The receive, on `send`'s rank, of the first message its peer sends back to it after
-    receiving `send`; None if the peer sends it nothing more this step."""
-    rank, peer = schedule.rank_of(send.stage), peer_of(send, schedule)
-    peer_row = schedule.rows[peer]
-    start = _index(peer_row)[counterpart(send)]
-    for action in peer_row[start + 1 :]:
-        if action.kind in _SENDS and peer_of(action, schedule) == rank:
-            return counterpart(action)
-    return None
+@functools.lru_cache(maxsize=64)
+def _releases(schedule: Schedule) -> tuple[dict[Action, tuple[Action, ...]], ...]:
+    """`released_at` of every rank of a lowered schedule, from one index of each row."""
+    index = [{action: i for i, action in enumerate(row)} for row in schedule.rows]
+    sends = _sends_to(schedule)
+    every = []
+    for rank, row in enumerate(schedule.rows):
+        releases: dict[Action, list[Action]] = {}
+        for i, action in enumerate(row):
+            proof: Action | None = None
+            if action.kind is ActionKind.SEND_F:
+                proof = Action(action.stage, ActionKind.RECV_B, action.micro_batch)
+            elif action.kind is ActionKind.SEND_B:
+                # the first message its peer sends back to it after receiving it
+                peer = peer_of(action, schedule)
+                positions, answers = sends[peer].get(rank, ((), ()))
+                after = bisect.bisect(positions, index[peer][counterpart(action)])
+                proof = answers[after] if after < len(answers) else None
+            if proof is not None and index[rank].get(proof, -1) > i:
+                releases.setdefault(proof, []).append(action)
+        every.append({recv: tuple(sends) for recv, sends in releases.items()})
+    return tuple(every)
 
 
-@functools.lru_cache(maxsize=256)
-def _index(row: tuple[Action, ...]) -> dict[Action, int]:
-    return {action: i for i, action in enumerate(row)}
+def _sends_to(schedule: Schedule) -> list[dict[int, tuple[list[int], list[Action]]]]:
+    """Per rank, per rank it sends to: where in its row each send is, and the receive that
+    takes it."""
+    found: list[dict[int, tuple[list[int], list[Action]]]] = []
+    for row in schedule.rows:
+        by_peer: dict[int, tuple[list[int], list[Action]]] = {}
+        for i, action in enumerate(row):
+            if action.kind in _SENDS:
+                positions, answers = by_peer.setdefault(peer_of(action, schedule), ([], []))
+                positions.append(i)
+                answers.append(counterpart(action))
+        found.append(by_peer)
+    return found
 
 
 @functools.lru_cache(maxsize=64)
 def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most input gradients it has sent back and not yet known delivered at
-    once: what its exchange holds at worst (`released_at`)."""
-    schedule = as_lowered(schedule)
+    once: what its exchange holds at worst under `released_at`.
+
+    Worked out on the compute actions alone (a receive sits right before the action that
+    consumes it, a send right after the one that produced it), without lowering or hashing
+    actions: the planner asks it of hundreds of schedules of tens of thousands of actions.
+    """
+    rows = [[a for a in row if a.kind not in _COMM] for row in schedule.rows]
+    place = schedule.placement
+    where = [
+        {(a.stage, a.micro_batch, a.kind is not _F): i for i, a in enumerate(r) if a.kind is not _W}
+        for r in rows
+    ]
+    sends = [_messages(row, rank, place) for rank, row in enumerate(rows)]
     most = [0] * schedule.num_stages
-    for rank in range(schedule.num_ranks):
-        releases = released_at(schedule, rank)
-        held = [0] * schedule.num_stages
-        for action in schedule.rows[rank]:
-            if action.kind is ActionKind.SEND_B:
-                held[action.stage] += 1
-                most[action.stage] = max(most[action.stage], held[action.stage])
-            for sent in releases.get(action, ()):
-                held[sent.stage] -= sent.kind is ActionKind.SEND_B
+    for rank, row in enumerate(rows):
+        held, freed = [0] * schedule.num_stages, dict[int, list[int]]()
+        for i, a in enumerate(row):
+            for stage in freed.pop(i, ()):
+                held[stage] -= 1
+            if a.kind is _F or a.kind is _W or a.stage == 0 or place[a.stage - 1] == rank:
+                continue
+            peer = place[a.stage - 1]
+            held[a.stage] += 1
+            most[a.stage] = max(most[a.stage], held[a.stage])
+            positions, consumers = sends[peer].get(rank, ([], []))
+            after = bisect.bisect_left(positions, where[peer][(a.stage - 1, a.micro_batch, True)])
+            if after < len(positions) and where[rank][consumers[after]] > i:
+                freed.setdefault(where[rank][consumers[after]], []).append(a.stage)
     return tuple(most)
+
+
+_Key = tuple[int, int, bool]
+"""A compute action by (stage, micro-batch, whether a backward): W excluded."""
+
+
+def _messages(
+    row: list[Action], rank: int, place: tuple[int, ...]
+) -> dict[int, tuple[list[int], list[_Key]]]:
+    """Per rank a compute-only row sends to: after which of its actions each message goes,
+    and the action that consumes it there."""
+    by_peer: dict[int, tuple[list[int], list[_Key]]] = {}
+    for i, a in enumerate(row):
+        to = a.stage + 1 if a.kind is _F else a.stage - 1
+        if a.kind is not _W and 0 <= to < len(place) and place[to] != rank:
+            positions, consumers = by_peer.setdefault(place[to], ([], []))
+            positions.append(i)
+            consumers.append((to, a.micro_batch, a.kind is not _F))
+    return by_peer

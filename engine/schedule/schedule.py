@@ -65,6 +65,16 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return self._stages_by_rank[rank] if 0 <= rank < self.num_ranks else ()
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        """Hashed once: schedules key the caches of the runtime, the replay and the planner,
+        and hashing tens of thousands of actions on every lookup cost the planner seconds."""
+        fields = (self.name, self.num_ranks, self.num_stages, self.micro_batches)
+        return hash((*fields, self.placement, self.rows, self.lowered))
+
     @functools.cached_property
     def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
         """Each rank's stages, once: the planner asks for them hundreds of thousands of times."""
