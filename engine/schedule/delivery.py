@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections.abc import Sequence
 
 from engine.schedule.actions import Action, ActionKind
 from engine.schedule.passes import as_lowered, counterpart, peer_of
@@ -25,7 +26,8 @@ from engine.schedule.schedule import Schedule
 __all__ = ["held_input_gradients", "released_at"]
 
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-_COMM = frozenset((*_SENDS, ActionKind.RECV_F, ActionKind.RECV_B))
+_COMM_IDS = frozenset(map(id, (*_SENDS, ActionKind.RECV_F, ActionKind.RECV_B)))
+"""By identity: an enum member's hash runs Python code, too slow over a planner's schedules."""
 _F, _W = ActionKind.F, ActionKind.W
 
 
@@ -83,7 +85,7 @@ def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
     consumes it, a send right after the one that produced it), without lowering or hashing
     actions: the planner asks it of hundreds of schedules of tens of thousands of actions.
     """
-    rows = [[a for a in row if a.kind not in _COMM] for row in schedule.rows]
+    rows = [[a for a in row if id(a.kind) not in _COMM_IDS] for row in schedule.rows]
     place = schedule.placement
     where = [
         {(a.stage, a.micro_batch, a.kind is not _F): i for i, a in enumerate(r) if a.kind is not _W}
@@ -113,7 +115,7 @@ _Key = tuple[int, int, bool]
 
 
 def _messages(
-    row: list[Action], rank: int, place: tuple[int, ...]
+    row: Sequence[Action], rank: int, place: tuple[int, ...]
 ) -> dict[int, tuple[list[int], list[_Key]]]:
     """Per rank a compute-only row sends to: after which of its actions each message goes,
     and the action that consumes it there."""
