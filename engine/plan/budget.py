@@ -113,7 +113,8 @@ def _layer_states(spec: LayerSpec, states: StateLayout, precision: str) -> tuple
 
 @dataclass(frozen=True, kw_only=True)
 class StageCounts:
-    """Per stage of a schedule: micro-batches in flight, and those held once gradients exist."""
+    """Per stage of a schedule: micro-batches in flight, those held once gradients exist, and
+    input gradients sent back and held."""
 
     before: tuple[int, ...]
     after: tuple[int, ...]
@@ -121,9 +122,9 @@ class StageCounts:
     """Per rank of several stages, the states its stages reach at once: each their in-flight
     counts, then 1 for each whose gradients exist (`stages_of` order), none another covers.
     None (or nothing) where unknown; a rank's stages then count their most at once."""
-    sent_back: tuple[int, ...] = ()
+    sent_back: tuple[int, ...]
     """The most input gradients each stage holds sent back at once, not yet proved delivered
-    (`held_input_gradients`); nothing: none."""
+    (`held_input_gradients`)."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
@@ -288,7 +289,6 @@ def rank_peaks(
     at a time.
     """
     one = micro_batch_size * sums.received
-    sent_back = counts.sent_back or (0,) * schedule.num_stages
     parts = tuple(
         _stage_bytes(
             sums,
@@ -299,7 +299,7 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=one * (sent_back[s] + _in_flight(counts, s) * _sends(schedule, s, s + 1)),
+            held=one * (counts.sent_back[s] + _in_flight(counts, s) * _sends(schedule, s, s + 1)),
         )
         for s in range(schedule.num_stages)
     )
