@@ -68,6 +68,10 @@ class Schedule:
     def __hash__(self) -> int:
         return self._hash
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled without the cached hash: str hashes differ between processes."""
+        return {key: value for key, value in self.__dict__.items() if key != "_hash"}
+
     @functools.cached_property
     def _hash(self) -> int:
         """Hashed once: schedules key the caches of the runtime, the replay and the planner,

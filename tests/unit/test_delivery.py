@@ -3,6 +3,8 @@ at that receive instead of holding it to the step's end."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from engine.schedule import (
@@ -113,3 +115,12 @@ def test_the_held_count_from_compute_actions_equals_walking_the_lowered_rows(
     )
     assert held_input_gradients(compute_only) == _held_by_walking_the_lowered_rows(lowered)
     assert held_input_gradients(lowered) == held_input_gradients(compute_only)
+
+
+def test_a_pickled_schedule_leaves_its_cached_hash_behind() -> None:
+    """str hashes differ between processes: a schedule sent to a rank hashes afresh there."""
+    schedule = _lowered("1f1b", 2, 4)
+    hash(schedule)
+    copy = pickle.loads(pickle.dumps(schedule))
+    assert "_hash" not in copy.__dict__
+    assert copy == schedule and hash(copy) == hash(schedule)
