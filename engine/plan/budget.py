@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.memory.fitting import layer_sums
 from engine.memory.replay import StageShape
@@ -30,8 +30,10 @@ __all__ = [
     "LayerBytes",
     "StageCounts",
     "layer_bytes",
+    "rank_floor",
     "rank_peaks",
     "stage_counts",
+    "stage_floor",
     "state_sums",
 ]
 
@@ -257,6 +259,100 @@ def _stage_bytes(
     )
 
 
+def _least_parts(
+    sums: LayerBytes,
+    layers: range,
+    *,
+    before: int,
+    after: int,
+    micro_batch_size: int,
+    reduce_copy: bool,
+    recompute_runs: Sequence[int],
+    held: int,
+) -> _StageBytes:
+    """A stage's parts, each the least of any recompute choice (none, or runs of each of
+    `recompute_runs` layers): a rank's bytes grow with every part, so these bound its peak
+    from below whichever stages a search recomputes."""
+    options = [
+        _stage_bytes(
+            sums,
+            layers,
+            before=before,
+            after=after,
+            micro_batch_size=micro_batch_size,
+            recompute=recompute,
+            every=every,
+            reduce_copy=reduce_copy,
+            held=held,
+        )
+        for recompute, every in [(False, 0), *((True, every) for every in recompute_runs)]
+    ]
+    return replace(
+        options[0],
+        kept=min(o.kept for o in options),
+        during=min(o.during for o in options),
+        transient=min(o.transient for o in options),
+    )
+
+
+def stage_floor(
+    sums: LayerBytes,
+    layers: range,
+    *,
+    micro_batch_size: int,
+    reduce_copy: bool,
+    recompute_runs: Sequence[int],
+    several: bool,
+) -> int:
+    """The least peak the stage reaches under any schedule and recompute choice, so a
+    candidate is over the budget before a schedule is built: one micro-batch in flight before
+    its gradients exist and, with `several` micro-batches, one again after (the next
+    forward), nothing sent held. A rank holds at least each of its stages."""
+    return _least_parts(
+        sums,
+        layers,
+        before=1,
+        after=int(several),
+        micro_batch_size=micro_batch_size,
+        reduce_copy=reduce_copy,
+        recompute_runs=recompute_runs,
+        held=0,
+    ).peak
+
+
+def rank_floor(
+    sums: LayerBytes,
+    schedule: Schedule,
+    counts: StageCounts,
+    boundaries: Sequence[int],
+    *,
+    micro_batch_size: int,
+    reduce_copy: bool,
+    recompute_runs: Sequence[int],
+) -> int:
+    """The highest rank's peak under any recompute choice, at most its least: with counts at
+    most the schedule's own (those of fewer micro-batches, `SearchContext.floor_pipeline`)
+    it bounds the longer step's peak without building it."""
+    parts = [
+        _least_parts(
+            sums,
+            range(boundaries[s], boundaries[s + 1]),
+            before=counts.before[s],
+            after=counts.after[s],
+            micro_batch_size=micro_batch_size,
+            reduce_copy=reduce_copy,
+            recompute_runs=recompute_runs,
+            held=_held(sums, schedule, counts, s, micro_batch_size),
+        )
+        for s in range(schedule.num_stages)
+    ]
+    together = counts.together or (None,) * schedule.num_ranks
+    return max(
+        _rank_bytes([parts[s] for s in schedule.stages_of(r)], together[r])
+        for r in range(schedule.num_ranks)
+    )
+
+
 def _in_flight(counts: StageCounts, stage: int) -> int:
     """The most micro-batches whose output the stage has sent and whose gradient is to come."""
     return max(counts.before[stage], counts.after[stage])
@@ -266,6 +362,15 @@ def _sends(schedule: Schedule, stage: int, to: int) -> bool:
     """Whether `stage` sends to the stage `to` over the network (a neighbour on the same rank,
     as at the V's turn, is handed what crosses in memory)."""
     return 0 <= to < schedule.num_stages and schedule.rank_of(to) != schedule.rank_of(stage)
+
+
+def _held(
+    sums: LayerBytes, schedule: Schedule, counts: StageCounts, stage: int, micro_batch_size: int
+) -> int:
+    """The sends a stage holds at once: input gradients sent back and not yet proved
+    delivered, outputs sent forward whose gradients are to come."""
+    forward = _in_flight(counts, stage) * _sends(schedule, stage, stage + 1)
+    return micro_batch_size * sums.received * (counts.sent_back[stage] + forward)
 
 
 def rank_peaks(
@@ -288,7 +393,6 @@ def rank_peaks(
     rank of several stages holds their states, stashes and sends together and one transient
     at a time.
     """
-    one = micro_batch_size * sums.received
     parts = tuple(
         _stage_bytes(
             sums,
@@ -299,7 +403,7 @@ def rank_peaks(
             recompute=recomputed[s],
             every=every,
             reduce_copy=reduce_copy,
-            held=one * (counts.sent_back[s] + _in_flight(counts, s) * _sends(schedule, s, s + 1)),
+            held=_held(sums, schedule, counts, s, micro_batch_size),
         )
         for s in range(schedule.num_stages)
     )

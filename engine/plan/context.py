@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 from engine.memory.states import StateLayout
 from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import LayerBytes, StageCounts, layer_bytes, stage_counts, state_sums
+from engine.plan.budget import (
+    LayerBytes,
+    StageCounts,
+    layer_bytes,
+    stage_counts,
+    stage_floor,
+    state_sums,
+)
 from engine.plan.candidates import Candidate
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages
@@ -19,12 +26,18 @@ from engine.schedule.passes import as_lowered
 from models import get_config, layer_specs
 from partitioners import Partition, partition_model
 
-__all__ = ["SAMPLED", "Pipeline", "SearchContext"]
+__all__ = ["FLOOR_ROUNDS", "SAMPLED", "Pipeline", "SearchContext"]
 
 SAMPLED = (3, 4)
 """Beyond 4 micro-batches per pipeline rank, a schedule is built and simulated with 3 and 4
 per rank and extended linearly: past its warm-up a schedule repeats one pattern per
 micro-batch, so its step time, busy time and in-flight counts grow (or stay) linearly."""
+
+
+FLOOR_ROUNDS = {"interleaved_1f1b": 2, "dualpipe_v": 2}
+"""Micro-batches per rank from which a schedule's in-flight counts only grow with more (1
+elsewhere): interleaved 1F1B at one per rank runs as GPipe, DualPipeV needs two. Tested for
+every schedule (`test_counts_grow_with_the_micro_batches_from_the_floor_rounds`)."""
 
 
 def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[int, ...]:
@@ -107,6 +120,14 @@ class SearchContext:
     def pipeline(self, c: Candidate) -> Pipeline:
         return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)
 
+    def floor_pipeline(self, c: Candidate) -> Pipeline | None:
+        """The candidate's schedule at its fewest micro-batches (`FLOOR_ROUNDS` per rank),
+        whose in-flight counts are at most its own; None where that is not fewer."""
+        fewest = FLOOR_ROUNDS.get(c.schedule, 1) * c.mesh.pp
+        if c.micro_batches <= fewest:
+            return None
+        return self.schedule(c.schedule, c.mesh.pp, fewest, c.stages_per_rank)
+
     def layout(self, c: Candidate) -> StateLayout:
         """How the candidate's replica holds its model states."""
         return StateLayout(
@@ -152,6 +173,33 @@ class SearchContext:
             for a, b in itertools.pairwise(bounds)
         ]
         return each[0], max(each[1:], default=None)
+
+    @functools.cache  # noqa: B019
+    def peak_floor(
+        self,
+        states: StateLayout,
+        split: bool,
+        stages: int,
+        micro_batch_size: int,
+        *,
+        reduce_copy: bool,
+        several: bool,
+        recompute_runs: tuple[int, ...],
+    ) -> int:
+        """Of the balanced split into `stages`: the highest stage's `stage_floor`, a bound of
+        the peak under any schedule and recompute, without a schedule built."""
+        sums = self._sums(states, split)
+        return max(
+            stage_floor(
+                sums,
+                range(a, b),
+                micro_batch_size=micro_batch_size,
+                reduce_copy=reduce_copy,
+                recompute_runs=recompute_runs,
+                several=several,
+            )
+            for a, b in itertools.pairwise(self.boundaries(stages))
+        )
 
     @functools.cache  # noqa: B019
     def forward(self, mbs: int, tp: int) -> tuple[float, ...]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory
-from engine.plan.budget import rank_peaks
+from engine.plan.budget import rank_floor, rank_peaks
 from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SAMPLED, SearchContext
 from engine.plan.hardware import all_gather_time, reduce_scatter_time
@@ -224,16 +224,35 @@ class _Screen:
     over: int
     least: float
     """The lowest peak of a candidate over the budget (inf when none was)."""
+    deferred: list[Candidate]
+    """Over the budget by `_count_floor`, below `least`: their own lowest peaks are worked
+    out only when no plan fits (`_least`)."""
 
 
 def _floor(state: SearchContext, c: Candidate) -> int:
-    """A lower bound of the candidate's peak under any recompute, without its schedule or a
-    trace: the highest stage's states and gradients (twice where the dp all-reduce copies
-    them), `stage_floors`. Sends are not counted: how many a stage holds depends on its
-    schedule (`held_input_gradients`)."""
+    """A lower bound of the candidate's peak under any recompute, without its schedule: the
+    highest stage's states and gradients (twice where the dp all-reduce copies them,
+    `stage_floors`), and where those fit, with one micro-batch's activations
+    (`SearchContext.peak_floor`). Sends are not counted: how many a stage holds depends on
+    its schedule (`held_input_gradients`)."""
     twice = c.mesh.dp > 1 and c.zero == 0
-    first, later = state.stage_floors(state.layout(c), c.num_stages, twice)
-    return first if later is None else max(first, later)
+    layout = state.layout(c)
+    first, later = state.stage_floors(layout, c.num_stages, twice)
+    states = first if later is None else max(first, later)
+    if states > state.request.device_memory:
+        return states
+    return max(
+        states,
+        state.peak_floor(
+            layout,
+            c.split,
+            c.num_stages,
+            c.micro_batch_size,
+            reduce_copy=twice,
+            several=c.micro_batches > 1,
+            recompute_runs=() if c.split else (0, EVERY),
+        ),
+    )
 
 
 def _all_candidates(state: SearchContext) -> list[Candidate]:
@@ -258,17 +277,45 @@ def _all_candidates(state: SearchContext) -> list[Candidate]:
     return found
 
 
+def _count_floor(state: SearchContext, c: Candidate) -> int | None:
+    """A lower bound of the candidate's peak from its schedule at fewer micro-batches
+    (`SearchContext.floor_pipeline`), under any recompute; None where there is no shorter one.
+    Most layouts over the budget are over at their fewest micro-batches, so their long
+    schedule is never built."""
+    shorter = state.floor_pipeline(c)
+    if shorter is None:
+        return None
+    schedule = shorter.shape
+    return rank_floor(
+        state.sums(c),
+        schedule,
+        shorter.counts,
+        state.boundaries(schedule.num_stages),
+        micro_batch_size=c.micro_batch_size,
+        reduce_copy=c.mesh.dp > 1 and c.zero == 0,
+        recompute_runs=() if c.split else (0, EVERY),
+    )
+
+
 def _screen_all(state: SearchContext) -> _Screen:
     """Every candidate through the memory screen in the order of its floor (`_floor`); once
     the floor is over the budget and over the lowest peak seen, the rest are over memory
-    without a schedule built or a trace run. The survivors costed."""
+    without a schedule built or a trace run. Those over by `_count_floor` are not fitted
+    either. The survivors costed."""
     budget = state.request.device_memory
     floored = sorted(((_floor(state, c), c) for c in _all_candidates(state)), key=lambda x: x[0])
     survivors: list[_Screened] = []
+    deferred: list[Candidate] = []
     over, least = 0, math.inf
     for floor, c in floored:
         if floor > budget and floor >= least:
             over += 1
+            continue
+        bound = _count_floor(state, c)
+        if bound is not None and bound > budget:
+            over += 1
+            if bound < least:
+                deferred.append(c)
             continue
         fitted = _fit(state, c, budget)
         if isinstance(fitted, int):
@@ -277,7 +324,20 @@ def _screen_all(state: SearchContext) -> _Screen:
         chosen, bounds, stage_peaks, peaks = fitted
         found = _screen(state, chosen, bounds)
         survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
-    return _Screen(survivors=survivors, considered=len(floored), over=over, least=least)
+    return _Screen(
+        survivors=survivors, considered=len(floored), over=over, least=least, deferred=deferred
+    )
+
+
+def _least(state: SearchContext, screen: _Screen) -> float:
+    """The lowest peak of any candidate the screen put over the budget: the deferred ones
+    fitted now (no plan fits, so this is what the user is told to provide)."""
+    least = screen.least
+    for c in screen.deferred:
+        lowest = _fit(state, c, state.request.device_memory)
+        assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
+        least = min(least, lowest)
+    return least
 
 
 def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
@@ -291,7 +351,8 @@ def search(request: PlanRequest, progress: Callable[[int, int], None] | None = N
     for plan in ranked.plans:
         if id(plan.candidate) not in decided:
             losses[_loss(plan, ranked.best[0] if ranked.best else plan)] += 1
-    least = min([screen.least, *(max(p.rank_peaks) for p in ranked.over)])
+    least = math.inf if ranked.best else _least(state, screen)
+    least = min([least, *(max(p.rank_peaks) for p in ranked.over)])
     return PlanResult(
         request=request,
         plans=ranked.best,

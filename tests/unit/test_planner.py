@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from engine.plan import (
     search,
     write_plan,
 )
-from engine.plan.budget import stage_counts
-from engine.plan.candidates import Candidate, candidates, meshes
-from engine.plan.context import SearchContext
+from engine.plan.budget import StageCounts, stage_counts
+from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
+from engine.plan.context import FLOOR_ROUNDS, SearchContext
 from engine.plan.request import layout_fields
 from engine.plan.search import (
     _all_candidates,
+    _count_floor,
     _fit,
     _floor,
     _predict,
@@ -408,6 +410,75 @@ def test_the_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> 
     for c in found:
         lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
         assert isinstance(lowest, int) and _floor(state, c) <= lowest
+
+
+def _at_most(low: StageCounts, high: StageCounts) -> bool:
+    """Every count of `low` at most `high`'s, every state of a rank's stages together at most
+    one of `high`'s."""
+    for field in ("before", "after", "sent_back"):
+        if any(a > b for a, b in zip(getattr(low, field), getattr(high, field), strict=True)):
+            return False
+    for states, more in zip(low.together, high.together, strict=True):
+        if (states is None) != (more is None):
+            return False
+        if states is None or more is None:
+            continue
+        if not all(any(_covered(a, b) for b in more) for a in states):
+            return False
+    return True
+
+
+def _covered(state: tuple[int, ...], by: tuple[int, ...]) -> bool:
+    return all(x <= y for x, y in zip(state, by, strict=True))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_counts_grow_with_the_micro_batches_from_the_floor_rounds(name: str) -> None:
+    """What `_count_floor` rests on: a schedule's in-flight counts at its fewest micro-batches
+    bound those of every longer step from below."""
+    checked = 0
+    for pp, v in ((2, 1), (2, 2), (3, 2), (4, 1), (4, 2), (5, 2)):
+        fewest = FLOOR_ROUNDS.get(name, 1) * pp
+        try:
+            low = stage_counts(
+                make_schedule(name, num_ranks=pp, micro_batches=fewest, stages_per_rank=v)
+            )
+        except ValueError:
+            continue
+        for m in range(fewest + 1, 6 * pp + 1):
+            try:
+                schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
+            except ValueError:
+                continue
+            assert _at_most(low, stage_counts(schedule)), (name, pp, v, m)
+            checked += 1
+    assert checked > 10
+
+
+def test_the_count_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> None:
+    request = replace(SMALL, global_batch=32)
+    state = SearchContext(request)
+    bounded = 0
+    for c in _all_candidates(state):
+        bound = _count_floor(state, c)
+        if bound is None:
+            continue
+        lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
+        assert isinstance(lowest, int) and bound <= lowest, c
+        bounded += 1
+    assert bounded > 20
+
+
+def test_the_leanest_layout_named_when_none_fits_counts_those_skipped_by_the_count_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    request = replace(SMALL, global_batch=32, device_memory=300_000)
+    skipping = search(request)
+    module = sys.modules[_count_floor.__module__]  # the package's `search` shadows the module
+    monkeypatch.setattr(module, "_count_floor", lambda state, c: None)
+    fitting_all = search(request)
+    assert not skipping.plans and skipping.least_memory is not None
+    assert skipping.least_memory == fitting_all.least_memory
 
 
 def test_a_stage_recomputed_per_layer_keeps_its_layers_inputs_not_their_activations() -> None:
