@@ -20,8 +20,8 @@ from engine.plan.budget import (
 )
 from engine.plan.candidates import Candidate
 from engine.plan.request import PlanRequest
-from engine.plan.timing import StageTimes, layer_flops, simulate_stages
-from engine.schedule import Schedule, SimResult, make_schedule
+from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
+from engine.schedule import Schedule, SimResult, SimTimes, make_schedule
 from engine.schedule.passes import as_lowered
 from models import get_config, layer_specs
 from partitioners import Partition, partition_model
@@ -107,9 +107,13 @@ class SearchContext:
         return partition.boundaries
 
     @functools.cache  # noqa: B019
-    def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
+    def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimTimes:
         """Candidates that differ only in their data-parallel tails share one simulation. The
         schedules are the generators' (`built`), lowered here: valid by their tests."""
+        return time_stages(self.lowered(schedule), stages, p2p=p2p)
+
+    def timeline(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
+        """`run` with the timeline a plan's figure draws: for the plans shown, not searched."""
         return simulate_stages(self.lowered(schedule), stages, p2p=p2p, validated=True)
 
     @functools.cache  # noqa: B019

@@ -175,6 +175,8 @@ def _costs(search: SearchContext, s: _Screened) -> tuple[float, float]:
 
 
 def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Prediction:
+    """The screened candidate's prediction, timed by the simulator or else at its bound; its
+    timeline is drawn for the plans shown only (`_with_timeline`)."""
     r = search.request
     step = timed.step if timed is not None else s.bound
     comm, recompute = _costs(search, s)
@@ -190,8 +192,13 @@ def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Predic
         recompute=recompute,
         stage_peaks=s.stage_peaks,
         rank_peaks=s.rank_peaks,
-        simulated=timed.result if timed is not None else None,
     )
+
+
+def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Prediction:
+    """The plan with its simulated timeline: the step's, or its longer sample's."""
+    sample = search.pipeline(s.candidate).samples[-1]
+    return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p))
 
 
 def _simulate(search: SearchContext, s: _Screened) -> Timed:
@@ -204,8 +211,8 @@ def _simulate(search: SearchContext, s: _Screened) -> Timed:
     pp, m = pipeline.shape.num_ranks, pipeline.micro_batches
     per_micro_batch = (high.step - low.step) / pp
     step = low.step + per_micro_batch * (m - SAMPLED[0] * pp)
-    busy = sum(high.result.busy) * m / (SAMPLED[1] * pp)
-    return Timed(step=step, bubble=1 - busy / (pp * step), result=high.result)
+    busy = high.busy * m / (SAMPLED[1] * pp)
+    return Timed(step=step, bubble=1 - busy / (pp * step), busy=busy)
 
 
 def _loss(plan: Prediction, best: Prediction) -> str:
@@ -388,7 +395,7 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
         every=candidate.recompute_every,
     )
     screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
-    return _predict(state, screened, _simulate(state, screened))
+    return _with_timeline(state, screened, _predict(state, screened, _simulate(state, screened)))
 
 
 _REPLAYS = 12
@@ -442,7 +449,12 @@ def _rank(
             exact[id(pending[0].candidate)] = replayed
     if progress is not None:
         progress(len(order), len(order))
-    best = tuple(exact[id(p.candidate)] for p in chosen if id(p.candidate) in exact)
+    by_id = {id(s.candidate): s for s in order}
+    best = tuple(
+        _with_timeline(state, by_id[id(p.candidate)], exact[id(p.candidate)])
+        for p in chosen
+        if id(p.candidate) in exact
+    )
     rest = [_predict(state, s, None) for s in order[done:]]
     return _Ranked(plans=simulated + rest, best=best, over=over)
 

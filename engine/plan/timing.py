@@ -27,7 +27,7 @@ from engine.plan.hardware import (
     all_reduce_time,
     reduce_scatter_time,
 )
-from engine.schedule import ActionCosts, Schedule, SimResult, simulate
+from engine.schedule import ActionCosts, Schedule, SimResult, SimTimes, simulate, simulate_times
 from models import LayerSpec
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "layer_flops",
     "simulate_stages",
     "stage_times",
+    "time_stages",
     "with_tails",
 ]
 
@@ -126,28 +127,38 @@ def dp_tail(
 
 @dataclass(frozen=True, kw_only=True)
 class Timed:
-    """A simulated step: its time and bubble with each rank's data-parallel tail."""
+    """A simulated step: its time and bubble with each rank's data-parallel tail, and the
+    sample's busy time (`SimTimes`)."""
 
     step: float
     bubble: float
-    result: SimResult
+    busy: float
+
+
+def _costs(stages: Sequence[StageTimes], p2p: float) -> ActionCosts:
+    return ActionCosts(
+        per_stage=tuple((s.forward, s.backward, s.input_grad, s.weight_grad) for s in stages),
+        comm=p2p,
+    )
 
 
 def simulate_stages(
     schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float, validated: bool = False
 ) -> SimResult:
     """The schedule's step under the stages' action costs and the transfer delay `p2p`
-    (`validated`: as `simulate`'s)."""
-    costs = ActionCosts(
-        per_stage=tuple((s.forward, s.backward, s.input_grad, s.weight_grad) for s in stages),
-        comm=p2p,
-    )
-    return simulate(schedule, costs, validated=validated)
+    (`validated`: as `simulate`'s), with its timeline."""
+    return simulate(schedule, _costs(stages, p2p), validated=validated)
 
 
-def with_tails(result: SimResult, tails: Sequence[float]) -> Timed:
+def time_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes:
+    """`simulate_stages`'s ends and busy times alone, of a lowered generator's schedule: what
+    the search prices every candidate by (`simulate_times`)."""
+    return simulate_times(schedule, _costs(stages, p2p))
+
+
+def with_tails(times: SimTimes, tails: Sequence[float]) -> Timed:
     """The step with each rank's data-parallel tail added after its last action."""
-    ends = [max((t.end for t in row), default=0.0) for row in result.timeline]
-    step = max(end + tail for end, tail in zip(ends, tails, strict=True))
-    bubble = 1 - sum(result.busy) / (len(ends) * step) if step > 0 else 0.0
-    return Timed(step=step, bubble=bubble, result=result)
+    step = max(end + tail for end, tail in zip(times.ends, tails, strict=True))
+    busy = sum(times.busy)
+    bubble = 1 - busy / (len(times.ends) * step) if step > 0 else 0.0
+    return Timed(step=step, bubble=bubble, busy=busy)

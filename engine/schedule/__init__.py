@@ -23,7 +23,14 @@ from engine.schedule.passes import add_communication, forward_only
 from engine.schedule.placement import PLACEMENTS, placement_of
 from engine.schedule.resolve import check_fits, schedule_for
 from engine.schedule.schedule import Schedule, format_schedule
-from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
+from engine.schedule.simulate import (
+    ActionCosts,
+    SimResult,
+    SimTimes,
+    simulate,
+    simulate_times,
+    steady_state_bubble,
+)
 from engine.schedule.text import load_schedule, parse_schedule, save_schedule
 from engine.schedule.v_schedules import V_SCHEDULES, dualpipe_v, v_half, v_min, zb_v
 from engine.schedule.validate import ScheduleError, validate
@@ -39,6 +46,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "SimResult",
+    "SimTimes",
     "add_communication",
     "check_fits",
     "dualpipe_v",
@@ -57,6 +65,7 @@ __all__ = [
     "save_schedule",
     "schedule_for",
     "simulate",
+    "simulate_times",
     "split_units",
     "steady_state_bubble",
     "v_half",

@@ -7,6 +7,7 @@ steps back to back with no barrier, the regime of the Zero Bubble paper's closed
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields, replace
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
@@ -17,9 +18,11 @@ from engine.schedule.validate import ScheduleError, validate
 __all__ = [
     "ActionCosts",
     "SimResult",
+    "SimTimes",
     "TimedAction",
     "repeat",
     "simulate",
+    "simulate_times",
     "steady_state_bubble",
 ]
 
@@ -209,6 +212,77 @@ def simulate(
         ),
         steps=max(sum(a.is_compute for a in row) for row in lowered.rows),
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimTimes:
+    """What a search needs of a dry run: when each rank ends and how long it computes."""
+
+    ends: tuple[float, ...]
+    busy: tuple[float, ...]
+
+
+_COMPUTE, _SEND, _RECV = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=64)
+def _program(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """A lowered schedule's rows as (op, argument) pairs: a compute action's cost index
+    (stage · 4 + F/B/I/W), a send's or receive's message number. Worked out once per
+    schedule, so a search pricing it under many costs walks integers, not actions."""
+    messages: dict[Action, int] = {}
+    order = (_F, _B, _I, _W)
+    rows = []
+    for row in schedule.rows:
+        ops = []
+        for action in row:
+            if action.kind in _RECVS:
+                key = counterpart(action)
+                ops.append((_RECV, messages.setdefault(key, len(messages))))
+            elif action.kind in COMM_KINDS:
+                ops.append((_SEND, messages.setdefault(action, len(messages))))
+            else:
+                ops.append((_COMPUTE, 4 * action.stage + order.index(action.kind)))
+        rows.append(tuple(ops))
+    return tuple(rows)
+
+
+def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
+    """`simulate`'s clock for a lowered schedule known valid (a generator's), its ends and
+    busy times to the bit, without a timeline: the planner prices each schedule under many
+    layouts' costs. A deadlock is reported by `simulate`."""
+    program = _program(schedule)
+    per_stage = (
+        costs.per_stage
+        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),)
+        * schedule.num_stages
+    )
+    table = [c for row in per_stage for c in row]
+    sent: list[float | None] = [None] * (1 + max((a for r in program for _, a in r), default=0))
+    pcs, clocks = [0] * len(program), [0.0] * len(program)
+    while True:
+        moved = False
+        for rank, ops in enumerate(program):
+            pc, now, start = pcs[rank], clocks[rank], pcs[rank]
+            while pc < len(ops):
+                op, arg = ops[pc]
+                if op == _RECV:
+                    at = sent[arg]
+                    if at is None:
+                        break
+                    now = max(now, at + costs.comm)
+                elif op == _SEND:
+                    sent[arg] = now
+                else:
+                    now += table[arg]
+                pc += 1
+            pcs[rank], clocks[rank], moved = pc, now, moved or pc > start
+        if all(pc == len(ops) for pc, ops in zip(pcs, program, strict=True)):
+            break
+        if not moved:
+            simulate(schedule, costs)  # raises the deadlock, with the schedule around it
+    busy = tuple(sum(table[arg] for op, arg in ops if op == _COMPUTE) for ops in program)
+    return SimTimes(ends=tuple(clocks), busy=busy)
 
 
 def repeat(schedule: Schedule, iterations: int) -> Schedule:
