@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 
 CUDA_TESTS = os.environ.get("MESHPIPE_TEST_CUDA") == "1"
+# Every trace made afresh (and none written to the home folder); tests/unit/test_trace_cache.py
+# turns the cache on in a folder of its own.
+os.environ.setdefault("MESHPIPE_TRACE_CACHE", "off")
 if not CUDA_TESTS:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 

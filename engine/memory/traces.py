@@ -21,6 +21,7 @@ from engine.config import require
 from engine.memory.fake_world import StageGrid, stage_grid
 from engine.memory.rank_states import fsdp_resizes, gathered_bytes
 from engine.memory.replay import StageRun, StageShape, build_stage, fake_parameters
+from engine.memory.trace_cache import load_trace, store_trace, trace_key
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device
 from engine.parallel import FullyShardedLayers
 from engine.runtime.sharded_stages import fully_shard_stages
@@ -249,10 +250,15 @@ def cached_trace(
     device: str,
     local: tuple[bool, bool] = (False, False),
 ) -> StageTrace:
-    """`trace_stage`, once per distinct stage: stages built alike allocate alike."""
+    """`trace_stage`, once per distinct stage (stages built alike allocate alike), and kept on
+    disk between runs (`engine.memory.trace_cache`)."""
+    key = trace_key(specs, first, last, styles, shape, device, local)
+    kept = load_trace(key, StageTrace)
+    if kept is not None:
+        return kept
     cuda = device == "cuda"
     block = CUDA_BLOCK if cuda else 1
-    return trace_stage(
+    traced = trace_stage(
         specs,
         first=first,
         last=last,
@@ -262,3 +268,5 @@ def cached_trace(
         block=block,
         local=local,
     )
+    store_trace(key, traced)
+    return traced

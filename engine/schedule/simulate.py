@@ -225,24 +225,34 @@ class SimTimes:
 _COMPUTE, _SEND, _RECV = 0, 1, 2
 
 
+_OPS = {
+    id(ActionKind.SEND_F): (_SEND, 0, 0),
+    id(ActionKind.SEND_B): (_SEND, 1, 0),
+    id(ActionKind.RECV_F): (_RECV, 0, -1),
+    id(ActionKind.RECV_B): (_RECV, 1, +1),
+    **{id(kind): (_COMPUTE, index, 0) for index, kind in enumerate((_F, _B, _I, _W))},
+}
+"""Per kind, by identity (an enum member hashes in Python): its op, its direction (messages)
+or cost index (compute), and where its message's sender sits (receives)."""
+
+
 @functools.lru_cache(maxsize=64)
 def _program(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
     """A lowered schedule's rows as (op, argument) pairs: a compute action's cost index
-    (stage · 4 + F/B/I/W), a send's or receive's message number. Worked out once per
-    schedule, so a search pricing it under many costs walks integers, not actions."""
-    messages: dict[Action, int] = {}
-    order = (_F, _B, _I, _W)
+    (stage · 4 + F/B/I/W), a send's or receive's message number (sending stage, direction,
+    micro-batch). Worked out once per schedule, so a search pricing it under many costs walks
+    integers, not actions."""
+    messages: dict[tuple[int, int, int], int] = {}
     rows = []
     for row in schedule.rows:
         ops = []
         for action in row:
-            if action.kind in _RECVS:
-                key = counterpart(action)
-                ops.append((_RECV, messages.setdefault(key, len(messages))))
-            elif action.kind in COMM_KINDS:
-                ops.append((_SEND, messages.setdefault(action, len(messages))))
+            op, arg, offset = _OPS[id(action.kind)]
+            if op == _COMPUTE:
+                ops.append((op, 4 * action.stage + arg))
             else:
-                ops.append((_COMPUTE, 4 * action.stage + order.index(action.kind)))
+                key = (action.stage + offset, arg, action.micro_batch)
+                ops.append((op, messages.setdefault(key, len(messages))))
         rows.append(tuple(ops))
     return tuple(rows)
 

@@ -1,0 +1,127 @@
+"""Stage traces kept on disk, so a plan or an estimate traces nothing a run before it traced.
+
+A trace (`StageTrace`) follows from the stage's layers, its shape, the device and the code that
+runs it (meshpipe's packages and torch). A file's name is the digest of all of them: changed
+code or another torch reads other names, never a stale trace. Each file carries its payload's
+sha256, checked on every read; a file that fails is traced again and written anew, atomically.
+
+`MESHPIPE_TRACE_CACHE` names the folder, or `off` for none; by default it is `traces/` in
+`MESHPIPE_CACHE` (or ~/.cache/meshpipe), the prepared corpus's folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from engine.checkpoint.atomic import atomic_write_text
+from engine.memory.tracker import Span
+from engine.schedule.actions import ActionKind
+
+__all__ = ["TRACE_CACHE_VERSION", "load_trace", "store_trace", "trace_folder", "trace_key"]
+
+TRACE_CACHE_VERSION = 1
+"""The file format; part of every name."""
+
+_T = TypeVar("_T")
+_PACKAGES = ("engine", "models", "partitioners")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def trace_folder() -> Path | None:
+    """Where traces are kept, or None when `MESHPIPE_TRACE_CACHE=off`."""
+    chosen = os.environ.get("MESHPIPE_TRACE_CACHE")
+    if chosen == "off":
+        return None
+    if chosen:
+        return Path(chosen)
+    root = os.environ.get("MESHPIPE_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "meshpipe") / "traces"
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The sha256 of every source file of meshpipe's packages and of torch's version: what a
+    trace depends on besides its arguments."""
+    digest = hashlib.sha256(f"torch {torch.__version__}\n".encode())
+    for package in _PACKAGES:
+        for path in sorted((_ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(_ROOT)).encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def trace_key(*parts: object) -> str:
+    """The file name of the trace of `parts` (`cached_trace`'s arguments: frozen dataclasses
+    and tuples, whose reprs spell out every field)."""
+    text = repr((TRACE_CACHE_VERSION, _code_digest(), parts))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _payload(trace: Any) -> dict[str, Any]:
+    def phases(spans: Any) -> list[list[Any]]:
+        return [[kind.value, split, s.peak, s.net] for (kind, split), s in spans.items()]
+
+    return {
+        "begin": [trace.begin.peak, trace.begin.net],
+        "first": phases(trace.first),
+        "later": phases(trace.later),
+        "held_per_micro_batch": trace.held_per_micro_batch,
+        "sent_back": trace.sent_back,
+        "weight_copies": trace.weight_copies,
+        "reduce": [trace.reduce.peak, trace.reduce.net],
+    }
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def store_trace(key: str, trace: Any) -> None:
+    """Write the trace under `key`, all or nothing. A folder that cannot be written costs only
+    speed: the trace is simply not kept."""
+    folder = trace_folder()
+    if folder is None:
+        return
+    payload = _payload(trace)
+    text = json.dumps({"sha256": _digest(payload), "trace": payload})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / f"{key}.json", text)
+    except OSError:
+        return
+
+
+def load_trace(key: str, build: Callable[..., _T]) -> _T | None:
+    """The trace stored under `key`, rebuilt with `build` (`StageTrace`), or None when there
+    is none or it fails its checksum."""
+    folder = trace_folder()
+    if folder is None:
+        return None
+    try:
+        stored = json.loads((folder / f"{key}.json").read_text())
+        payload = stored["trace"]
+        if stored["sha256"] != _digest(payload):
+            return None
+        return build(
+            begin=Span(peak=payload["begin"][0], net=payload["begin"][1]),
+            first=_spans(payload["first"]),
+            later=_spans(payload["later"]),
+            held_per_micro_batch=payload["held_per_micro_batch"],
+            sent_back=payload["sent_back"],
+            weight_copies=payload["weight_copies"],
+            reduce=Span(peak=payload["reduce"][0], net=payload["reduce"][1]),
+        )
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _spans(rows: Sequence[Sequence[Any]]) -> dict[tuple[ActionKind, bool], Span]:
+    return {(ActionKind(kind), bool(split)): Span(peak=p, net=n) for kind, split, p, n in rows}
