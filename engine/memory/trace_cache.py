@@ -15,13 +15,13 @@ import functools
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from engine.checkpoint.atomic import atomic_write_text
 from engine.memory.tracker import Span
 from engine.schedule.actions import ActionKind
 
@@ -85,18 +85,24 @@ def _digest(payload: dict[str, Any]) -> str:
 
 
 def store_trace(key: str, trace: Any) -> None:
-    """Write the trace under `key`, all or nothing. A folder that cannot be written costs only
-    speed: the trace is simply not kept."""
+    """Write the trace under `key`, all or nothing (a temporary file renamed over it; not
+    fsynced: a file a crash truncates fails its checksum and is traced again). A folder that
+    cannot be written costs only speed: the trace is simply not kept."""
     folder = trace_folder()
     if folder is None:
         return
     payload = _payload(trace)
     text = json.dumps({"sha256": _digest(payload), "trace": payload})
+    temporary: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / f"{key}.json", text)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+            temporary = f.name
+            f.write(text)
+        os.replace(temporary, folder / f"{key}.json")
     except OSError:
-        return
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 
 def load_trace(key: str, build: Callable[..., _T]) -> _T | None:
