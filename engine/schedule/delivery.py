@@ -82,16 +82,14 @@ def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
     once: what its exchange holds at worst under `released_at`.
 
     Worked out on the compute actions alone (a receive sits right before the action that
-    consumes it, a send right after the one that produced it), without lowering or hashing
-    actions: the planner asks it of hundreds of schedules of tens of thousands of actions.
+    consumes it, a send right after the one that produced it, as `add_communication` places
+    them), without lowering or hashing actions: the planner asks it of hundreds of schedules
+    of tens of thousands of actions. `released_at` walks the lowered rows themselves: a user's
+    lowered schedule may post its receives anywhere. Tested equal on every generator's.
     """
     rows = [[a for a in row if id(a.kind) not in _COMM_IDS] for row in schedule.rows]
-    place = schedule.placement
-    where = [
-        {(a.stage, a.micro_batch, a.kind is not _F): i for i, a in enumerate(r) if a.kind is not _W}
-        for r in rows
-    ]
-    sends = [_messages(row, rank, place) for rank, row in enumerate(rows)]
+    position, sends = _messages(rows, schedule)
+    place, m = schedule.placement, _micro_batches(rows)
     most = [0] * schedule.num_stages
     for rank, row in enumerate(rows):
         held, freed = [0] * schedule.num_stages, dict[int, list[int]]()
@@ -104,26 +102,38 @@ def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
             held[a.stage] += 1
             most[a.stage] = max(most[a.stage], held[a.stage])
             positions, consumers = sends[peer].get(rank, ([], []))
-            after = bisect.bisect_left(positions, where[peer][(a.stage - 1, a.micro_batch, True)])
-            if after < len(positions) and where[rank][consumers[after]] > i:
-                freed.setdefault(where[rank][consumers[after]], []).append(a.stage)
+            arrived = position[(2 * a.stage - 1) * m + a.micro_batch]  # the peer's backward
+            after = bisect.bisect_left(positions, arrived)
+            if after < len(positions) and position[consumers[after]] > i:
+                freed.setdefault(position[consumers[after]], []).append(a.stage)
     return tuple(most)
 
 
-_Key = tuple[int, int, bool]
-"""A compute action by (stage, micro-batch, whether a backward): W excluded."""
+def _micro_batches(rows: Sequence[Sequence[Action]]) -> int:
+    return 1 + max((a.micro_batch for row in rows for a in row), default=0)
 
 
 def _messages(
-    row: Sequence[Action], rank: int, place: tuple[int, ...]
-) -> dict[int, tuple[list[int], list[_Key]]]:
-    """Per rank a compute-only row sends to: after which of its actions each message goes,
-    and the action that consumes it there."""
-    by_peer: dict[int, tuple[list[int], list[_Key]]] = {}
-    for i, a in enumerate(row):
-        to = a.stage + 1 if a.kind is _F else a.stage - 1
-        if a.kind is not _W and 0 <= to < len(place) and place[to] != rank:
-            positions, consumers = by_peer.setdefault(place[to], ([], []))
-            positions.append(i)
-            consumers.append((to, a.micro_batch, a.kind is not _F))
-    return by_peer
+    rows: Sequence[Sequence[Action]], schedule: Schedule
+) -> tuple[list[int], list[dict[int, tuple[list[int], list[int]]]]]:
+    """Of compute-only rows: where in its rank's row each action sits, by (stage, whether a
+    backward, micro-batch) numbered `(2 · stage + backward) · m + micro-batch` (W left out:
+    it sends nothing); and per rank, per rank it sends to, after which of its actions each
+    message goes and the action that consumes it there."""
+    place, m = schedule.placement, _micro_batches(rows)
+    position = [0] * (2 * schedule.num_stages * m)
+    sends: list[dict[int, tuple[list[int], list[int]]]] = []
+    for rank, row in enumerate(rows):
+        by_peer: dict[int, tuple[list[int], list[int]]] = {}
+        for i, a in enumerate(row):
+            if a.kind is _W:
+                continue
+            back = a.kind is not _F
+            position[(2 * a.stage + back) * m + a.micro_batch] = i
+            to = a.stage - 1 if back else a.stage + 1
+            if 0 <= to < len(place) and place[to] != rank:
+                positions, consumers = by_peer.setdefault(place[to], ([], []))
+                positions.append(i)
+                consumers.append((2 * to + back) * m + a.micro_batch)
+        sends.append(by_peer)
+    return position, sends
