@@ -231,9 +231,9 @@ class _Screen:
     over: int
     least: float
     """The lowest peak of a candidate over the budget (inf when none was)."""
-    deferred: list[Candidate]
-    """Over the budget by `_count_floor`, below `least`: their own lowest peaks are worked
-    out only when no plan fits (`_least`)."""
+    deferred: list[tuple[int, Candidate]]
+    """Over the budget by `_count_floor` (with that bound), below `least`: their own lowest
+    peaks are worked out only when no plan fits (`_least`)."""
 
 
 def _floor(state: SearchContext, c: Candidate) -> int:
@@ -312,7 +312,7 @@ def _screen_all(state: SearchContext) -> _Screen:
     budget = state.request.device_memory
     floored = sorted(((_floor(state, c), c) for c in _all_candidates(state)), key=lambda x: x[0])
     survivors: list[_Screened] = []
-    deferred: list[Candidate] = []
+    deferred: list[tuple[int, Candidate]] = []
     over, least = 0, math.inf
     for floor, c in floored:
         if floor > budget and floor >= least:
@@ -322,7 +322,7 @@ def _screen_all(state: SearchContext) -> _Screen:
         if bound is not None and bound > budget:
             over += 1
             if bound < least:
-                deferred.append(c)
+                deferred.append((bound, c))
             continue
         fitted = _fit(state, c, budget)
         if isinstance(fitted, int):
@@ -340,7 +340,9 @@ def _least(state: SearchContext, screen: _Screen) -> float:
     """The lowest peak of any candidate the screen put over the budget: the deferred ones
     fitted now (no plan fits, so this is what the user is told to provide)."""
     least = screen.least
-    for c in screen.deferred:
+    for bound, c in sorted(screen.deferred, key=lambda x: x[0]):
+        if bound >= least:
+            break
         lowest = _fit(state, c, state.request.device_memory)
         assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
         least = min(least, lowest)
