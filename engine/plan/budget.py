@@ -330,9 +330,9 @@ def rank_floor(
     reduce_copy: bool,
     recompute_runs: Sequence[int],
 ) -> int:
-    """The highest rank's peak under any recompute choice, at most its least: with counts at
-    most the schedule's own (those of fewer micro-batches, `SearchContext.floor_pipeline`)
-    it bounds the longer step's peak without building it."""
+    """A bound from below of the highest rank's peak under any recompute choice. Given counts
+    at most the schedule's own (those of fewer micro-batches, `SearchContext.floor_pipeline`),
+    it bounds the longer step's peak without that step's schedule built."""
     parts = [
         _least_parts(
             sums,
