@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
-from engine.schedule.passes import add_communication, counterpart, is_lowered
+from engine.schedule.passes import add_communication, as_lowered, counterpart, is_lowered
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.validate import ScheduleError, validate
 
@@ -258,9 +258,10 @@ def _program(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
 
 
 def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
-    """`simulate`'s clock for a lowered schedule known valid (a generator's), its ends and
-    busy times to the bit, without a timeline: the planner prices each schedule under many
-    layouts' costs. A deadlock is reported by `simulate`."""
+    """`simulate`'s clock for a schedule known valid (a generator's; compute-only ones are
+    lowered first), its ends and busy times to the bit, without a timeline: the planner
+    prices each schedule under many layouts' costs. A deadlock is reported by `simulate`."""
+    schedule = as_lowered(schedule)
     program = _program(schedule)
     per_stage = (
         costs.per_stage
@@ -291,6 +292,7 @@ def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
             break
         if not moved:
             simulate(schedule, costs)  # raises the deadlock, with the schedule around it
+            raise AssertionError("simulate_times stalled where simulate runs through")
     busy = tuple(sum(table[arg] for op, arg in ops if op == _COMPUTE) for ops in program)
     return SimTimes(ends=tuple(clocks), busy=busy)
 

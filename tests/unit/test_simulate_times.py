@@ -54,6 +54,13 @@ def test_uniform_costs_are_every_stages() -> None:
     assert max(simulate_times(schedule, costs).ends) == simulate(schedule, costs).step_time
 
 
+def test_a_compute_only_schedule_is_lowered_first_as_simulate_lowers_it() -> None:
+    schedule = make_schedule("zb_h1", num_ranks=3, micro_batches=6)
+    costs = ActionCosts(comm=0.5)
+    assert simulate_times(schedule, costs) == simulate_times(as_lowered(schedule), costs)
+    assert max(simulate_times(schedule, costs).ends) == simulate(schedule, costs).step_time
+
+
 def test_a_deadlock_is_reported_as_simulate_reports_it() -> None:
     both_receive_first = parse_schedule(
         ["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"], micro_batches=1
