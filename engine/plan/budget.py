@@ -346,8 +346,15 @@ def rank_floor(
         )
         for s in range(schedule.num_stages)
     ]
+    return max(_per_rank(parts, schedule, counts))
+
+
+def _per_rank(
+    parts: Sequence[_StageBytes], schedule: Schedule, counts: StageCounts
+) -> tuple[int, ...]:
+    """Each rank's peak from its stages' parts, at the states they reach together."""
     together = counts.together or (None,) * schedule.num_ranks
-    return max(
+    return tuple(
         _rank_bytes([parts[s] for s in schedule.stages_of(r)], together[r])
         for r in range(schedule.num_ranks)
     )
@@ -407,9 +414,4 @@ def rank_peaks(
         )
         for s in range(schedule.num_stages)
     )
-    together = counts.together or (None,) * schedule.num_ranks
-    ranks = tuple(
-        _rank_bytes([parts[s] for s in schedule.stages_of(r)], together[r])
-        for r in range(schedule.num_ranks)
-    )
-    return tuple(p.peak for p in parts), ranks
+    return tuple(p.peak for p in parts), _per_rank(parts, schedule, counts)
