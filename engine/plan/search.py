@@ -1,12 +1,11 @@
 """The planner's search: every candidate layout screened for memory, the survivors timed.
 
-Memory first: each candidate's per-rank peak (`engine.plan.budget`) without recompute, and
-where a rank is over the budget, with the forward recomputed on that rank's stages only (then
-on every stage). Then time: a lower bound per survivor (its busiest rank's compute and
-communication, no bubble), and the simulator (`engine.plan.timing`) in the order of that bound
-until the bound alone is slower than the best plans found, so a 64-device search simulates a
-few dozen of its thousands of candidates. Each loser is charged to what cost it most against
-the best plan: memory, bubble (idle time, imbalance included), communication or recompute.
+Memory first (`engine.plan.screen`): the candidates that fit, each with the least recompute.
+Then time: a lower bound per survivor (its busiest rank's compute and communication, no
+bubble), and the simulator (`engine.plan.timing`) in the order of that bound until the bound
+alone is slower than the best plans found, so a 64-device search simulates a few dozen of its
+thousands of candidates. Each loser is charged to what cost it most against the best plan:
+memory, bubble (idle time, imbalance included), communication or recompute.
 """
 
 from __future__ import annotations
@@ -16,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory
-from engine.plan.budget import rank_floor, rank_peaks
-from engine.plan.candidates import Candidate, candidates, meshes
+from engine.plan.budget import rank_peaks
+from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, SearchContext
 from engine.plan.hardware import all_gather_time, reduce_scatter_time
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, layout_fields
+from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
 __all__ = ["predict", "search"]
@@ -36,54 +36,6 @@ class _Screened:
     bound: float
     stage_peaks: tuple[int, ...]
     rank_peaks: tuple[int, ...]
-
-
-EVERY = 1
-"""The run length tried for `--recompute every:N`: one layer's activations regenerated at a
-time, each layer's input kept (as Megatron's full per-layer recompute)."""
-
-
-def _fit(
-    search: SearchContext, c: Candidate, budget: int
-) -> tuple[Candidate, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | int:
-    """The candidate with the least recompute that fits, with its boundaries and per-stage and
-    per-rank peaks; else the lowest peak it reaches. Tried in turn: none; where a rank is over
-    the budget, its stages recomputed whole, then per layer (`EVERY`); every stage whole, then
-    per layer (a split backward's W keeps what I recomputed: none)."""
-    pipeline = search.pipeline(c)
-    schedule, counts = pipeline.shape, pipeline.counts
-    bounds = search.boundaries(schedule.num_stages)
-    sums = search.sums(c)
-
-    def peaks(recomputed: Sequence[int], every: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        chosen = set(recomputed)
-        return rank_peaks(
-            sums,
-            schedule,
-            counts,
-            bounds,
-            micro_batch_size=c.micro_batch_size,
-            recomputed=[s in chosen for s in range(schedule.num_stages)],
-            reduce_copy=c.mesh.dp > 1 and c.zero == 0,
-            every=every,
-        )
-
-    every = tuple(range(schedule.num_stages))
-    tried: list[tuple[tuple[int, ...], int]] = [((), 0)]
-    stages, ranks = peaks((), 0)
-    if max(ranks) > budget and not c.split:
-        over = [r for r, peak in enumerate(ranks) if peak > budget]
-        some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
-        wholes = [some, every] if some != every else [every]
-        tried = [(stages, n) for stages in wholes for n in (0, EVERY)]
-    lowest = max(ranks)
-    for recompute, n in tried:
-        stages, ranks = peaks(recompute, n)
-        lowest = min(lowest, max(ranks))
-        if max(ranks) <= budget:
-            chosen = replace(c, recompute=recompute, recompute_every=n if recompute else 0)
-            return chosen, bounds, stages, ranks
-    return lowest
 
 
 def _stage_costs(
@@ -224,143 +176,26 @@ def _loss(plan: Prediction, best: Prediction) -> str:
     return max(reasons, key=lambda k: reasons[k])
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Screen:
-    survivors: list[_Screened]
-    considered: int
-    over: int
-    least: float
-    """The lowest peak of a candidate over the budget (inf when none was)."""
-    deferred: list[tuple[int, Candidate]]
-    """Over the budget by `_count_floor` (with that bound), below `least`: their own lowest
-    peaks are worked out only when no plan fits (`_least`)."""
-
-
-def _floor(state: SearchContext, c: Candidate) -> int:
-    """A lower bound of the candidate's peak under any recompute, without its schedule: the
-    highest stage's states and gradients (twice where the dp all-reduce copies them,
-    `stage_floors`), and where those fit, with one micro-batch's activations
-    (`SearchContext.peak_floor`). Sends are not counted: how many a stage holds depends on
-    its schedule (`held_input_gradients`)."""
-    twice = c.mesh.dp > 1 and c.zero == 0
-    layout = state.layout(c)
-    first, later = state.stage_floors(layout, c.num_stages, twice)
-    states = first if later is None else max(first, later)
-    if states > state.request.device_memory:
-        return states
-    return max(
-        states,
-        state.peak_floor(
-            layout,
-            c.split,
-            c.num_stages,
-            c.micro_batch_size,
-            reduce_copy=twice,
-            several=c.micro_batches > 1,
-            recompute_runs=() if c.split else (0, EVERY),
-        ),
-    )
-
-
-def _all_candidates(state: SearchContext) -> list[Candidate]:
-    request = state.request
-    tied = any(spec.tie_key is not None for spec in state.specs)
-    found: list[Candidate] = []
-    for mesh in meshes(
-        request.model,
-        request.devices,
-        num_layers=len(state.specs),
-        seq_len=request.seq_len,
-        gpus_per_node=request.hardware.gpus_per_node,
-    ):
-        found += candidates(
-            mesh,
-            global_batch=request.global_batch,
-            num_layers=len(state.specs),
-            micro_batch_sizes=request.micro_batch_sizes,
-            schedules=request.schedules,
-            tied=tied,
-        )
-    return found
-
-
-def _count_floor(state: SearchContext, c: Candidate) -> int | None:
-    """A lower bound of the candidate's peak from its schedule at fewer micro-batches
-    (`SearchContext.floor_pipeline`), under any recompute; None where there is no shorter one.
-    Most layouts over the budget are over at their fewest micro-batches, so their long
-    schedule is never built."""
-    shorter = state.floor_pipeline(c)
-    if shorter is None:
-        return None
-    schedule = shorter.shape
-    return rank_floor(
-        state.sums(c),
-        schedule,
-        shorter.counts,
-        state.boundaries(schedule.num_stages),
-        micro_batch_size=c.micro_batch_size,
-        reduce_copy=c.mesh.dp > 1 and c.zero == 0,
-        recompute_runs=() if c.split else (0, EVERY),
-    )
-
-
-def _screen_all(state: SearchContext) -> _Screen:
-    """Every candidate through the memory screen in the order of its floor (`_floor`); once
-    the floor is over the budget and over the lowest peak seen, the rest are over memory
-    without a schedule built or a trace run. Those over by `_count_floor` are not fitted
-    either. The survivors costed."""
-    budget = state.request.device_memory
-    floored = sorted(((_floor(state, c), c) for c in _all_candidates(state)), key=lambda x: x[0])
-    survivors: list[_Screened] = []
-    deferred: list[tuple[int, Candidate]] = []
-    over, least = 0, math.inf
-    for floor, c in floored:
-        if floor > budget and floor >= least:
-            over += 1
-            continue
-        bound = _count_floor(state, c)
-        if bound is not None and bound > budget:
-            over += 1
-            if bound < least:
-                deferred.append((bound, c))
-            continue
-        fitted = _fit(state, c, budget)
-        if isinstance(fitted, int):
-            over, least = over + 1, min(least, fitted)
-            continue
-        chosen, bounds, stage_peaks, peaks = fitted
-        found = _screen(state, chosen, bounds)
-        survivors.append(replace(found, stage_peaks=stage_peaks, rank_peaks=peaks))
-    return _Screen(
-        survivors=survivors, considered=len(floored), over=over, least=least, deferred=deferred
-    )
-
-
-def _least(state: SearchContext, screen: _Screen) -> float:
-    """The lowest peak of any candidate the screen put over the budget: the deferred ones
-    fitted now (no plan fits, so this is what the user is told to provide)."""
-    least = screen.least
-    for bound, c in sorted(screen.deferred, key=lambda x: x[0]):
-        if bound >= least:
-            break
-        lowest = _fit(state, c, state.request.device_memory)
-        assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
-        least = min(least, lowest)
-    return least
-
-
 def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """The best `request.top` layouts, and why every other candidate lost."""
     state = SearchContext(request)
-    screen = _screen_all(state)
-    ranked = _rank(state, screen.survivors, progress)
+    screen = screen_memory(state)
+    survivors = [
+        replace(
+            _screen(state, f.candidate, f.boundaries),
+            stage_peaks=f.stage_peaks,
+            rank_peaks=f.rank_peaks,
+        )
+        for f in screen.fitted
+    ]
+    ranked = _rank(state, survivors, progress)
     losses = dict.fromkeys(LOSSES, 0)
     losses["over memory"] = screen.over + len(ranked.over)
     decided = {id(p.candidate) for p in (*ranked.best, *ranked.over)}
     for plan in ranked.plans:
         if id(plan.candidate) not in decided:
             losses[_loss(plan, ranked.best[0] if ranked.best else plan)] += 1
-    least = math.inf if ranked.best else _least(state, screen)
+    least = math.inf if ranked.best else least_peak(state, screen)
     least = min([least, *(max(p.rank_peaks) for p in ranked.over)])
     return PlanResult(
         request=request,

@@ -28,11 +28,8 @@ from engine.plan.budget import StageCounts, stage_counts
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
 from engine.plan.request import layout_fields
+from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
-    _all_candidates,
-    _count_floor,
-    _fit,
-    _floor,
     _predict,
     _replayed,
     _screen,
@@ -81,11 +78,13 @@ def _brute_force_best(request: PlanRequest) -> float:
                 state.pipeline(c)
             except ValueError:
                 continue
-            fitted = _fit(state, c, request.device_memory)
+            fitted = fit(state, c, request.device_memory)
             if isinstance(fitted, int):
                 continue
             screened = replace(
-                _screen(state, fitted[0], fitted[1]), stage_peaks=fitted[2], rank_peaks=fitted[3]
+                _screen(state, fitted.candidate, fitted.boundaries),
+                stage_peaks=fitted.stage_peaks,
+                rank_peaks=fitted.rank_peaks,
             )
             timed.append(_predict(state, screened, _simulate(state, screened)))
     timed.sort(key=lambda p: p.step_time)
@@ -149,12 +148,12 @@ def _gpt_small_on_two_stages() -> tuple[PlanRequest, Candidate]:
 def test_only_the_stages_over_the_budget_recompute() -> None:
     request, c = _gpt_small_on_two_stages()
     state = SearchContext(request)
-    roomy = _fit(state, c, 2**40)
-    assert not isinstance(roomy, int) and roomy[0].recompute == ()
-    first, second = roomy[3]
+    roomy = fit(state, c, 2**40)
+    assert isinstance(roomy, Fitted) and roomy.candidate.recompute == ()
+    first, second = roomy.rank_peaks
     budget = (first + second) // 2 if first > second else first - 1
-    fitted = _fit(state, c, budget)
-    assert not isinstance(fitted, int) and fitted[0].recompute == (0,)
+    fitted = fit(state, c, budget)
+    assert isinstance(fitted, Fitted) and fitted.candidate.recompute == (0,)
 
 
 def test_tensor_parallel_candidates_shard_at_every_zero_level() -> None:
@@ -405,11 +404,11 @@ def test_a_ranks_stages_are_counted_together_not_each_at_its_most() -> None:
 
 def test_the_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit() -> None:
     state = SearchContext(SMALL)
-    found = _all_candidates(state)
+    found = all_candidates(state)
     assert len(found) > 20
     for c in found:
-        lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
-        assert isinstance(lowest, int) and _floor(state, c) <= lowest
+        lowest = fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
+        assert isinstance(lowest, int) and floor(state, c) <= lowest
 
 
 def _at_most(low: StageCounts, high: StageCounts) -> bool:
@@ -434,7 +433,7 @@ def _covered(state: tuple[int, ...], by: tuple[int, ...]) -> bool:
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_counts_grow_with_the_micro_batches_from_the_floor_rounds(name: str) -> None:
-    """What `_count_floor` rests on: a schedule's in-flight counts at its fewest micro-batches
+    """What `count_floor` rests on: a schedule's in-flight counts at its fewest micro-batches
     bound those of every longer step from below."""
     checked = 0
     for pp, v in ((2, 1), (2, 2), (3, 2), (4, 1), (4, 2), (5, 2)):
@@ -459,11 +458,11 @@ def test_the_count_floor_is_below_every_recompute_choice_so_pruning_skips_no_fit
     request = replace(SMALL, global_batch=32)
     state = SearchContext(request)
     bounded = 0
-    for c in _all_candidates(state):
-        bound = _count_floor(state, c)
+    for c in all_candidates(state):
+        bound = count_floor(state, c)
         if bound is None:
             continue
-        lowest = _fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
+        lowest = fit(state, c, 0)  # nothing fits: the lowest peak any recompute reaches
         assert isinstance(lowest, int) and bound <= lowest, c
         bounded += 1
     assert bounded > 20
@@ -474,8 +473,7 @@ def test_the_leanest_layout_named_when_none_fits_counts_those_skipped_by_the_cou
 ) -> None:
     request = replace(SMALL, global_batch=32, device_memory=300_000)
     skipping = search(request)
-    module = sys.modules[_count_floor.__module__]  # the package's `search` shadows the module
-    monkeypatch.setattr(module, "_count_floor", lambda state, c: None)
+    monkeypatch.setattr(sys.modules[count_floor.__module__], "count_floor", lambda state, c: None)
     fitting_all = search(request)
     assert not skipping.plans and skipping.least_memory is not None
     assert skipping.least_memory == fitting_all.least_memory

@@ -1,0 +1,209 @@
+"""The planner's memory screen: which candidate layouts fit the budget, with the least
+recompute, and each one's per-stage and per-rank peaks (`engine.plan.budget`).
+
+Candidates go in the order of a floor that needs no schedule (`floor`); once the floor is
+over the budget and over the lowest peak seen, the rest are over too. A candidate whose
+schedule at its fewest micro-batches is already over (`count_floor`) is never built at its
+own length. Where a rank is over, its stages are recomputed (whole, then per layer), then
+every stage. When nothing fits, the lowest peak of any candidate is what the user is told
+to provide (`least_peak`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine.plan.budget import rank_floor, rank_peaks
+from engine.plan.candidates import Candidate, candidates, meshes
+from engine.plan.context import SearchContext
+
+__all__ = [
+    "EVERY",
+    "Fitted",
+    "MemoryScreen",
+    "all_candidates",
+    "count_floor",
+    "fit",
+    "floor",
+    "least_peak",
+    "screen_memory",
+]
+
+EVERY = 1
+"""The run length tried for `--recompute every:N`: one layer's activations regenerated at a
+time, each layer's input kept (as Megatron's full per-layer recompute)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fitted:
+    """A candidate with the recompute that fits it, its boundaries and its peaks."""
+
+    candidate: Candidate
+    boundaries: tuple[int, ...]
+    stage_peaks: tuple[int, ...]
+    rank_peaks: tuple[int, ...]
+
+
+def fit(search: SearchContext, c: Candidate, budget: int) -> Fitted | int:
+    """The candidate with the least recompute that fits; else the lowest peak it reaches.
+    Tried in turn: none; where a rank is over the budget, its stages recomputed whole, then
+    per layer (`EVERY`); every stage whole, then per layer (a split backward's W keeps what I
+    recomputed: none)."""
+    pipeline = search.pipeline(c)
+    schedule, counts = pipeline.shape, pipeline.counts
+    bounds = search.boundaries(schedule.num_stages)
+    sums = search.sums(c)
+
+    def peaks(recomputed: Sequence[int], every: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        chosen = set(recomputed)
+        return rank_peaks(
+            sums,
+            schedule,
+            counts,
+            bounds,
+            micro_batch_size=c.micro_batch_size,
+            recomputed=[s in chosen for s in range(schedule.num_stages)],
+            reduce_copy=c.mesh.dp > 1 and c.zero == 0,
+            every=every,
+        )
+
+    every = tuple(range(schedule.num_stages))
+    tried: list[tuple[tuple[int, ...], int]] = [((), 0)]
+    stages, ranks = peaks((), 0)
+    if max(ranks) > budget and not c.split:
+        over = [r for r, peak in enumerate(ranks) if peak > budget]
+        some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
+        wholes = [some, every] if some != every else [every]
+        tried = [(stages, n) for stages in wholes for n in (0, EVERY)]
+    lowest = max(ranks)
+    for recompute, n in tried:
+        stages, ranks = peaks(recompute, n)
+        lowest = min(lowest, max(ranks))
+        if max(ranks) <= budget:
+            chosen = replace(c, recompute=recompute, recompute_every=n if recompute else 0)
+            return Fitted(candidate=chosen, boundaries=bounds, stage_peaks=stages, rank_peaks=ranks)
+    return lowest
+
+
+def floor(state: SearchContext, c: Candidate) -> int:
+    """A lower bound of the candidate's peak under any recompute, without its schedule: the
+    highest stage's states and gradients (twice where the dp all-reduce copies them,
+    `stage_floors`), and where those fit, with one micro-batch's activations
+    (`SearchContext.peak_floor`). Sends are not counted: how many a stage holds depends on
+    its schedule (`held_input_gradients`)."""
+    twice = c.mesh.dp > 1 and c.zero == 0
+    layout = state.layout(c)
+    first, later = state.stage_floors(layout, c.num_stages, twice)
+    states = first if later is None else max(first, later)
+    if states > state.request.device_memory:
+        return states
+    return max(
+        states,
+        state.peak_floor(
+            layout,
+            c.split,
+            c.num_stages,
+            c.micro_batch_size,
+            reduce_copy=twice,
+            several=c.micro_batches > 1,
+            recompute_runs=() if c.split else (0, EVERY),
+        ),
+    )
+
+
+def all_candidates(state: SearchContext) -> list[Candidate]:
+    """Every layout of the request: each mesh's schedules, micro-batchings and ZeRO levels."""
+    request = state.request
+    tied = any(spec.tie_key is not None for spec in state.specs)
+    found: list[Candidate] = []
+    for mesh in meshes(
+        request.model,
+        request.devices,
+        num_layers=len(state.specs),
+        seq_len=request.seq_len,
+        gpus_per_node=request.hardware.gpus_per_node,
+    ):
+        found += candidates(
+            mesh,
+            global_batch=request.global_batch,
+            num_layers=len(state.specs),
+            micro_batch_sizes=request.micro_batch_sizes,
+            schedules=request.schedules,
+            tied=tied,
+        )
+    return found
+
+
+def count_floor(state: SearchContext, c: Candidate) -> int | None:
+    """A lower bound of the candidate's peak from its schedule at fewer micro-batches
+    (`SearchContext.floor_pipeline`), under any recompute; None where there is no shorter one.
+    Most layouts over the budget are over at their fewest micro-batches, so their long
+    schedule is never built."""
+    shorter = state.floor_pipeline(c)
+    if shorter is None:
+        return None
+    schedule = shorter.shape
+    return rank_floor(
+        state.sums(c),
+        schedule,
+        shorter.counts,
+        state.boundaries(schedule.num_stages),
+        micro_batch_size=c.micro_batch_size,
+        reduce_copy=c.mesh.dp > 1 and c.zero == 0,
+        recompute_runs=() if c.split else (0, EVERY),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryScreen:
+    fitted: list[Fitted]
+    considered: int
+    over: int
+    least: float
+    """The lowest peak of a candidate over the budget (inf when none was)."""
+    deferred: list[tuple[int, Candidate]]
+    """Over the budget by `count_floor` (with that bound), below `least`: their own lowest
+    peaks are worked out only when no plan fits (`least_peak`)."""
+
+
+def screen_memory(state: SearchContext) -> MemoryScreen:
+    """Every candidate in the order of its `floor`: those that fit, with their recompute and
+    peaks, and how many are over the budget."""
+    budget = state.request.device_memory
+    floored = sorted(((floor(state, c), c) for c in all_candidates(state)), key=lambda x: x[0])
+    fitted: list[Fitted] = []
+    deferred: list[tuple[int, Candidate]] = []
+    over, least = 0, math.inf
+    for low, c in floored:
+        if low > budget and low >= least:
+            over += 1
+            continue
+        bound = count_floor(state, c)
+        if bound is not None and bound > budget:
+            over += 1
+            if bound < least:
+                deferred.append((bound, c))
+            continue
+        found = fit(state, c, budget)
+        if isinstance(found, int):
+            over, least = over + 1, min(least, found)
+            continue
+        fitted.append(found)
+    return MemoryScreen(
+        fitted=fitted, considered=len(floored), over=over, least=least, deferred=deferred
+    )
+
+
+def least_peak(state: SearchContext, screen: MemoryScreen) -> float:
+    """The lowest peak of any candidate the screen put over the budget: the deferred ones
+    fitted now (no plan fits, so this is what the user is told to provide)."""
+    least = screen.least
+    for bound, c in sorted(screen.deferred, key=lambda x: x[0]):
+        if bound >= least:
+            break
+        lowest = fit(state, c, state.request.device_memory)
+        assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
+        least = min(least, lowest)
+    return least
