@@ -17,13 +17,16 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from engine.memory.fitting import layer_sums
 from engine.memory.replay import StageShape
 from engine.memory.sharding import sharded_states
 from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
-from engine.schedule import ActionKind, Schedule
-from engine.schedule.delivery import held_input_gradients
+from engine.schedule import Schedule
+from engine.schedule.arrays import B, F, I, RowArrays, W, compute_arrays
+from engine.schedule.delivery import held_in
 from models import LayerSpec
 
 __all__ = [
@@ -130,46 +133,53 @@ class StageCounts:
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
-    """`in_flight` and `held_with_gradients` of every stage in one pass over the rows (the
-    search counts schedules of thousands of actions), and each rank's states together."""
-    n = schedule.num_stages
-    live, before, after, started = [0] * n, [0] * n, [0] * n, [False] * n
-    forward = ActionKind.F
-    closes, backward = (ActionKind.B, ActionKind.W), (ActionKind.B, ActionKind.I)
+    """`in_flight` and `held_with_gradients` of every stage by prefix sums over its rank's
+    compute row (the search counts schedules of tens of thousands of actions), each rank's
+    states together, and the input gradients held (`held_in`)."""
+    rows = compute_arrays(schedule)
+    before, after = [0] * schedule.num_stages, [0] * schedule.num_stages
     together = []
-    for rank, row in enumerate(schedule.rows):
+    for rank, row in enumerate(rows):
         mine = schedule.stages_of(rank)
-        states = set()
-        for action in row:
-            kind, s = action.kind, action.stage
-            grown = kind is forward or (kind in backward and not started[s])
-            if kind is forward:
-                live[s] += 1
-                before[s] = max(before[s], live[s])
-            elif kind in backward:
-                started[s] = True
-            if kind in closes:
-                live[s] -= 1
-            if started[s]:
-                after[s] = max(after[s], live[s])
-            if grown and len(mine) > 1:  # only a forward or a first backward adds bytes
-                states.add(tuple(live[t] for t in mine) + tuple(int(started[t]) for t in mine))
-        together.append(_uncovered(states) if states else None)
+        live, started = [], []
+        for s in mine:
+            on = row.stage == s
+            closes = on & ((row.kind == B) | (row.kind == W))
+            live.append(np.cumsum((on & (row.kind == F)).astype(np.int64) - closes))
+            started.append(np.logical_or.accumulate(on & ((row.kind == B) | (row.kind == I))))
+            before[s] = int(live[-1].max(initial=0))
+            after[s] = int(live[-1][started[-1]].max(initial=0))
+        together.append(_together(row, live, started) if len(mine) > 1 else None)
     return StageCounts(
         before=tuple(before),
         after=tuple(after),
         together=tuple(together),
-        sent_back=held_input_gradients(schedule),
+        sent_back=held_in(rows, schedule.placement),
     )
 
 
-def _uncovered(states: set[tuple[int, ...]]) -> frozenset[tuple[int, ...]]:
-    """The states no other is at least as large as in every place (only those can peak);
-    largest first, so each is checked against the few kept, not every state."""
-    kept: list[tuple[int, ...]] = []
-    for a in sorted(states, key=sum, reverse=True):
-        if not any(all(x <= y for x, y in zip(a, b, strict=True)) for b in kept):
-            kept.append(a)
+def _together(
+    row: RowArrays, live: Sequence[np.ndarray], started: Sequence[np.ndarray]
+) -> frozenset[tuple[int, ...]]:
+    """A rank's states after each action that adds bytes (a forward, a stage's first
+    backward): its stages' in-flight counts, then 1 for each whose gradients exist."""
+    grown = row.kind == F
+    for began in started:
+        if began.any():
+            grown[int(np.argmax(began))] = True
+    states = np.stack([*live, *(b.astype(np.int64) for b in started)], axis=1)[grown]
+    return _uncovered(states)
+
+
+def _uncovered(states: np.ndarray) -> frozenset[tuple[int, ...]]:
+    """The states (rows) no other is at least as large as in every place: only those can
+    peak. The largest left is never covered; it is kept and every state it covers dropped,
+    so the loop runs once per state kept (a few), not once per state."""
+    left, kept = states, []
+    while len(left):
+        top = left[np.argmax(left.sum(axis=1))]
+        kept.append(tuple(top.tolist()))
+        left = left[~(left <= top).all(axis=1)]
     return frozenset(kept)
 
 

@@ -19,16 +19,16 @@ import bisect
 import functools
 from collections.abc import Sequence
 
+import numpy as np
+
 from engine.schedule.actions import Action, ActionKind
+from engine.schedule.arrays import B, F, I, RowArrays, W, compute_arrays
 from engine.schedule.passes import as_lowered, counterpart, peer_of
 from engine.schedule.schedule import Schedule
 
-__all__ = ["held_input_gradients", "released_at"]
+__all__ = ["held_in", "held_input_gradients", "released_at"]
 
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-_COMM_IDS = frozenset(map(id, (*_SENDS, ActionKind.RECV_F, ActionKind.RECV_B)))
-"""By identity: an enum member's hash runs Python code, too slow over a planner's schedules."""
-_F, _W = ActionKind.F, ActionKind.W
 
 
 def released_at(schedule: Schedule, rank: int) -> dict[Action, tuple[Action, ...]]:
@@ -76,64 +76,79 @@ def _sends_to(schedule: Schedule) -> list[dict[int, tuple[list[int], list[Action
     return found
 
 
-@functools.lru_cache(maxsize=64)
 def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most input gradients it has sent back and not yet known delivered at
     once: what its exchange holds at worst under `released_at`.
 
     Worked out on the compute actions alone (a receive sits right before the action that
     consumes it, a send right after the one that produced it, as `add_communication` places
-    them), without lowering or hashing actions: the planner asks it of hundreds of schedules
-    of tens of thousands of actions. `released_at` walks the lowered rows themselves: a user's
-    lowered schedule may post its receives anywhere. Tested equal on every generator's.
+    them), as arrays (`held_in`): the planner asks it of hundreds of schedules of tens of
+    thousands of actions. `released_at` walks the lowered rows themselves: a user's lowered
+    schedule may post its receives anywhere. Tested equal on every generator's.
     """
-    rows = [[a for a in row if id(a.kind) not in _COMM_IDS] for row in schedule.rows]
-    position, sends = _messages(rows, schedule)
-    place, m = schedule.placement, _micro_batches(rows)
-    most = [0] * schedule.num_stages
+    return held_in(compute_arrays(schedule), schedule.placement)
+
+
+def held_in(rows: Sequence[RowArrays], placement: Sequence[int]) -> tuple[int, ...]:
+    """`held_input_gradients` of compute rows already read into arrays: each send back counts
+    from its backward until the receive that proves it delivered (a later message from the
+    peer, sent after the peer's backward consumed it), or to the step's end."""
+    place = np.asarray(placement, dtype=np.int64)
+    m = 1 + max((int(row.micro_batch.max()) for row in rows if len(row)), default=0)
+    position, sends = _messages(rows, place, m)
+    most = [0] * len(place)
     for rank, row in enumerate(rows):
-        held, freed = [0] * schedule.num_stages, dict[int, list[int]]()
-        for i, a in enumerate(row):
-            for stage in freed.pop(i, ()):
-                held[stage] -= 1
-            if a.kind is _F or a.kind is _W or a.stage == 0 or place[a.stage - 1] == rank:
-                continue
-            peer = place[a.stage - 1]
-            held[a.stage] += 1
-            most[a.stage] = max(most[a.stage], held[a.stage])
-            positions, consumers = sends[peer].get(rank, ([], []))
-            arrived = position[(2 * a.stage - 1) * m + a.micro_batch]  # the peer's backward
-            after = bisect.bisect_left(positions, arrived)
-            if after < len(positions) and position[consumers[after]] > i:
-                freed.setdefault(position[consumers[after]], []).append(a.stage)
+        peer = place[np.maximum(row.stage - 1, 0)]
+        backward = (row.kind == B) | (row.kind == I)
+        sent = np.flatnonzero(backward & (row.stage > 0) & (peer != rank))
+        stage, to = row.stage[sent], peer[sent]
+        arrived = position[(2 * stage - 1) * m + row.micro_batch[sent]]  # the peer's backward
+        freed = np.full(len(sent), -1)
+        for p in np.unique(to):
+            positions, consumers = sends[int(p)].get(rank, (_NONE, _NONE))
+            ours = to == p
+            after = np.searchsorted(positions, arrived[ours], side="left")
+            known = after < len(positions)
+            at = np.full(len(after), -1)
+            at[known] = position[consumers[after[known]]]
+            freed[ours] = at
+        freed[freed <= sent] = -1  # only a receive after the send proves it delivered
+        for s in np.unique(stage):
+            mine = stage == s
+            # a receive frees before its position's action runs: frees at 2j, sends at 2i+1
+            times = np.concatenate([2 * sent[mine] + 1, 2 * freed[mine & (freed >= 0)]])
+            steps = np.where(times % 2 == 1, 1, -1)[np.argsort(times)]
+            most[s] = max(most[s], int(np.cumsum(steps).max(initial=0)))
     return tuple(most)
 
 
-def _micro_batches(rows: Sequence[Sequence[Action]]) -> int:
-    return 1 + max((a.micro_batch for row in rows for a in row), default=0)
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def _messages(
-    rows: Sequence[Sequence[Action]], schedule: Schedule
-) -> tuple[list[int], list[dict[int, tuple[list[int], list[int]]]]]:
-    """Of compute-only rows: where in its rank's row each action sits, by (stage, whether a
-    backward, micro-batch) numbered `(2 · stage + backward) · m + micro-batch` (W left out:
-    it sends nothing); and per rank, per rank it sends to, after which of its actions each
-    message goes and the action that consumes it there."""
-    place, m = schedule.placement, _micro_batches(rows)
-    position = [0] * (2 * schedule.num_stages * m)
-    sends: list[dict[int, tuple[list[int], list[int]]]] = []
+    rows: Sequence[RowArrays], place: np.ndarray, m: int
+) -> tuple[np.ndarray, list[dict[int, tuple[np.ndarray, np.ndarray]]]]:
+    """Where in its rank's row each action sits, by (stage, whether a backward, micro-batch)
+    numbered `(2 · stage + backward) · m + micro-batch` (W left out: it sends nothing); and
+    per rank, per rank it sends to, after which of its actions each message goes and the
+    number of the action that consumes it there."""
+    position = np.zeros(2 * len(place) * m, dtype=np.int64)
+    sends: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
     for rank, row in enumerate(rows):
-        by_peer: dict[int, tuple[list[int], list[int]]] = {}
-        for i, a in enumerate(row):
-            if a.kind is _W:
-                continue
-            back = a.kind is not _F
-            position[(2 * a.stage + back) * m + a.micro_batch] = i
-            to = a.stage - 1 if back else a.stage + 1
-            if 0 <= to < len(place) and place[to] != rank:
-                positions, consumers = by_peer.setdefault(place[to], ([], []))
-                positions.append(i)
-                consumers.append((2 * to + back) * m + a.micro_batch)
+        index = np.arange(len(row))
+        back = (row.kind != F).astype(np.int64)
+        sends_something = row.kind != W
+        position[((2 * row.stage + back) * m + row.micro_batch)[sends_something]] = index[
+            sends_something
+        ]
+        to = np.where(back == 1, row.stage - 1, row.stage + 1)
+        inside = sends_something & (to >= 0) & (to < len(place))
+        dest = np.full(len(row), rank)
+        dest[inside] = place[to[inside]]
+        away = inside & (dest != rank)
+        by_peer = {}
+        for p in np.unique(dest[away]):
+            k = away & (dest == p)
+            by_peer[int(p)] = (index[k], (2 * to[k] + back[k]) * m + row.micro_batch[k])
         sends.append(by_peer)
     return position, sends
