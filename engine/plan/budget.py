@@ -14,8 +14,10 @@ the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan exa
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,6 +57,14 @@ class LayerBytes:
     gradients: tuple[int, ...]
     during: tuple[int, ...]
     """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
+
+    @functools.cached_property
+    def prefix(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Prefix sums of (weights and step-long copies, gradients, kept): a stage's sum of
+        each is one difference (the screen sums stages hundreds of thousands of times)."""
+        fixed = itertools.accumulate(map(operator.add, self.weights, self.during), initial=0)
+        gradients = itertools.accumulate(self.gradients, initial=0)
+        return tuple(fixed), tuple(gradients), tuple(itertools.accumulate(self.kept, initial=0))
 
 
 _TRACED_REPLICAS = 2
@@ -250,17 +260,17 @@ def _stage_bytes(
     runs of `every` layers (0: the whole stage), a forward keeps each run's input and a
     backward regenerates one run's activations at a time."""
     first, stop = layers.start, layers.stop
-    fixed = sum(sums.weights[first:stop]) + sum(sums.during[first:stop])
-    grads = sum(sums.gradients[first:stop])
-    activations = micro_batch_size * sum(sums.kept[first:stop])
+    fixed_sums, grad_sums, kept_sums = sums.prefix
+    fixed = fixed_sums[stop] - fixed_sums[first]
+    grads = grad_sums[stop] - grad_sums[first]
+    kept = micro_batch_size * (kept_sums[stop] - kept_sums[first])
     peak = micro_batch_size * max(sums.transient[first:stop])
-    kept = activations
     if recompute:
         runs = range(first, stop, every or stop - first)
-        inputs = sum(1 for start in runs if start)  # the model's first layer receives tokens
+        inputs = len(runs) - (first == 0)  # the model's first layer receives tokens
         kept = micro_batch_size * sums.received * inputs
         peak += micro_batch_size * max(
-            sum(sums.kept[start : min(start + (every or stop), stop)]) for start in runs
+            kept_sums[min(start + runs.step, stop)] - kept_sums[start] for start in runs
         )
     during = max(before * kept, grads + after * kept)
     tail = 2 * grads if reduce_copy else grads
@@ -297,11 +307,15 @@ def _least_parts(
         )
         for recompute, every in [(False, 0), *((True, every) for every in recompute_runs)]
     ]
-    return replace(
-        options[0],
+    none = options[0]
+    return _StageBytes(
+        fixed=none.fixed,
         kept=min(o.kept for o in options),
+        grads=none.grads,
         during=min(o.during for o in options),
         transient=min(o.transient for o in options),
+        tail=none.tail,
+        held=none.held,
     )
 
 
