@@ -236,12 +236,21 @@ _OPS = {
 or cost index (compute), and where its message's sender sits (receives)."""
 
 
-@functools.lru_cache(maxsize=64)
-def _program(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
+@dataclass(frozen=True)
+class _Program:
     """A lowered schedule's rows as (op, argument) pairs: a compute action's cost index
     (stage · 4 + F/B/I/W), a send's or receive's message number (sending stage, direction,
-    micro-batch). Worked out once per schedule, so a search pricing it under many costs walks
-    integers, not actions."""
+    micro-batch); with the count of messages and each row's cost indices in order."""
+
+    rows: tuple[tuple[tuple[int, int], ...], ...]
+    messages: int
+    computes: tuple[tuple[int, ...], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _program(schedule: Schedule) -> _Program:
+    """Worked out once per schedule, so a search pricing it under many costs walks integers,
+    not actions."""
     messages: dict[tuple[int, int, int], int] = {}
     rows = []
     for row in schedule.rows:
@@ -254,7 +263,8 @@ def _program(schedule: Schedule) -> tuple[tuple[tuple[int, int], ...], ...]:
                 key = (action.stage + offset, arg, action.micro_batch)
                 ops.append((op, messages.setdefault(key, len(messages))))
         rows.append(tuple(ops))
-    return tuple(rows)
+    computes = tuple(tuple(arg for op, arg in ops if op == _COMPUTE) for ops in rows)
+    return _Program(rows=tuple(rows), messages=len(messages), computes=computes)
 
 
 def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
@@ -262,14 +272,15 @@ def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
     lowered first), its ends and busy times to the bit, without a timeline: the planner
     prices each schedule under many layouts' costs. A deadlock is reported by `simulate`."""
     schedule = as_lowered(schedule)
-    program = _program(schedule)
+    compiled = _program(schedule)
+    program = compiled.rows
     per_stage = (
         costs.per_stage
         or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),)
         * schedule.num_stages
     )
     table = [c for row in per_stage for c in row]
-    sent: list[float | None] = [None] * (1 + max((a for r in program for _, a in r), default=0))
+    sent: list[float | None] = [None] * compiled.messages
     pcs, clocks = [0] * len(program), [0.0] * len(program)
     while True:
         moved = False
@@ -293,7 +304,7 @@ def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
         if not moved:
             simulate(schedule, costs)  # raises the deadlock, with the schedule around it
             raise AssertionError("simulate_times stalled where simulate runs through")
-    busy = tuple(sum(table[arg] for op, arg in ops if op == _COMPUTE) for ops in program)
+    busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
     return SimTimes(ends=tuple(clocks), busy=busy)
 
 
