@@ -14,10 +14,8 @@ the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan exa
 from __future__ import annotations
 
 import functools
-import itertools
-import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,11 +32,11 @@ from models import LayerSpec
 __all__ = [
     "LayerBytes",
     "StageCounts",
+    "highest_stage_floor",
     "layer_bytes",
     "rank_floor",
     "rank_peaks",
     "stage_counts",
-    "stage_floor",
     "state_sums",
 ]
 
@@ -59,12 +57,19 @@ class LayerBytes:
     """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
 
     @functools.cached_property
-    def prefix(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Prefix sums of (weights and step-long copies, gradients, kept): a stage's sum of
-        each is one difference (the screen sums stages hundreds of thousands of times)."""
-        fixed = itertools.accumulate(map(operator.add, self.weights, self.during), initial=0)
-        gradients = itertools.accumulate(self.gradients, initial=0)
-        return tuple(fixed), tuple(gradients), tuple(itertools.accumulate(self.kept, initial=0))
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Prefix sums of (weights and step-long copies, gradients, kept), then kept and
+        transient per layer: a stage's sum of each is one difference (the screen sums
+        stages hundreds of thousands of times)."""
+        fixed = np.add(self.weights, self.during, dtype=np.int64)
+        return (
+            *(
+                np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
+                for x in (fixed, self.gradients, self.kept)
+            ),
+            np.asarray(self.kept, dtype=np.int64),
+            np.asarray(self.transient, dtype=np.int64),
+        )
 
 
 _TRACED_REPLICAS = 2
@@ -207,141 +212,146 @@ def state_sums(
 
 
 @dataclass(frozen=True)
-class _StageBytes:
-    """A stage's peak in parts, so that a rank of several stages counts each part as its
-    stages hold it together: states and stashes add up, one micro-batch's transients do not
-    (a rank computes one action at a time)."""
+class _Parts:
+    """Every stage's peak in parts, one array entry per stage, so that a rank of several
+    stages counts each part as its stages hold it together: states and stashes add up, one
+    micro-batch's transients do not (a rank computes one action at a time). Arrays: the
+    screen composes thousands of candidates of up to a hundred stages."""
 
-    fixed: int
-    kept: int
+    fixed: np.ndarray
+    kept: np.ndarray
     """One micro-batch's stash."""
-    grads: int
-    during: int
+    grads: np.ndarray
+    during: np.ndarray
     """The step's stashes and gradients, without the transient."""
-    transient: int
-    tail: int
+    transient: np.ndarray
+    tail: np.ndarray
     """The gradient reduction's buffers after the step."""
-    held: int
+    held: np.ndarray
 
     @property
-    def peak(self) -> int:
-        return self.fixed + max(self.during + self.transient, self.tail) + self.held
+    def peak(self) -> np.ndarray:
+        return self.fixed + np.maximum(self.during + self.transient, self.tail) + self.held
 
 
-def _rank_bytes(parts: Sequence[_StageBytes], states: frozenset[tuple[int, ...]] | None) -> int:
-    """A rank's peak: its stages' states at once (`StageCounts.together`; without them, each
-    stage's most in flight) and the largest transient."""
-    if states is None:
-        stashes = sum(p.during for p in parts)
-    else:
-        k = len(parts)
-        stashes = max(
-            sum(p.kept * s[i] + p.grads * s[k + i] for i, p in enumerate(parts)) for s in states
-        )
-    during = stashes + max(p.transient for p in parts)
-    tail = sum(p.tail for p in parts)
-    return sum(p.fixed + p.held for p in parts) + max(during, tail)
-
-
-def _stage_bytes(
+def _stage_parts(
     sums: LayerBytes,
-    layers: range,
+    boundaries: Sequence[int],
     *,
-    before: int,
-    after: int,
+    before: np.ndarray,
+    after: np.ndarray,
     micro_batch_size: int,
-    recompute: bool,
+    recomputed: np.ndarray,
     every: int,
     reduce_copy: bool,
-    held: int,
-) -> _StageBytes:
-    """One stage's peak: states, then the larger of its step and its gradient reduction,
-    plus `held`, the sends kept to the step's end (counted whole: a bound). Recomputed in
-    runs of `every` layers (0: the whole stage), a forward keeps each run's input and a
-    backward regenerates one run's activations at a time."""
-    first, stop = layers.start, layers.stop
-    fixed_sums, grad_sums, kept_sums = sums.prefix
-    fixed = fixed_sums[stop] - fixed_sums[first]
+    held: np.ndarray,
+) -> _Parts:
+    """Each stage's peak: states, then the larger of its step and its gradient reduction,
+    plus `held`, the sends kept to the step's end (counted whole: a bound). Where
+    `recomputed`, in runs of `every` layers (0: the whole stage), a forward keeps each run's
+    input and a backward regenerates one run's activations at a time."""
+    fixed_sums, grad_sums, kept_sums, kept_each, transient_each = sums.arrays
+    bounds = np.asarray(boundaries, dtype=np.int64)
+    first, stop = bounds[:-1], bounds[1:]
     grads = grad_sums[stop] - grad_sums[first]
     kept = micro_batch_size * (kept_sums[stop] - kept_sums[first])
-    peak = micro_batch_size * max(sums.transient[first:stop])
-    if recompute:
-        runs = range(first, stop, every or stop - first)
-        inputs = len(runs) - (first == 0)  # the model's first layer receives tokens
-        kept = micro_batch_size * sums.received * inputs
-        peak += micro_batch_size * max(
-            kept_sums[min(start + runs.step, stop)] - kept_sums[start] for start in runs
-        )
-    during = max(before * kept, grads + after * kept)
-    tail = 2 * grads if reduce_copy else grads
-    return _StageBytes(
-        fixed=fixed, kept=kept, grads=grads, during=during, transient=peak, tail=tail, held=held
+    transient = micro_batch_size * np.maximum.reduceat(transient_each, first)
+    if recomputed.any():
+        runs, longest = _runs(kept_sums, kept_each, first, stop, every)
+        inputs = runs - (first == 0)  # the model's first layer receives tokens
+        kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
+        transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
+    return _Parts(
+        fixed=fixed_sums[stop] - fixed_sums[first],
+        kept=kept,
+        grads=grads,
+        during=np.maximum(before * kept, grads + after * kept),
+        transient=transient,
+        tail=2 * grads if reduce_copy else grads,
+        held=held,
     )
+
+
+def _runs(
+    kept_sums: np.ndarray, kept_each: np.ndarray, first: np.ndarray, stop: np.ndarray, every: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage, its recompute runs of `every` layers (0: one run): how many, and the most
+    one run keeps."""
+    if every == 0:
+        return np.ones_like(first), kept_sums[stop] - kept_sums[first]
+    if every == 1:
+        return stop - first, np.maximum.reduceat(kept_each, first)
+    starts = [range(a, b, every) for a, b in zip(first.tolist(), stop.tolist(), strict=True)]
+    longest = [
+        max(int(kept_sums[min(s + every, b)] - kept_sums[s]) for s in run)
+        for run, b in zip(starts, stop.tolist(), strict=True)
+    ]
+    return np.array([len(run) for run in starts]), np.array(longest, dtype=np.int64)
 
 
 def _least_parts(
     sums: LayerBytes,
-    layers: range,
+    boundaries: Sequence[int],
     *,
-    before: int,
-    after: int,
+    before: np.ndarray,
+    after: np.ndarray,
     micro_batch_size: int,
     reduce_copy: bool,
     recompute_runs: Sequence[int],
-    held: int,
-) -> _StageBytes:
-    """A stage's parts, each the least of any recompute choice (none, or runs of each of
+    held: np.ndarray,
+) -> _Parts:
+    """The stages' parts, each the least of any recompute choice (none, or runs of each of
     `recompute_runs` layers): a rank's bytes grow with every part, so these bound its peak
     from below whichever stages a search recomputes."""
+    every_stage = np.ones(len(boundaries) - 1, dtype=bool)
     options = [
-        _stage_bytes(
+        _stage_parts(
             sums,
-            layers,
+            boundaries,
             before=before,
             after=after,
             micro_batch_size=micro_batch_size,
-            recompute=recompute,
+            recomputed=every_stage if recompute else ~every_stage,
             every=every,
             reduce_copy=reduce_copy,
             held=held,
         )
         for recompute, every in [(False, 0), *((True, every) for every in recompute_runs)]
     ]
-    none = options[0]
-    return _StageBytes(
-        fixed=none.fixed,
-        kept=min(o.kept for o in options),
-        grads=none.grads,
-        during=min(o.during for o in options),
-        transient=min(o.transient for o in options),
-        tail=none.tail,
-        held=none.held,
+    return replace(
+        options[0],
+        kept=np.minimum.reduce([o.kept for o in options]),
+        during=np.minimum.reduce([o.during for o in options]),
+        transient=np.minimum.reduce([o.transient for o in options]),
     )
 
 
-def stage_floor(
+def highest_stage_floor(
     sums: LayerBytes,
-    layers: range,
+    boundaries: Sequence[int],
     *,
     micro_batch_size: int,
     reduce_copy: bool,
     recompute_runs: Sequence[int],
     several: bool,
 ) -> int:
-    """The least peak the stage reaches under any schedule and recompute choice, so a
-    candidate is over the budget before a schedule is built: one micro-batch in flight before
-    its gradients exist and, with `several` micro-batches, one again after (the next
+    """The least peak the highest stage reaches under any schedule and recompute choice, so
+    a candidate is over the budget before a schedule is built: one micro-batch in flight
+    before its gradients exist and, with `several` micro-batches, one again after (the next
     forward), nothing sent held. A rank holds at least each of its stages."""
-    return _least_parts(
-        sums,
-        layers,
-        before=1,
-        after=int(several),
-        micro_batch_size=micro_batch_size,
-        reduce_copy=reduce_copy,
-        recompute_runs=recompute_runs,
-        held=0,
-    ).peak
+    stages = len(boundaries) - 1
+    return int(
+        _least_parts(
+            sums,
+            boundaries,
+            before=np.ones(stages, dtype=np.int64),
+            after=np.full(stages, int(several), dtype=np.int64),
+            micro_batch_size=micro_batch_size,
+            reduce_copy=reduce_copy,
+            recompute_runs=recompute_runs,
+            held=np.zeros(stages, dtype=np.int64),
+        ).peak.max()
+    )
 
 
 def rank_floor(
@@ -357,51 +367,56 @@ def rank_floor(
     """A bound from below of the highest rank's peak under any recompute choice. Given counts
     at most the schedule's own (those of fewer micro-batches, `SearchContext.floor_pipeline`),
     it bounds the longer step's peak without that step's schedule built."""
-    parts = [
-        _least_parts(
-            sums,
-            range(boundaries[s], boundaries[s + 1]),
-            before=counts.before[s],
-            after=counts.after[s],
-            micro_batch_size=micro_batch_size,
-            reduce_copy=reduce_copy,
-            recompute_runs=recompute_runs,
-            held=_held(sums, schedule, counts, s, micro_batch_size),
-        )
-        for s in range(schedule.num_stages)
-    ]
+    parts = _least_parts(
+        sums,
+        boundaries,
+        before=np.asarray(counts.before, dtype=np.int64),
+        after=np.asarray(counts.after, dtype=np.int64),
+        micro_batch_size=micro_batch_size,
+        reduce_copy=reduce_copy,
+        recompute_runs=recompute_runs,
+        held=_held(sums, schedule, counts, micro_batch_size),
+    )
     return max(_per_rank(parts, schedule, counts))
 
 
-def _per_rank(
-    parts: Sequence[_StageBytes], schedule: Schedule, counts: StageCounts
-) -> tuple[int, ...]:
-    """Each rank's peak from its stages' parts, at the states they reach together."""
-    together = counts.together or (None,) * schedule.num_ranks
-    return tuple(
-        _rank_bytes([parts[s] for s in schedule.stages_of(r)], together[r])
-        for r in range(schedule.num_ranks)
+def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[int, ...]:
+    """Each rank's peak from its stages' parts, at the states they reach together (without
+    them, each stage's most in flight) and the largest transient."""
+    peaks = parts.peak.tolist()
+    if schedule.num_stages == schedule.num_ranks:
+        return tuple(peaks[schedule.stages_of(r)[0]] for r in range(schedule.num_ranks))
+    fixed, kept, grads, during, transient, tail, held = (
+        getattr(parts, name).tolist()
+        for name in ("fixed", "kept", "grads", "during", "transient", "tail", "held")
     )
-
-
-def _in_flight(counts: StageCounts, stage: int) -> int:
-    """The most micro-batches whose output the stage has sent and whose gradient is to come."""
-    return max(counts.before[stage], counts.after[stage])
-
-
-def _sends(schedule: Schedule, stage: int, to: int) -> bool:
-    """Whether `stage` sends to the stage `to` over the network (a neighbour on the same rank,
-    as at the V's turn, is handed what crosses in memory)."""
-    return 0 <= to < schedule.num_stages and schedule.rank_of(to) != schedule.rank_of(stage)
+    together = counts.together or (None,) * schedule.num_ranks
+    found = []
+    for rank, states in enumerate(together):
+        mine, k = schedule.stages_of(rank), len(schedule.stages_of(rank))
+        if states is None:
+            stashes = sum(during[s] for s in mine)
+        else:
+            stashes = max(
+                sum(kept[s] * state[i] + grads[s] * state[k + i] for i, s in enumerate(mine))
+                for state in states
+            )
+        top = max(stashes + max(transient[s] for s in mine), sum(tail[s] for s in mine))
+        found.append(sum(fixed[s] + held[s] for s in mine) + top)
+    return tuple(found)
 
 
 def _held(
-    sums: LayerBytes, schedule: Schedule, counts: StageCounts, stage: int, micro_batch_size: int
-) -> int:
-    """The sends a stage holds at once: input gradients sent back and not yet proved
-    delivered, outputs sent forward whose gradients are to come."""
-    forward = _in_flight(counts, stage) * _sends(schedule, stage, stage + 1)
-    return micro_batch_size * sums.received * (counts.sent_back[stage] + forward)
+    sums: LayerBytes, schedule: Schedule, counts: StageCounts, micro_batch_size: int
+) -> np.ndarray:
+    """The sends each stage holds at once: input gradients sent back and not yet proved
+    delivered, outputs sent forward (over the network: a neighbour on the same rank, as at
+    the V's turn, is handed what crosses in memory) whose gradients are to come."""
+    place = np.asarray(schedule.placement)
+    forward = np.append(place[1:] != place[:-1], False)
+    in_flight = np.maximum(counts.before, counts.after)
+    sent_back = np.asarray(counts.sent_back, dtype=np.int64)
+    return micro_batch_size * sums.received * (sent_back + in_flight * forward)
 
 
 def rank_peaks(
@@ -424,18 +439,15 @@ def rank_peaks(
     rank of several stages holds their states, stashes and sends together and one transient
     at a time.
     """
-    parts = tuple(
-        _stage_bytes(
-            sums,
-            range(boundaries[s], boundaries[s + 1]),
-            before=counts.before[s],
-            after=counts.after[s],
-            micro_batch_size=micro_batch_size,
-            recompute=recomputed[s],
-            every=every,
-            reduce_copy=reduce_copy,
-            held=_held(sums, schedule, counts, s, micro_batch_size),
-        )
-        for s in range(schedule.num_stages)
+    parts = _stage_parts(
+        sums,
+        boundaries,
+        before=np.asarray(counts.before, dtype=np.int64),
+        after=np.asarray(counts.after, dtype=np.int64),
+        micro_batch_size=micro_batch_size,
+        recomputed=np.asarray(recomputed, dtype=bool),
+        every=every,
+        reduce_copy=reduce_copy,
+        held=_held(sums, schedule, counts, micro_batch_size),
     )
-    return tuple(p.peak for p in parts), _per_rank(parts, schedule, counts)
+    return tuple(parts.peak.tolist()), _per_rank(parts, schedule, counts)

@@ -13,9 +13,9 @@ from engine.memory.tracker import CUDA_BLOCK
 from engine.plan.budget import (
     LayerBytes,
     StageCounts,
+    highest_stage_floor,
     layer_bytes,
     stage_counts,
-    stage_floor,
     state_sums,
 )
 from engine.plan.candidates import Candidate
@@ -190,19 +190,15 @@ class SearchContext:
         several: bool,
         recompute_runs: tuple[int, ...],
     ) -> int:
-        """Of the balanced split into `stages`: the highest stage's `stage_floor`, a bound of
+        """Of the balanced split into `stages`: `highest_stage_floor`, a bound of
         the peak under any schedule and recompute, without a schedule built."""
-        sums = self._sums(states, split)
-        return max(
-            stage_floor(
-                sums,
-                range(a, b),
-                micro_batch_size=micro_batch_size,
-                reduce_copy=reduce_copy,
-                recompute_runs=recompute_runs,
-                several=several,
-            )
-            for a, b in itertools.pairwise(self.boundaries(stages))
+        return highest_stage_floor(
+            self._sums(states, split),
+            self.boundaries(stages),
+            micro_batch_size=micro_batch_size,
+            reduce_copy=reduce_copy,
+            recompute_runs=recompute_runs,
+            several=several,
         )
 
     @functools.cache  # noqa: B019
