@@ -5,7 +5,7 @@ The terms are the memory model's own: each distinct layer is traced once on fake
 weight copies, its highest transient, all proportional to the micro-batch size) and its model
 states follow from its parameter shapes under the ZeRO level (`engine.memory.sharding`). A
 stage holds its states, then, as `engine.memory.fitting.stage_bytes` composes them, its
-in-flight stashes (the schedule's counts) or its gradients with the stashes still held once
+in-flight stashes (the schedule's counts, `engine.plan.counts`) or its gradients with the stashes still held once
 they exist, plus the highest transient. Under full recompute a stage keeps only its input per
 micro-batch and regenerates one micro-batch's activations during each backward. A rank holds
 the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan exactly.
@@ -24,19 +24,16 @@ from engine.memory.replay import StageShape
 from engine.memory.sharding import sharded_states
 from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
+from engine.plan.counts import StageCounts
 from engine.schedule import Schedule
-from engine.schedule.arrays import B, F, I, RowArrays, W, compute_arrays
-from engine.schedule.delivery import held_in
 from models import LayerSpec
 
 __all__ = [
     "LayerBytes",
-    "StageCounts",
     "highest_stage_floor",
     "layer_bytes",
     "rank_floor",
     "rank_peaks",
-    "stage_counts",
     "state_sums",
 ]
 
@@ -129,73 +126,6 @@ def _layer_states(spec: LayerSpec, states: StateLayout, precision: str) -> tuple
     step = round_up(4, states.block) if states.step_counters else 0
     optimizer = sum(2 * round_up(4 * p.numel, states.block) + step for p in params)
     return fp32 + optimizer, fp32, 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageCounts:
-    """Per stage of a schedule: micro-batches in flight, those held once gradients exist, and
-    input gradients sent back and held."""
-
-    before: tuple[int, ...]
-    after: tuple[int, ...]
-    together: tuple[frozenset[tuple[int, ...]] | None, ...] = ()
-    """Per rank of several stages, the states its stages reach at once: each their in-flight
-    counts, then 1 for each whose gradients exist (`stages_of` order), none another covers.
-    None (or nothing) where unknown; a rank's stages then count their most at once."""
-    sent_back: tuple[int, ...]
-    """The most input gradients each stage holds sent back at once, not yet proved delivered
-    (`held_input_gradients`)."""
-
-
-def stage_counts(schedule: Schedule) -> StageCounts:
-    """`in_flight` and `held_with_gradients` of every stage by prefix sums over its rank's
-    compute row (the search counts schedules of tens of thousands of actions), each rank's
-    states together, and the input gradients held (`held_in`)."""
-    rows = compute_arrays(schedule)
-    before, after = [0] * schedule.num_stages, [0] * schedule.num_stages
-    together = []
-    for rank, row in enumerate(rows):
-        mine = schedule.stages_of(rank)
-        live, started = [], []
-        for s in mine:
-            on = row.stage == s
-            closes = on & ((row.kind == B) | (row.kind == W))
-            live.append(np.cumsum((on & (row.kind == F)).astype(np.int64) - closes))
-            started.append(np.logical_or.accumulate(on & ((row.kind == B) | (row.kind == I))))
-            before[s] = int(live[-1].max(initial=0))
-            after[s] = int(live[-1][started[-1]].max(initial=0))
-        together.append(_together(row, live, started) if len(mine) > 1 else None)
-    return StageCounts(
-        before=tuple(before),
-        after=tuple(after),
-        together=tuple(together),
-        sent_back=held_in(rows, schedule.placement),
-    )
-
-
-def _together(
-    row: RowArrays, live: Sequence[np.ndarray], started: Sequence[np.ndarray]
-) -> frozenset[tuple[int, ...]]:
-    """A rank's states after each action that adds bytes (a forward, a stage's first
-    backward): its stages' in-flight counts, then 1 for each whose gradients exist."""
-    grown = row.kind == F
-    for began in started:
-        if began.any():
-            grown[int(np.argmax(began))] = True
-    states = np.stack([*live, *(b.astype(np.int64) for b in started)], axis=1)[grown]
-    return _uncovered(states)
-
-
-def _uncovered(states: np.ndarray) -> frozenset[tuple[int, ...]]:
-    """The states (rows) no other is at least as large as in every place: only those can
-    peak. The largest left is never covered; it is kept and every state it covers dropped,
-    so the loop runs once per state kept (a few), not once per state."""
-    left, kept = states, []
-    while len(left):
-        top = left[np.argmax(left.sum(axis=1))]
-        kept.append(tuple(top.tolist()))
-        left = left[~(left <= top).all(axis=1)]
-    return frozenset(kept)
 
 
 def state_sums(

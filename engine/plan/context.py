@@ -10,15 +10,9 @@ from dataclasses import dataclass
 
 from engine.memory.states import StateLayout
 from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import (
-    LayerBytes,
-    StageCounts,
-    highest_stage_floor,
-    layer_bytes,
-    stage_counts,
-    state_sums,
-)
+from engine.plan.budget import LayerBytes, highest_stage_floor, layer_bytes, state_sums
 from engine.plan.candidates import Candidate
+from engine.plan.counts import StageCounts, stage_counts
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule

@@ -24,9 +24,9 @@ from engine.plan import (
     search,
     write_plan,
 )
-from engine.plan.budget import StageCounts, stage_counts
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
+from engine.plan.counts import StageCounts, stage_counts
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
