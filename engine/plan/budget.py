@@ -5,10 +5,11 @@ The terms are the memory model's own: each distinct layer is traced once on fake
 weight copies, its highest transient, all proportional to the micro-batch size) and its model
 states follow from its parameter shapes under the ZeRO level (`engine.memory.sharding`). A
 stage holds its states, then, as `engine.memory.fitting.stage_bytes` composes them, its
-in-flight stashes (the schedule's counts, `engine.plan.counts`) or its gradients with the stashes still held once
-they exist, plus the highest transient. Under full recompute a stage keeps only its input per
-micro-batch and regenerates one micro-batch's activations during each backward. A rank holds
-the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan exactly.
+in-flight stashes (the schedule's counts, `engine.plan.counts`) or its gradients with the
+stashes still held once they exist, plus the highest transient. Under full recompute a stage
+keeps only its input per micro-batch and regenerates one micro-batch's activations during
+each backward. A rank holds the sum of its stages. `meshpipe memory --plan FILE` replays the
+chosen plan exactly.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A schedule's compute actions as integer arrays, one set per rank.
 
 The planner counts what hundreds of schedules of tens of thousands of actions hold in flight
-(`engine.plan.budget.stage_counts`, `engine.schedule.delivery.held_input_gradients`); a
+(`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`); a
 Python step per action cost it seconds, so the rows are read once into arrays and counted
 with prefix sums. Sends and receives are left out: a lowered schedule counts as its compute
 rows.
