@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -220,41 +220,12 @@ def _runs(
     return np.array([len(run) for run in starts]), np.array(longest, dtype=np.int64)
 
 
-def _least_parts(
-    sums: LayerBytes,
-    boundaries: Sequence[int],
-    *,
-    before: np.ndarray,
-    after: np.ndarray,
-    micro_batch_size: int,
-    reduce_copy: bool,
-    recompute_runs: Sequence[int],
-    held: np.ndarray,
-) -> _Parts:
-    """The stages' parts, each the least of any recompute choice (none, or runs of each of
-    `recompute_runs` layers): a rank's bytes grow with every part, so these bound its peak
-    from below whichever stages a search recomputes."""
-    every_stage = np.ones(len(boundaries) - 1, dtype=bool)
-    options = [
-        _stage_parts(
-            sums,
-            boundaries,
-            before=before,
-            after=after,
-            micro_batch_size=micro_batch_size,
-            recomputed=every_stage if recompute else ~every_stage,
-            every=every,
-            reduce_copy=reduce_copy,
-            held=held,
-        )
-        for recompute, every in [(False, 0), *((True, every) for every in recompute_runs)]
-    ]
-    return replace(
-        options[0],
-        kept=np.minimum.reduce([o.kept for o in options]),
-        during=np.minimum.reduce([o.during for o in options]),
-        transient=np.minimum.reduce([o.transient for o in options]),
-    )
+def _choices(stages: int, recompute_runs: Sequence[int]) -> list[tuple[np.ndarray, int]]:
+    """The recompute choices a search tries for a rank's stages, as (stages recomputed, run
+    length): none, or all of them in runs of each of `recompute_runs` layers. The screen's
+    `fit` recomputes a rank's stages together, so any rank's peak is one of these."""
+    none = np.zeros(stages, dtype=bool)
+    return [(none, 0), *((~none, every) for every in recompute_runs)]
 
 
 def highest_stage_floor(
@@ -271,18 +242,21 @@ def highest_stage_floor(
     before its gradients exist and, with `several` micro-batches, one again after (the next
     forward), nothing sent held. A rank holds at least each of its stages."""
     stages = len(boundaries) - 1
-    return int(
-        _least_parts(
+    peaks = [
+        _stage_parts(
             sums,
             boundaries,
             before=np.ones(stages, dtype=np.int64),
             after=np.full(stages, int(several), dtype=np.int64),
             micro_batch_size=micro_batch_size,
+            recomputed=recomputed,
+            every=every,
             reduce_copy=reduce_copy,
-            recompute_runs=recompute_runs,
             held=np.zeros(stages, dtype=np.int64),
-        ).peak.max()
-    )
+        ).peak
+        for recomputed, every in _choices(stages, recompute_runs)
+    ]
+    return int(np.minimum.reduce(peaks).max())
 
 
 def rank_floor(
@@ -295,20 +269,30 @@ def rank_floor(
     reduce_copy: bool,
     recompute_runs: Sequence[int],
 ) -> int:
-    """A bound from below of the highest rank's peak under any recompute choice. Given counts
-    at most the schedule's own (those of fewer micro-batches, `SearchContext.floor_pipeline`),
-    it bounds the longer step's peak without that step's schedule built."""
-    parts = _least_parts(
-        sums,
-        boundaries,
-        before=np.asarray(counts.before, dtype=np.int64),
-        after=np.asarray(counts.after, dtype=np.int64),
-        micro_batch_size=micro_batch_size,
-        reduce_copy=reduce_copy,
-        recompute_runs=recompute_runs,
-        held=_held(sums, schedule, counts, micro_batch_size),
-    )
-    return max(_per_rank(parts, schedule, counts))
+    """A bound from below of the highest rank's peak under any recompute choice (each rank's
+    least over `_choices`). Given counts at most the schedule's own (those of fewer
+    micro-batches, `SearchContext.floor_pipeline`), it bounds the longer step's peak without
+    that step's schedule built."""
+    held = _held(sums, schedule, counts, micro_batch_size)
+    per_rank = [
+        _per_rank(
+            _stage_parts(
+                sums,
+                boundaries,
+                before=np.asarray(counts.before, dtype=np.int64),
+                after=np.asarray(counts.after, dtype=np.int64),
+                micro_batch_size=micro_batch_size,
+                recomputed=recomputed,
+                every=every,
+                reduce_copy=reduce_copy,
+                held=held,
+            ),
+            schedule,
+            counts,
+        )
+        for recomputed, every in _choices(schedule.num_stages, recompute_runs)
+    ]
+    return max(min(peaks) for peaks in zip(*per_rank, strict=True))
 
 
 def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[int, ...]:
