@@ -60,33 +60,20 @@ def _brute_force_best(request: PlanRequest) -> float:
     """Every candidate simulated in full, fastest first, the first the replay fits."""
     state = SearchContext(request)
     timed = []
-    for mesh in meshes(
-        request.model,
-        request.devices,
-        num_layers=len(state.specs),
-        seq_len=request.seq_len,
-        gpus_per_node=request.hardware.gpus_per_node,
-    ):
-        for c in candidates(
-            mesh,
-            global_batch=request.global_batch,
-            num_layers=len(state.specs),
-            micro_batch_sizes=request.micro_batch_sizes,
-            tied=any(spec.tie_key is not None for spec in state.specs),
-        ):
-            try:
-                state.pipeline(c)
-            except ValueError:
-                continue
-            fitted = fit(state, c, request.device_memory)
-            if isinstance(fitted, int):
-                continue
-            screened = replace(
-                _screen(state, fitted.candidate, fitted.boundaries),
-                stage_peaks=fitted.stage_peaks,
-                rank_peaks=fitted.rank_peaks,
-            )
-            timed.append(_predict(state, screened, _simulate(state, screened)))
+    for c in all_candidates(state):
+        try:
+            state.pipeline(c)
+        except ValueError:
+            continue
+        fitted = fit(state, c, request.device_memory)
+        if isinstance(fitted, int):
+            continue
+        screened = replace(
+            _screen(state, fitted.candidate, fitted.boundaries),
+            stage_peaks=fitted.stage_peaks,
+            rank_peaks=fitted.rank_peaks,
+        )
+        timed.append(_predict(state, screened, _simulate(state, screened)))
     timed.sort(key=lambda p: p.step_time)
     fitting = (p for p in timed if max(_replayed(request, p).rank_peaks) <= request.device_memory)
     return next(fitting).step_time
