@@ -103,8 +103,9 @@ class SearchContext:
     @functools.cache  # noqa: B019
     def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimTimes:
         """Candidates that differ only in their data-parallel tails share one simulation. The
-        schedules are the generators' (`built`), lowered here: valid by their tests."""
-        return time_stages(self.lowered(schedule), stages, p2p=p2p)
+        schedules are the generators' (`built`), valid by their tests, simulated compute-only
+        (`simulate_times` adds the communication lowering would)."""
+        return time_stages(schedule, stages, p2p=p2p)
 
     def timeline(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
         """`run` with the timeline a plan's figure draws: for the plans shown, not searched."""
@@ -112,7 +113,7 @@ class SearchContext:
 
     @functools.cache  # noqa: B019
     def lowered(self, schedule: Schedule) -> Schedule:
-        """Shared with the in-flight counts' `held_input_gradients` (`as_lowered`'s cache)."""
+        """The schedule with its communication, for the timelines of the plans shown."""
         return as_lowered(schedule)
 
     def pipeline(self, c: Candidate) -> Pipeline:

@@ -151,8 +151,8 @@ def simulate_stages(
 
 
 def time_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes:
-    """`simulate_stages`'s ends and busy times alone, of a lowered generator's schedule: what
-    the search prices every candidate by (`simulate_times`)."""
+    """`simulate_stages`'s ends and busy times alone, of a generator's schedule (compute-only
+    or lowered): what the search prices every candidate by (`simulate_times`)."""
     return simulate_times(schedule, _costs(stages, p2p))
 
 

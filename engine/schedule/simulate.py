@@ -8,10 +8,14 @@ steps back to back with no barrier, the regime of the Zero Bubble paper's closed
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
+
 from engine.schedule.actions import COMM_KINDS, Action, ActionKind
-from engine.schedule.passes import add_communication, as_lowered, counterpart, is_lowered
+from engine.schedule.arrays import B, F, I, compute_arrays
+from engine.schedule.passes import add_communication, counterpart, is_lowered
 from engine.schedule.schedule import Schedule, format_schedule
 from engine.schedule.validate import ScheduleError, validate
 
@@ -222,27 +226,29 @@ class SimTimes:
     busy: tuple[float, ...]
 
 
-_COMPUTE, _SEND, _RECV = 0, 1, 2
-
-
 _OPS = {
-    id(ActionKind.SEND_F): (_SEND, 0, 0),
-    id(ActionKind.SEND_B): (_SEND, 1, 0),
-    id(ActionKind.RECV_F): (_RECV, 0, -1),
-    id(ActionKind.RECV_B): (_RECV, 1, +1),
-    **{id(kind): (_COMPUTE, index, 0) for index, kind in enumerate((_F, _B, _I, _W))},
+    id(ActionKind.SEND_F): (None, 0, 0),
+    id(ActionKind.SEND_B): (None, 1, 0),
+    id(ActionKind.RECV_F): (None, 0, -1),
+    id(ActionKind.RECV_B): (None, 1, +1),
+    **{id(kind): (index, 0, 0) for index, kind in enumerate((_F, _B, _I, _W))},
 }
-"""Per kind, by identity (an enum member hashes in Python): its op, its direction (messages)
-or cost index (compute), and where its message's sender sits (receives)."""
+"""Per kind, by identity (an enum member hashes in Python): a compute's cost index in (F, B,
+I, W), or a message's direction and where its sender sits."""
+
+
+_Step = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
 class _Program:
-    """A lowered schedule's rows as (op, argument) pairs: a compute action's cost index
-    (stage · 4 + F/B/I/W), a send's or receive's message number (sending stage, direction,
-    micro-batch); with the count of messages and each row's cost indices in order."""
+    """A schedule's rows as steps `(cost, wait, make)`: wait for message `wait` (-1: none),
+    compute for cost index `cost` (stage · 4 + F/B/I/W; the last index costs 0), then post
+    message `make` (-1: none). A compute-only schedule's compute, with the receive lowering
+    puts before it and the send after it, is one step; a lowered row's actions are a step
+    each. With the count of messages and each row's cost indices in order."""
 
-    rows: tuple[tuple[tuple[int, int], ...], ...]
+    rows: tuple[tuple[_Step, ...], ...]
     messages: int
     computes: tuple[tuple[int, ...], ...]
 
@@ -251,61 +257,114 @@ class _Program:
 def _program(schedule: Schedule) -> _Program:
     """Worked out once per schedule, so a search pricing it under many costs walks integers,
     not actions."""
+    fused = None if schedule.lowered else _fused_program(schedule)
+    if fused is not None:
+        return fused
+    idle = 4 * schedule.num_stages
     messages: dict[tuple[int, int, int], int] = {}
     rows = []
     for row in schedule.rows:
-        ops = []
+        steps = []
         for action in row:
-            op, arg, offset = _OPS[id(action.kind)]
-            if op == _COMPUTE:
-                ops.append((op, 4 * action.stage + arg))
-            else:
-                key = (action.stage + offset, arg, action.micro_batch)
-                ops.append((op, messages.setdefault(key, len(messages))))
-        rows.append(tuple(ops))
-    computes = tuple(tuple(arg for op, arg in ops if op == _COMPUTE) for ops in rows)
-    return _Program(rows=tuple(rows), messages=len(messages), computes=computes)
+            index, direction, offset = _OPS[id(action.kind)]
+            if index is not None:
+                steps.append((4 * action.stage + index, -1, -1))
+                continue
+            key = (action.stage + offset, direction, action.micro_batch)
+            message = messages.setdefault(key, len(messages))
+            steps.append((idle, message, -1) if offset else (idle, -1, message))
+        rows.append(tuple(steps))
+    return _Program(rows=tuple(rows), messages=len(messages), computes=_computes(rows, idle))
+
+
+def _computes(rows: Sequence[Sequence[_Step]], idle: int) -> tuple[tuple[int, ...], ...]:
+    """Each row's cost indices in order: its busy time is their sum."""
+    return tuple(tuple(cost for cost, _, _ in steps if cost != idle) for steps in rows)
+
+
+def _fused_program(schedule: Schedule) -> _Program | None:
+    """The program of a compute-only schedule as lowering would make it, one step per compute
+    action, from its rows read into arrays: a forward waits for its input from the previous
+    stage and posts its output to the next where that stage is on another rank; a backward (B
+    or I) waits for its gradient from the next stage and posts one to the previous. A message
+    is numbered `(2 · sending stage + backward) · m + micro-batch`. None where the rows hold a
+    send or receive, or a stage or micro-batch the schedule lacks (the lowered path's)."""
+    m, last = schedule.micro_batches, schedule.num_stages - 1
+    place = np.asarray(schedule.placement, dtype=np.int64)
+    arrays = compute_arrays(schedule)
+    if any(
+        len(row) != len(actions)
+        or ((row.stage < 0) | (row.stage > last) | (row.micro_batch < 0)).any()
+        or (row.micro_batch >= m).any()
+        for row, actions in zip(arrays, schedule.rows, strict=True)
+    ):
+        return None
+    rows = []
+    for rank, row in enumerate(arrays):
+        stage, micro_batch = row.stage, row.micro_batch
+        forward = row.kind == F
+        backward = (row.kind == B) | (row.kind == I)
+        prev_away = (stage > 0) & (place[np.maximum(stage - 1, 0)] != rank)
+        next_away = (stage < last) & (place[np.minimum(stage + 1, last)] != rank)
+        wait = np.where(forward & prev_away, 2 * (stage - 1) * m + micro_batch, -1)
+        wait = np.where(backward & next_away, (2 * (stage + 1) + 1) * m + micro_batch, wait)
+        make = np.where(forward & next_away, 2 * stage * m + micro_batch, -1)
+        make = np.where(backward & prev_away, (2 * stage + 1) * m + micro_batch, make)
+        cost = 4 * stage + row.kind
+        rows.append(tuple(zip(cost.tolist(), wait.tolist(), make.tolist(), strict=True)))
+    idle = 4 * schedule.num_stages
+    return _Program(rows=tuple(rows), messages=2 * (last + 1) * m, computes=_computes(rows, idle))
 
 
 def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
-    """`simulate`'s clock for a schedule known valid (a generator's; compute-only ones are
-    lowered first), its ends and busy times to the bit, without a timeline: the planner
-    prices each schedule under many layouts' costs. A deadlock is reported by `simulate`."""
-    schedule = as_lowered(schedule)
+    """`simulate`'s clock for a schedule known valid (a generator's, compute-only or lowered),
+    its ends and busy times to the bit, without a timeline: the planner prices each schedule
+    under many layouts' costs. A deadlock is reported by `simulate`."""
     compiled = _program(schedule)
-    program = compiled.rows
     per_stage = (
         costs.per_stage
         or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),)
         * schedule.num_stages
     )
-    table = [c for row in per_stage for c in row]
-    sent: list[float | None] = [None] * compiled.messages
-    pcs, clocks = [0] * len(program), [0.0] * len(program)
-    while True:
-        moved = False
-        for rank, ops in enumerate(program):
-            pc, now, start = pcs[rank], clocks[rank], pcs[rank]
-            while pc < len(ops):
-                op, arg = ops[pc]
-                if op == _RECV:
-                    at = sent[arg]
-                    if at is None:
-                        break
-                    now = max(now, at + costs.comm)
-                elif op == _SEND:
-                    sent[arg] = now
-                else:
-                    now += table[arg]
-                pc += 1
-            pcs[rank], clocks[rank], moved = pc, now, moved or pc > start
-        if all(pc == len(ops) for pc, ops in zip(pcs, program, strict=True)):
-            break
-        if not moved:
-            simulate(schedule, costs)  # raises the deadlock, with the schedule around it
-            raise AssertionError("simulate_times stalled where simulate runs through")
+    table = [*(c for row in per_stage for c in row), 0.0]
+    pcs, clocks = _run_program(compiled, table, costs.comm)
+    if any(pc < len(steps) for pc, steps in zip(pcs, compiled.rows, strict=True)):
+        simulate(schedule, costs)  # raises the deadlock, with the schedule around it
+        raise AssertionError("simulate_times stalled where simulate runs through")
     busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
     return SimTimes(ends=tuple(clocks), busy=busy)
+
+
+def _run_program(
+    compiled: _Program, table: list[float], comm: float
+) -> tuple[list[int], list[float]]:
+    """Each rank run until it waits for a message not yet posted, round after round, until
+    all end or none moves: each rank's position and clock. Adding the idle step's 0.0 leaves
+    a clock as it is, and the waits take the same `max` as `simulate`'s receives."""
+    program = compiled.rows
+    sent = [-1.0] * compiled.messages
+    pcs, clocks = [0] * len(program), [0.0] * len(program)
+    moved = True
+    while moved:
+        moved = False
+        for rank, steps in enumerate(program):
+            pc, now, start, end = pcs[rank], clocks[rank], pcs[rank], len(steps)
+            while pc < end:
+                cost, wait, make = steps[pc]
+                if wait >= 0:
+                    at = sent[wait]
+                    if at < 0.0:
+                        break
+                    at += comm
+                    if at > now:
+                        now = at
+                now += table[cost]
+                if make >= 0:
+                    sent[make] = now
+                pc += 1
+            if pc > start:
+                pcs[rank], clocks[rank], moved = pc, now, True
+    return pcs, clocks
 
 
 def repeat(schedule: Schedule, iterations: int) -> Schedule:
