@@ -298,27 +298,51 @@ def rank_floor(
 def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[int, ...]:
     """Each rank's peak from its stages' parts, at the states they reach together (without
     them, each stage's most in flight) and the largest transient."""
-    peaks = parts.peak.tolist()
     if schedule.num_stages == schedule.num_ranks:
-        return tuple(peaks[schedule.stages_of(r)[0]] for r in range(schedule.num_ranks))
-    fixed, kept, grads, during, transient, tail, held = (
-        getattr(parts, name).tolist()
-        for name in ("fixed", "kept", "grads", "during", "transient", "tail", "held")
+        return tuple(parts.peak[_rank_stages(schedule.placement)[:, 0]].tolist())
+    mine = _rank_stages(schedule.placement)
+    states = _stacked(schedule.placement, counts.together or (None,) * schedule.num_ranks)
+    k = mine.shape[1]
+    kept, grads = parts.kept[mine][:, None, :], parts.grads[mine][:, None, :]
+    reached = (states.states[:, :, :k] * kept + states.states[:, :, k:] * grads).sum(axis=2)
+    stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))
+    top = np.maximum(stashes + parts.transient[mine].max(axis=1), parts.tail[mine].sum(axis=1))
+    return tuple(((parts.fixed + parts.held)[mine].sum(axis=1) + top).tolist())
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_stages(placement: tuple[int, ...]) -> np.ndarray:
+    """Each rank's stages in order, one row per rank (every rank holds as many: the
+    generators' placements)."""
+    ranks = 1 + max(placement)
+    rows = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError(f"placement {placement} gives its ranks different numbers of stages")
+    return np.array(rows, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Stacked:
+    """Each rank's states together (`StageCounts.together`) as one array, (rank, state,
+    in-flight counts then gradients), a rank's first state repeated to the longest list;
+    `known` where a rank has them."""
+
+    states: np.ndarray
+    known: np.ndarray
+
+
+@functools.lru_cache(maxsize=1024)
+def _stacked(
+    placement: tuple[int, ...], together: tuple[frozenset[tuple[int, ...]] | None, ...]
+) -> _Stacked:
+    k = _rank_stages(placement).shape[1]
+    rows = [sorted(states) if states else [(0,) * 2 * k] for states in together]
+    longest = max(len(row) for row in rows)
+    padded = [row + [row[0]] * (longest - len(row)) for row in rows]
+    known = np.array([states is not None for states in together])
+    return _Stacked(
+        states=np.array(padded, dtype=np.int64).reshape(len(rows), longest, 2 * k), known=known
     )
-    together = counts.together or (None,) * schedule.num_ranks
-    found = []
-    for rank, states in enumerate(together):
-        mine, k = schedule.stages_of(rank), len(schedule.stages_of(rank))
-        if states is None:
-            stashes = sum(during[s] for s in mine)
-        else:
-            stashes = max(
-                sum(kept[s] * state[i] + grads[s] * state[k + i] for i, s in enumerate(mine))
-                for state in states
-            )
-        top = max(stashes + max(transient[s] for s in mine), sum(tail[s] for s in mine))
-        found.append(sum(fixed[s] + held[s] for s in mine) + top)
-    return tuple(found)
 
 
 def _held(
