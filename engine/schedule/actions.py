@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 __all__ = [
     "COMM_KINDS",
@@ -38,6 +38,10 @@ class ActionKind(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
+    __hash__ = str.__hash__
+    """Hashed as its text, in C: `Enum`'s own hash runs Python code, and schedules of tens of
+    thousands of actions are hashed and compared by the planner and the replay."""
+
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B})
@@ -45,9 +49,11 @@ COMM_KINDS = frozenset({ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B,
 _TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 
-@dataclass(frozen=True, slots=True)
-class Action:
-    """One step of one rank's schedule."""
+class Action(NamedTuple):
+    """One step of one rank's schedule.
+
+    A named tuple, not a dataclass: the planner builds millions of them, and a tuple is
+    made, hashed and compared in C (a frozen dataclass's constructor runs Python code)."""
 
     stage: int
     kind: ActionKind
