@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.schedule import Schedule
-from engine.schedule.arrays import B, F, I, RowArrays, W, compute_arrays
+from engine.schedule.arrays import B, F, FlatArrays, I, RowArrays, W, flat_arrays
 from engine.schedule.delivery import held_in
 
 __all__ = ["StageCounts", "stage_counts"]
@@ -37,36 +37,56 @@ class StageCounts:
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
-    """`in_flight` and `held_with_gradients` of every stage by prefix sums over its rank's
-    compute row (the search counts schedules of tens of thousands of actions), each rank's
-    states together, and the input gradients held (`held_in`)."""
-    rows = compute_arrays(schedule)
-    before, after = [0] * schedule.num_stages, [0] * schedule.num_stages
-    together = []
-    for rank, row in enumerate(rows):
-        mine = schedule.stages_of(rank)
-        live, started = [], []
-        for s in mine:
-            on = row.stage == s
-            closes = on & ((row.kind == B) | (row.kind == W))
-            live.append(np.cumsum((on & (row.kind == F)).astype(np.int64) - closes))
-            started.append(np.logical_or.accumulate(on & ((row.kind == B) | (row.kind == I))))
-            before[s] = int(live[-1].max(initial=0))
-            after[s] = int(live[-1][started[-1]].max(initial=0))
-        together.append(_together(row, live, started) if len(mine) > 1 else None)
+    """`in_flight` and `held_with_gradients` of every stage by prefix sums over its compute
+    actions, all stages at once (the search counts schedules of tens of thousands of
+    actions), each rank's states together, and the input gradients held (`held_in`)."""
+    flat = flat_arrays(schedule)
+    before, after = _in_flight(flat, schedule.num_stages)
+    together = [
+        _together(flat.row(rank), schedule.stages_of(rank))
+        if len(schedule.stages_of(rank)) > 1
+        else None
+        for rank in range(schedule.num_ranks)
+    ]
     return StageCounts(
-        before=tuple(before),
-        after=tuple(after),
+        before=before,
+        after=after,
         together=tuple(together),
-        sent_back=held_in(rows, schedule.placement),
+        sent_back=held_in(flat, schedule.placement),
     )
 
 
-def _together(
-    row: RowArrays, live: Sequence[np.ndarray], started: Sequence[np.ndarray]
-) -> frozenset[tuple[int, ...]]:
+def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage, the most micro-batches in flight (a forward opens one, B or W closes it),
+    and the most from its first backward (B or I) on: running sums over each stage's own
+    actions, which lie on one rank in that rank's order."""
+    before, after = np.zeros(stages, np.int64), np.zeros(stages, np.int64)
+    order = np.argsort(flat.stage, kind="stable")
+    stage, kind = flat.stage[order], flat.kind[order]
+    if not len(stage):
+        return tuple(before.tolist()), tuple(after.tolist())
+    starts = np.flatnonzero(np.diff(stage, prepend=-1))
+    lengths = np.diff(np.append(starts, len(stage)))
+    step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
+    live = np.cumsum(step)
+    live -= np.repeat(live[starts] - step[starts], lengths)
+    began = np.cumsum((kind == B) | (kind == I))
+    began -= np.repeat(began[starts] - ((kind[starts] == B) | (kind[starts] == I)), lengths)
+    before[stage[starts]] = np.maximum(np.maximum.reduceat(live, starts), 0)
+    gradients = np.where(began > 0, live, 0)
+    after[stage[starts]] = np.maximum(np.maximum.reduceat(gradients, starts), 0)
+    return tuple(before.tolist()), tuple(after.tolist())
+
+
+def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[tuple[int, ...]]:
     """A rank's states after each action that adds bytes (a forward, a stage's first
     backward): its stages' in-flight counts, then 1 for each whose gradients exist."""
+    live, started = [], []
+    for s in mine:
+        on = row.stage == s
+        closes = on & ((row.kind == B) | (row.kind == W))
+        live.append(np.cumsum((on & (row.kind == F)).astype(np.int64) - closes))
+        started.append(np.logical_or.accumulate(on & ((row.kind == B) | (row.kind == I))))
     grown = row.kind == F
     for began in started:
         if began.any():

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
 from engine.schedule.actions import ActionKind
 from engine.schedule.schedule import Schedule
 
-__all__ = ["B", "F", "I", "RowArrays", "W", "compute_arrays"]
+__all__ = ["B", "F", "FlatArrays", "I", "RowArrays", "W", "compute_arrays", "flat_arrays"]
 
 F, B, I, W = 0, 1, 2, 3  # noqa: E741 - the kinds' own names
 _CODES = {
-    id(kind): code
-    for code, kind in enumerate((ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W))
+    kind: code for code, kind in enumerate((ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W))
 }
-"""By identity: an enum member's hash runs Python code, too slow over a planner's schedules."""
-_KIND, _STAGE, _MICRO_BATCH = attrgetter("kind"), attrgetter("stage"), attrgetter("micro_batch")
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,17 +37,50 @@ class RowArrays:
         return len(self.kind)
 
 
+@dataclass(frozen=True, eq=False)
+class FlatArrays:
+    """Every rank's compute actions in one set of arrays, rank after rank: what can be
+    counted for all ranks at once. `position` is an action's index in its rank's compute
+    row; rank r's actions are `starts[r]:starts[r + 1]`."""
+
+    rank: np.ndarray
+    position: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    micro_batch: np.ndarray
+    starts: np.ndarray
+
+    def row(self, rank: int) -> RowArrays:
+        at = slice(int(self.starts[rank]), int(self.starts[rank + 1]))
+        return RowArrays(kind=self.kind[at], stage=self.stage[at], micro_batch=self.micro_batch[at])
+
+
+def flat_arrays(schedule: Schedule) -> FlatArrays:
+    """Every rank's compute actions as arrays, read in one pass over the actions (each a
+    named tuple, transposed in C)."""
+    actions = list(itertools.chain.from_iterable(schedule.rows))
+    lengths = np.array([len(row) for row in schedule.rows], dtype=np.int64)
+    stage, kind, micro_batch = zip(*actions, strict=True) if actions else ((), (), ())
+    codes = np.fromiter(map(_CODES.get, kind, itertools.repeat(-1)), np.int8, len(actions))
+    rank = np.repeat(np.arange(len(lengths)), lengths)
+    compute = codes >= 0
+    stages = np.array(stage, dtype=np.int64).reshape(-1)[compute]
+    micro_batches = np.array(micro_batch, dtype=np.int64).reshape(-1)[compute]
+    rank, codes = rank[compute], codes[compute]
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(np.bincount(rank, minlength=len(lengths)))
+    position = np.arange(len(rank)) - starts[rank]
+    return FlatArrays(
+        rank=rank,
+        position=position,
+        kind=codes,
+        stage=stages,
+        micro_batch=micro_batches,
+        starts=starts,
+    )
+
+
 def compute_arrays(schedule: Schedule) -> tuple[RowArrays, ...]:
     """Every rank's compute actions as arrays."""
-    found = []
-    for row in schedule.rows:
-        n = len(row)
-        codes = map(_CODES.get, map(id, map(_KIND, row)), itertools.repeat(-1))
-        kind = np.fromiter(codes, np.int8, n)
-        stage = np.fromiter(map(_STAGE, row), np.int64, n)
-        micro_batch = np.fromiter(map(_MICRO_BATCH, row), np.int64, n)
-        compute = kind >= 0
-        if not compute.all():
-            kind, stage, micro_batch = kind[compute], stage[compute], micro_batch[compute]
-        found.append(RowArrays(kind=kind, stage=stage, micro_batch=micro_batch))
-    return tuple(found)
+    flat = flat_arrays(schedule)
+    return tuple(flat.row(rank) for rank in range(schedule.num_ranks))

@@ -18,11 +18,12 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.arrays import B, F, I, RowArrays, W, compute_arrays
+from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays
 from engine.schedule.passes import as_lowered, counterpart, peer_of
 from engine.schedule.schedule import Schedule
 
@@ -86,69 +87,98 @@ def held_input_gradients(schedule: Schedule) -> tuple[int, ...]:
     thousands of actions. `released_at` walks the lowered rows themselves: a user's lowered
     schedule may post its receives anywhere. Tested equal on every generator's.
     """
-    return held_in(compute_arrays(schedule), schedule.placement)
+    return held_in(flat_arrays(schedule), schedule.placement)
 
 
-def held_in(rows: Sequence[RowArrays], placement: Sequence[int]) -> tuple[int, ...]:
-    """`held_input_gradients` of compute rows already read into arrays: each send back counts
-    from its backward until the receive that proves it delivered (a later message from the
-    peer, sent after the peer's backward consumed it), or to the step's end."""
+def held_in(flat: FlatArrays, placement: Sequence[int]) -> tuple[int, ...]:
+    """`held_input_gradients` of compute rows already read into arrays, every rank at once:
+    each send back counts from its backward until the receive that proves it delivered (a
+    later message from the peer, sent after the peer's backward consumed it), or to the
+    step's end."""
     place = np.asarray(placement, dtype=np.int64)
-    m = 1 + max((int(row.micro_batch.max()) for row in rows if len(row)), default=0)
-    position, sends = _messages(rows, place, m)
-    most = [0] * len(place)
-    for rank, row in enumerate(rows):
-        peer = place[np.maximum(row.stage - 1, 0)]
-        backward = (row.kind == B) | (row.kind == I)
-        sent = np.flatnonzero(backward & (row.stage > 0) & (peer != rank))
-        stage, to = row.stage[sent], peer[sent]
-        arrived = position[(2 * stage - 1) * m + row.micro_batch[sent]]  # the peer's backward
-        freed = np.full(len(sent), -1)
-        for p in np.unique(to):
-            positions, consumers = sends[int(p)].get(rank, (_NONE, _NONE))
-            ours = to == p
-            after = np.searchsorted(positions, arrived[ours], side="left")
-            known = after < len(positions)
-            at = np.full(len(after), -1)
-            at[known] = position[consumers[after[known]]]
-            freed[ours] = at
-        freed[freed <= sent] = -1  # only a receive after the send proves it delivered
-        for s in np.unique(stage):
-            mine = stage == s
-            # a receive frees before its position's action runs: frees at 2j, sends at 2i+1
-            times = np.concatenate([2 * sent[mine] + 1, 2 * freed[mine & (freed >= 0)]])
-            steps = np.where(times % 2 == 1, 1, -1)[np.argsort(times)]
-            most[s] = max(most[s], int(np.cumsum(steps).max(initial=0)))
-    return tuple(most)
+    most = np.zeros(len(place), dtype=np.int64)
+    if not len(flat.kind):
+        return tuple(most.tolist())
+    m = 1 + int(flat.micro_batch.max())
+    position, messages = _messages(flat, place, m)
+    peer = place[np.maximum(flat.stage - 1, 0)]
+    backward = (flat.kind == B) | (flat.kind == I)
+    sent = np.flatnonzero(backward & (flat.stage > 0) & (peer != flat.rank))
+    stage, at = flat.stage[sent], flat.position[sent]
+    arrived = position[(2 * stage - 1) * m + flat.micro_batch[sent]]  # the peer's backward
+    freed = messages.first_after(peer[sent], flat.rank[sent], arrived, position)
+    freed[freed <= at] = -1  # only a receive after the send proves it delivered
+    known = freed >= 0
+    # a receive frees before its position's action runs: frees at 2j, sends at 2i + 1
+    times = np.concatenate([2 * at + 1, 2 * freed[known]])
+    steps = np.concatenate([np.ones(len(at), np.int64), -np.ones(int(known.sum()), np.int64)])
+    stages = np.concatenate([stage, stage[known]])
+    order = np.lexsort((times, stages))
+    stages, steps = stages[order], steps[order]
+    if len(stages):
+        starts = np.flatnonzero(np.diff(stages, prepend=-1))
+        most[stages[starts]] = np.maximum(_segment_max_cumsum(steps, starts), 0)
+    return tuple(most.tolist())
 
 
-_NONE = np.zeros(0, dtype=np.int64)
+def _segment_max_cumsum(steps: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The most of the running sum of `steps` within each segment beginning at `starts`."""
+    running = np.cumsum(steps)
+    before = running[starts] - steps[starts]
+    lengths = np.diff(np.append(starts, len(steps)))
+    return np.maximum.reduceat(running - np.repeat(before, lengths), starts)
 
 
-def _messages(
-    rows: Sequence[RowArrays], place: np.ndarray, m: int
-) -> tuple[np.ndarray, list[dict[int, tuple[np.ndarray, np.ndarray]]]]:
+@dataclass(frozen=True, eq=False)
+class _Messages:
+    """The messages sent to another rank, ordered by (sender, receiver) then by the
+    sender's position: `pair` = sender · ranks + receiver, `at` the sender's position,
+    `consumer` the number of the action that takes it (as `_messages` numbers them)."""
+
+    pair: np.ndarray
+    at: np.ndarray
+    consumer: np.ndarray
+    ranks: int
+    longest: int
+
+    def first_after(
+        self, sender: np.ndarray, receiver: np.ndarray, at: np.ndarray, position: np.ndarray
+    ) -> np.ndarray:
+        """Where in its receiver's row the first message `sender` sends it at or after
+        position `at` is taken; -1 where none is."""
+        keys = self.pair * self.longest + self.at
+        wanted = sender * self.ranks + receiver
+        found = np.searchsorted(keys, wanted * self.longest + at, side="left")
+        inside = found < len(keys)
+        hit = np.zeros(len(found), dtype=bool)
+        hit[inside] = self.pair[found[inside]] == wanted[inside]
+        freed = np.full(len(found), -1, dtype=np.int64)
+        freed[hit] = position[self.consumer[found[hit]]]
+        return freed
+
+
+def _messages(flat: FlatArrays, place: np.ndarray, m: int) -> tuple[np.ndarray, _Messages]:
     """Where in its rank's row each action sits, by (stage, whether a backward, micro-batch)
     numbered `(2 · stage + backward) · m + micro-batch` (W left out: it sends nothing); and
-    per rank, per rank it sends to, after which of its actions each message goes and the
-    number of the action that consumes it there."""
+    the messages that cross ranks (`_Messages`)."""
+    back = (flat.kind != F).astype(np.int64)
+    sends_something = flat.kind != W
+    number = (2 * flat.stage + back) * m + flat.micro_batch
     position = np.zeros(2 * len(place) * m, dtype=np.int64)
-    sends: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
-    for rank, row in enumerate(rows):
-        index = np.arange(len(row))
-        back = (row.kind != F).astype(np.int64)
-        sends_something = row.kind != W
-        position[((2 * row.stage + back) * m + row.micro_batch)[sends_something]] = index[
-            sends_something
-        ]
-        to = np.where(back == 1, row.stage - 1, row.stage + 1)
-        inside = sends_something & (to >= 0) & (to < len(place))
-        dest = np.full(len(row), rank)
-        dest[inside] = place[to[inside]]
-        away = inside & (dest != rank)
-        by_peer = {}
-        for p in np.unique(dest[away]):
-            k = away & (dest == p)
-            by_peer[int(p)] = (index[k], (2 * to[k] + back[k]) * m + row.micro_batch[k])
-        sends.append(by_peer)
-    return position, sends
+    position[number[sends_something]] = flat.position[sends_something]
+    to = np.where(back == 1, flat.stage - 1, flat.stage + 1)
+    inside = sends_something & (to >= 0) & (to < len(place))
+    dest = np.full(len(to), -1)
+    dest[inside] = place[to[inside]]
+    away = np.flatnonzero(inside & (dest != flat.rank))
+    ranks = len(flat.starts) - 1
+    pair = flat.rank[away] * ranks + dest[away]
+    order = np.argsort(pair, kind="stable")  # rows are in order: positions stay sorted
+    consumer = ((2 * to + back) * m + flat.micro_batch)[away]
+    return position, _Messages(
+        pair=pair[order],
+        at=flat.position[away][order],
+        consumer=consumer[order],
+        ranks=ranks,
+        longest=1 + int(flat.position.max()),
+    )
