@@ -19,6 +19,9 @@ from engine.schedule.delivery import held_in
 
 __all__ = ["StageCounts", "stage_counts"]
 
+State = tuple[int, ...]
+"""A rank's stages' in-flight counts, then 1 for each whose gradients exist."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StageCounts:
@@ -42,16 +45,10 @@ def stage_counts(schedule: Schedule) -> StageCounts:
     actions), each rank's states together, and the input gradients held (`held_in`)."""
     flat = flat_arrays(schedule)
     before, after = _in_flight(flat, schedule.num_stages)
-    together = [
-        _together(flat.row(rank), schedule.stages_of(rank))
-        if len(schedule.stages_of(rank)) > 1
-        else None
-        for rank in range(schedule.num_ranks)
-    ]
     return StageCounts(
         before=before,
         after=after,
-        together=tuple(together),
+        together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
     )
 
@@ -78,7 +75,71 @@ def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[in
     return tuple(before.tolist()), tuple(after.tolist())
 
 
-def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[tuple[int, ...]]:
+def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:
+    """`_together` of every rank of several stages (None for a rank of one), all ranks at
+    once where each holds as many stages."""
+    mine = [schedule.stages_of(rank) for rank in range(schedule.num_ranks)]
+    k = len(mine[0]) if mine else 0
+    if k < 2 or any(len(stages) != k for stages in mine):
+        return tuple(
+            _together(flat.row(rank), stages) if len(stages) > 1 else None
+            for rank, stages in enumerate(mine)
+        )
+    column = np.zeros(schedule.num_stages, dtype=np.int64)
+    for stages in mine:
+        column[list(stages)] = np.arange(k)
+    column = column[flat.stage]
+    kind = flat.kind
+    step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
+    backward = (kind == B) | (kind == I)
+    live = _running_per_rank(flat, column, step, k)
+    seen = _running_per_rank(flat, column, backward.astype(np.int64), k)
+    first = backward & (seen[np.arange(len(kind)), column] == 1)
+    grown = (kind == F) | first
+    states = np.concatenate([live, (seen > 0).astype(np.int64)], axis=1)[grown]
+    return _uncovered_per_rank(flat.rank[grown], states, schedule.num_ranks)
+
+
+def _running_per_rank(
+    flat: FlatArrays, column: np.ndarray, values: np.ndarray, k: int
+) -> np.ndarray:
+    """Per action, the running sums of `values` over its rank's row so far, one column per
+    stage of the rank (`column`: the action's)."""
+    spread = np.zeros((len(values), k), dtype=np.int64)
+    spread[np.arange(len(values)), column] = values
+    running = np.cumsum(spread, axis=0)
+    before = np.vstack([np.zeros((1, k), dtype=np.int64), running])[flat.starts[:-1]]
+    return running - before[flat.rank]
+
+
+_PAIRS = 1 << 24
+"""Most (rank, state, state, place) comparisons `_uncovered_per_rank` makes at once; past it,
+rank by rank."""
+
+
+def _uncovered_per_rank(
+    ranks: np.ndarray, states: np.ndarray, num_ranks: int
+) -> tuple[frozenset[State], ...]:
+    """`_uncovered` of each rank's states (`ranks`: each state's rank), by comparing every
+    two distinct states of a rank at once."""
+    unique = np.unique(np.column_stack([ranks, states]), axis=0)
+    owner, rows = unique[:, 0], unique[:, 1:]
+    counts = np.bincount(owner, minlength=num_ranks)
+    most = int(counts.max(initial=0))
+    if num_ranks * most * most * rows.shape[1] > _PAIRS:
+        return tuple(_uncovered(rows[owner == rank]) for rank in range(num_ranks))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    padded = np.full((num_ranks, most, rows.shape[1]), -1, dtype=np.int64)
+    padded[owner, np.arange(len(owner)) - starts[owner]] = rows
+    covers = (padded[:, :, None, :] >= padded[:, None, :, :]).all(axis=3)
+    kept = ~(covers & ~np.eye(most, dtype=bool)).any(axis=1)
+    kept &= np.arange(most) < counts[:, None]  # the padding is no state
+    return tuple(
+        frozenset(map(tuple, padded[rank][kept[rank]].tolist())) for rank in range(num_ranks)
+    )
+
+
+def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[State]:
     """A rank's states after each action that adds bytes (a forward, a stage's first
     backward): its stages' in-flight counts, then 1 for each whose gradients exist."""
     live, started = [], []
@@ -95,7 +156,7 @@ def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[tuple[int, ...]]
     return _uncovered(states)
 
 
-def _uncovered(states: np.ndarray) -> frozenset[tuple[int, ...]]:
+def _uncovered(states: np.ndarray) -> frozenset[State]:
     """The states (rows) no other is at least as large as in every place: only those can
     peak. The largest left is never covered; it is kept and every state it covers dropped,
     so the loop runs once per state kept (a few), not once per state."""
