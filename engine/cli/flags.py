@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import itertools
 import textwrap
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from engine.config import FlatField, flat_fields, to_flat
@@ -19,8 +20,10 @@ from engine.config import FlatField, flat_fields, to_flat
 __all__ = ["add_config_flags", "flag_values", "given_fields"]
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """Docstrings written under each field of a dataclass."""
+@functools.cache
+def _field_docs(cls: type) -> Mapping[str, str]:
+    """Docstrings written under each field of a dataclass, read from its source once per
+    process: parsing it per flag made every command's start seconds slower."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
@@ -59,12 +62,11 @@ def add_config_flags(
     """One flag per flat name of `cls` (a composite config), defaulting to `cls()`'s values;
     with `omit_defaults` a flag not given leaves no attribute."""
     defaults = to_flat(cls())
-    docs: dict[type, dict[str, str]] = {}
     for flat_field in flat_fields(cls):
         if flat_field.name in exclude:
             continue
         owner = _owner(cls, flat_field)
-        doc = docs.setdefault(owner, _field_docs(owner)).get(flat_field.field.name, "")
+        doc = _field_docs(owner).get(flat_field.field.name, "")
         flag = "--" + flat_field.name.replace("_", "-")
         default = argparse.SUPPRESS if omit_defaults else defaults[flat_field.name]
         kind = _kind(owner, flat_field)
