@@ -403,7 +403,7 @@ def _step_peak(
 ) -> int:
     """Peak of a row's replay on `stages`, then of the step's tail (DP all-reduce, optimizer)."""
     releases = sends_released(layout.schedule, stages)
-    events = rank_events(layout.schedule, stages)
+    events = rank_events(layout.schedule, stages, releases)
     zero = layout.states.zero
     peak, live = compose(stages, events, traces, gradients_first=zero in (1, 2), releases=releases)
     held = sum(config.schedule.micro_batches * traces[s].held_per_micro_batch for s in stages)

@@ -155,8 +155,8 @@ class _Step:
     ):
         row = layout.schedule.rows[layout.schedule.rank_of(stages[0])]
         self.actions = [a for a in row if a.is_compute and a.stage in stages]
-        self.events = rank_events(layout.schedule, stages)
         self.releases = sends_released(layout.schedule, stages)
+        self.events = rank_events(layout.schedule, stages, self.releases)
         self.runs = _runs(config, layout, stages, self.actions, fake, grid)
         self.states = (
             None

@@ -10,7 +10,8 @@ code, not a copy of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from engine.comm.ties import share_local_ties
 from engine.memory.tracker import round_up
 from engine.runtime.precision import LossScaler, compute_dtype
 from engine.runtime.stage import PipelineStage
-from engine.schedule.actions import Action, ActionKind
+from engine.schedule.actions import COMPUTE_KINDS, Action, ActionKind
 from engine.schedule.delivery import released_at
 from engine.schedule.passes import as_lowered
 from engine.schedule.schedule import Schedule
@@ -295,12 +296,19 @@ def in_flight(actions: Sequence[Action]) -> int:
     return peak
 
 
-def rank_events(schedule: Schedule, stages: Sequence[int]) -> list[Action]:
+def rank_events(
+    schedule: Schedule,
+    stages: Sequence[int],
+    releases: Mapping[Action, tuple[Action, ...]] | None = None,
+) -> list[Action]:
     """What a replay of the rank holding `stages` runs, in its row's order: their compute
-    actions, and the receives that free input gradients they sent back (`sends_released`)."""
-    releases = sends_released(schedule, stages)
+    actions, and the receives that free input gradients they sent back (`sends_released`,
+    worked out here unless given)."""
+    if releases is None:
+        releases = sends_released(schedule, stages)
+    mine = frozenset(stages)
     row = as_lowered(schedule).rows[schedule.rank_of(stages[0])]
-    return [a for a in row if (a.is_compute and a.stage in stages) or a in releases]
+    return [a for a in row if (a.kind in COMPUTE_KINDS and a.stage in mine) or a in releases]
 
 
 def sends_released(schedule: Schedule, stages: Sequence[int]) -> dict[Action, tuple[Action, ...]]:
@@ -308,9 +316,20 @@ def sends_released(schedule: Schedule, stages: Sequence[int]) -> dict[Action, tu
 
     Outputs sent forward are released at their stage's backward (`StageRun.act`: the RECV_B
     right before it proves them delivered)."""
-    every = released_at(schedule, schedule.rank_of(stages[0]))
+    rank = schedule.rank_of(stages[0])
+    every = _sent_back_released(schedule, rank)
+    if set(stages) >= set(schedule.stages_of(rank)):
+        return dict(every)
+    releases = {recv: tuple(a for a in sends if a.stage in stages) for recv, sends in every.items()}
+    return {recv: sends for recv, sends in releases.items() if sends}
+
+
+@functools.lru_cache(maxsize=256)
+def _sent_back_released(schedule: Schedule, rank: int) -> dict[Action, tuple[Action, ...]]:
+    """`released_at` of the rank, its input gradients sent back (SEND_B) alone: a replay asks
+    it of each stage and each rank."""
     releases = {
-        recv: tuple(a for a in sends if a.kind is ActionKind.SEND_B and a.stage in stages)
-        for recv, sends in every.items()
+        recv: tuple(a for a in sends if a.kind is ActionKind.SEND_B)
+        for recv, sends in released_at(schedule, rank).items()
     }
     return {recv: sends for recv, sends in releases.items() if sends}
