@@ -317,7 +317,10 @@ def _rank_stages(placement: tuple[int, ...]) -> np.ndarray:
     ranks = 1 + max(placement)
     rows = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
     if len({len(row) for row in rows}) != 1:
-        raise ValueError(f"placement {placement} gives its ranks different numbers of stages")
+        raise ValueError(
+            f"placement {placement} gives its ranks different numbers of stages: the screen "
+            "composes the generators' placements, v stages on every rank"
+        )
     return np.array(rows, dtype=np.int64)
 
 

@@ -1,11 +1,11 @@
-"""A schedule's compute actions as integer arrays, one set per rank.
+"""A schedule's compute actions as integer arrays: every rank's in one set (`flat_arrays`), or
+one set per rank (`compute_arrays`).
 
 The planner counts what hundreds of schedules of tens of thousands of actions hold in flight
-(`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`); a
-Python step per action cost it seconds, so the rows are read once into arrays and counted
-with prefix sums. Sends and receives are left out: a lowered schedule counts as its compute
-rows.
-"""
+(`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`) and times them
+(`engine.schedule.simulate.simulate_times`); a Python step per action cost it seconds, so the
+rows are read once into arrays and counted with running sums over all ranks at once. Sends and
+receives are left out: a lowered schedule counts as its compute rows."""
 
 from __future__ import annotations
 

@@ -227,14 +227,14 @@ class SimTimes:
 
 
 _OPS = {
-    id(ActionKind.SEND_F): (None, 0, 0),
-    id(ActionKind.SEND_B): (None, 1, 0),
-    id(ActionKind.RECV_F): (None, 0, -1),
-    id(ActionKind.RECV_B): (None, 1, +1),
-    **{id(kind): (index, 0, 0) for index, kind in enumerate((_F, _B, _I, _W))},
+    ActionKind.SEND_F: (None, 0, 0),
+    ActionKind.SEND_B: (None, 1, 0),
+    ActionKind.RECV_F: (None, 0, -1),
+    ActionKind.RECV_B: (None, 1, +1),
+    **{kind: (index, 0, 0) for index, kind in enumerate((_F, _B, _I, _W))},
 }
-"""Per kind, by identity (an enum member hashes in Python): a compute's cost index in (F, B,
-I, W), or a message's direction and where its sender sits."""
+"""Per kind: a compute's cost index in (F, B, I, W), or a message's direction and where its
+sender sits."""
 
 
 _Step = tuple[int, int, int]
@@ -266,7 +266,7 @@ def _program(schedule: Schedule) -> _Program:
     for row in schedule.rows:
         steps = []
         for action in row:
-            index, direction, offset = _OPS[id(action.kind)]
+            index, direction, offset = _OPS[action.kind]
             if index is not None:
                 steps.append((4 * action.stage + index, -1, -1))
                 continue

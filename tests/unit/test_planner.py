@@ -26,7 +26,7 @@ from engine.plan import (
 )
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
-from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.counts import StageCounts, _together, stage_counts
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
@@ -37,6 +37,7 @@ from engine.plan.search import (
     predict,
 )
 from engine.schedule import ActionCosts, make_schedule, simulate
+from engine.schedule.arrays import flat_arrays
 from engine.training.config import TrainConfig
 from tests.unit.cli_error import cli_error
 
@@ -372,6 +373,23 @@ def test_stage_counts_in_one_pass_are_the_replays_counts_per_stage(name: str, v:
     rows = [stage_actions(schedule, s) for s in range(schedule.num_stages)]
     assert counts.before == tuple(in_flight(row) for row in rows)
     assert counts.after == tuple(held_with_gradients(row) for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("name", "v"),
+    [("interleaved_1f1b", 2), ("interleaved_1f1b", 3), ("zb_v", 2), ("dualpipe_v", 2)],
+)
+def test_the_states_counted_for_all_ranks_at_once_are_each_ranks_own(name: str, v: int) -> None:
+    """`stage_counts` finds every rank's states together from one set of arrays; walking
+    each rank's row alone, keeping the states no other covers, finds the same."""
+    for m in (8, 12):
+        schedule = make_schedule(name, num_ranks=4, micro_batches=m, stages_per_rank=v)
+        flat = flat_arrays(schedule)
+        each = tuple(
+            _together(flat.row(rank), schedule.stages_of(rank))
+            for rank in range(schedule.num_ranks)
+        )
+        assert stage_counts(schedule).together == each
 
 
 def test_a_ranks_stages_are_counted_together_not_each_at_its_most() -> None:
