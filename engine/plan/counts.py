@@ -112,31 +112,31 @@ def _running_per_rank(
     return running - before[flat.rank]
 
 
-_PAIRS = 1 << 24
-"""Most (rank, state, state, place) comparisons `_uncovered_per_rank` makes at once; past it,
-rank by rank."""
-
-
 def _uncovered_per_rank(
     ranks: np.ndarray, states: np.ndarray, num_ranks: int
 ) -> tuple[frozenset[State], ...]:
-    """`_uncovered` of each rank's states (`ranks`: each state's rank), by comparing every
-    two distinct states of a rank at once."""
-    unique = np.unique(np.column_stack([ranks, states]), axis=0)
-    owner, rows = unique[:, 0], unique[:, 1:]
-    counts = np.bincount(owner, minlength=num_ranks)
-    most = int(counts.max(initial=0))
-    if num_ranks * most * most * rows.shape[1] > _PAIRS:
-        return tuple(_uncovered(rows[owner == rank]) for rank in range(num_ranks))
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    padded = np.full((num_ranks, most, rows.shape[1]), -1, dtype=np.int64)
-    padded[owner, np.arange(len(owner)) - starts[owner]] = rows
-    covers = (padded[:, :, None, :] >= padded[:, None, :, :]).all(axis=3)
-    kept = ~(covers & ~np.eye(most, dtype=bool)).any(axis=1)
-    kept &= np.arange(most) < counts[:, None]  # the padding is no state
-    return tuple(
-        frozenset(map(tuple, padded[rank][kept[rank]].tolist())) for rank in range(num_ranks)
-    )
+    """`_uncovered` of each rank's states (`ranks`: each state's rank, in rank order), every
+    rank at once: each pass keeps each rank's largest state left (the first of the largest
+    sum) and drops the states it covers, so the passes are as many as the most states a rank
+    keeps."""
+    kept: list[set[State]] = [set() for _ in range(num_ranks)]
+    if not len(states):
+        return tuple(frozenset(k) for k in kept)
+    owners, starts = np.unique(ranks, return_index=True)
+    segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ranks))))
+    sums, index = states.sum(axis=1), np.arange(len(states))
+    alive = np.ones(len(states), dtype=bool)
+    while alive.any():
+        score = np.where(alive, sums, -1)
+        best = np.maximum.reduceat(score, starts)
+        first = np.where(alive & (score == best[segment]), index, len(states))
+        top = np.minimum.reduceat(first, starts)
+        found = top < len(states)
+        for rank, state in zip(owners[found].tolist(), states[top[found]].tolist(), strict=True):
+            kept[rank].add(tuple(state))
+        tops = np.where(found[:, None], states[np.minimum(top, len(states) - 1)], -1)
+        alive &= ~(states <= tops[segment]).all(axis=1)
+    return tuple(frozenset(k) for k in kept)
 
 
 def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[State]:
