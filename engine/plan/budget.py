@@ -27,6 +27,7 @@ from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.plan.counts import StageCounts
 from engine.schedule import Schedule
+from engine.schedule.arrays import rank_stages
 from models import LayerSpec
 
 __all__ = [
@@ -298,9 +299,9 @@ def rank_floor(
 def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[int, ...]:
     """Each rank's peak from its stages' parts, at the states they reach together (without
     them, each stage's most in flight) and the largest transient."""
+    mine = rank_stages(schedule.placement)
     if schedule.num_stages == schedule.num_ranks:
-        return tuple(parts.peak[_rank_stages(schedule.placement)[:, 0]].tolist())
-    mine = _rank_stages(schedule.placement)
+        return tuple(parts.peak[mine[:, 0]].tolist())
     states = _stacked(schedule.placement, counts.together or (None,) * schedule.num_ranks)
     k = mine.shape[1]
     kept, grads = parts.kept[mine][:, None, :], parts.grads[mine][:, None, :]
@@ -308,20 +309,6 @@ def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[i
     stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))
     top = np.maximum(stashes + parts.transient[mine].max(axis=1), parts.tail[mine].sum(axis=1))
     return tuple(((parts.fixed + parts.held)[mine].sum(axis=1) + top).tolist())
-
-
-@functools.lru_cache(maxsize=1024)
-def _rank_stages(placement: tuple[int, ...]) -> np.ndarray:
-    """Each rank's stages in order, one row per rank (every rank holds as many: the
-    generators' placements)."""
-    ranks = 1 + max(placement)
-    rows = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
-    if len({len(row) for row in rows}) != 1:
-        raise ValueError(
-            f"placement {placement} gives its ranks different numbers of stages: the screen "
-            "composes the generators' placements, v stages on every rank"
-        )
-    return np.array(rows, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -338,7 +325,7 @@ class _Stacked:
 def _stacked(
     placement: tuple[int, ...], together: tuple[frozenset[tuple[int, ...]] | None, ...]
 ) -> _Stacked:
-    k = _rank_stages(placement).shape[1]
+    k = rank_stages(placement).shape[1]
     rows = [sorted(states) if states else [(0,) * 2 * k] for states in together]
     longest = max(len(row) for row in rows)
     padded = [row + [row[0]] * (longest - len(row)) for row in rows]

@@ -109,12 +109,7 @@ class SearchContext:
 
     def timeline(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
         """`run` with the timeline a plan's figure draws: for the plans shown, not searched."""
-        return simulate_stages(self.lowered(schedule), stages, p2p=p2p, validated=True)
-
-    @functools.cache  # noqa: B019
-    def lowered(self, schedule: Schedule) -> Schedule:
-        """The schedule with its communication, for the timelines of the plans shown."""
-        return as_lowered(schedule)
+        return simulate_stages(as_lowered(schedule), stages, p2p=p2p, validated=True)
 
     def pipeline(self, c: Candidate) -> Pipeline:
         return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)

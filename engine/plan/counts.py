@@ -8,13 +8,12 @@ search counts hundreds of schedules of tens of thousands of actions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.schedule import Schedule
-from engine.schedule.arrays import B, F, FlatArrays, I, RowArrays, W, flat_arrays
+from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays, rank_stages, running_sums
 from engine.schedule.delivery import held_in
 
 __all__ = ["StageCounts", "stage_counts"]
@@ -63,12 +62,9 @@ def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[in
     if not len(stage):
         return tuple(before.tolist()), tuple(after.tolist())
     starts = np.flatnonzero(np.diff(stage, prepend=-1))
-    lengths = np.diff(np.append(starts, len(stage)))
     step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
-    live = np.cumsum(step)
-    live -= np.repeat(live[starts] - step[starts], lengths)
-    began = np.cumsum((kind == B) | (kind == I))
-    began -= np.repeat(began[starts] - ((kind[starts] == B) | (kind[starts] == I)), lengths)
+    live = running_sums(step, starts)
+    began = running_sums(((kind == B) | (kind == I)).astype(np.int64), starts)
     before[stage[starts]] = np.maximum(np.maximum.reduceat(live, starts), 0)
     gradients = np.where(began > 0, live, 0)
     after[stage[starts]] = np.maximum(np.maximum.reduceat(gradients, starts), 0)
@@ -76,18 +72,15 @@ def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[in
 
 
 def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:
-    """`_together` of every rank of several stages (None for a rank of one), all ranks at
-    once where each holds as many stages."""
-    mine = [schedule.stages_of(rank) for rank in range(schedule.num_ranks)]
-    k = len(mine[0]) if mine else 0
-    if k < 2 or any(len(stages) != k for stages in mine):
-        return tuple(
-            _together(flat.row(rank), stages) if len(stages) > 1 else None
-            for rank, stages in enumerate(mine)
-        )
+    """Per rank of several stages, its states after each action that adds bytes (a forward,
+    a stage's first backward): its stages' in-flight counts (`rank_stages` order), then 1 for
+    each whose gradients exist, none another covers; None for a rank of one stage."""
+    mine = rank_stages(schedule.placement)
+    k = mine.shape[1]
+    if k < 2:
+        return (None,) * schedule.num_ranks
     column = np.zeros(schedule.num_stages, dtype=np.int64)
-    for stages in mine:
-        column[list(stages)] = np.arange(k)
+    column[mine] = np.arange(k)
     column = column[flat.stage]
     kind = flat.kind
     step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
@@ -107,18 +100,17 @@ def _running_per_rank(
     stage of the rank (`column`: the action's)."""
     spread = np.zeros((len(values), k), dtype=np.int64)
     spread[np.arange(len(values)), column] = values
-    running = np.cumsum(spread, axis=0)
-    before = np.vstack([np.zeros((1, k), dtype=np.int64), running])[flat.starts[:-1]]
-    return running - before[flat.rank]
+    return running_sums(spread, flat.starts[:-1])
 
 
 def _uncovered_per_rank(
     ranks: np.ndarray, states: np.ndarray, num_ranks: int
 ) -> tuple[frozenset[State], ...]:
-    """`_uncovered` of each rank's states (`ranks`: each state's rank, in rank order), every
-    rank at once: each pass keeps each rank's largest state left (the first of the largest
-    sum) and drops the states it covers, so the passes are as many as the most states a rank
-    keeps."""
+    """Each rank's states (`ranks`: each state's rank, in rank order) that no other of its
+    states is at least as large as in every place: only those can peak. The largest left is
+    never covered; each pass keeps each rank's largest state left (the first of the largest
+    sum) and drops every state it covers, so the passes are as many as the most states a rank
+    keeps (a few), for every rank at once."""
     kept: list[set[State]] = [set() for _ in range(num_ranks)]
     if not len(states):
         return tuple(frozenset(k) for k in kept)
@@ -137,32 +129,3 @@ def _uncovered_per_rank(
         tops = np.where(found[:, None], states[np.minimum(top, len(states) - 1)], -1)
         alive &= ~(states <= tops[segment]).all(axis=1)
     return tuple(frozenset(k) for k in kept)
-
-
-def _together(row: RowArrays, mine: Sequence[int]) -> frozenset[State]:
-    """A rank's states after each action that adds bytes (a forward, a stage's first
-    backward): its stages' in-flight counts, then 1 for each whose gradients exist."""
-    live, started = [], []
-    for s in mine:
-        on = row.stage == s
-        closes = on & ((row.kind == B) | (row.kind == W))
-        live.append(np.cumsum((on & (row.kind == F)).astype(np.int64) - closes))
-        started.append(np.logical_or.accumulate(on & ((row.kind == B) | (row.kind == I))))
-    grown = row.kind == F
-    for began in started:
-        if began.any():
-            grown[int(np.argmax(began))] = True
-    states = np.stack([*live, *(b.astype(np.int64) for b in started)], axis=1)[grown]
-    return _uncovered(states)
-
-
-def _uncovered(states: np.ndarray) -> frozenset[State]:
-    """The states (rows) no other is at least as large as in every place: only those can
-    peak. The largest left is never covered; it is kept and every state it covers dropped,
-    so the loop runs once per state kept (a few), not once per state."""
-    left, kept = states, []
-    while len(left):
-        top = left[np.argmax(left.sum(axis=1))]
-        kept.append(tuple(top.tolist()))
-        left = left[~(left <= top).all(axis=1)]
-    return frozenset(kept)

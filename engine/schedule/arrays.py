@@ -9,6 +9,7 @@ receives are left out: a lowered schedule counts as its compute rows."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -17,7 +18,18 @@ import numpy as np
 from engine.schedule.actions import ActionKind
 from engine.schedule.schedule import Schedule
 
-__all__ = ["B", "F", "FlatArrays", "I", "RowArrays", "W", "compute_arrays", "flat_arrays"]
+__all__ = [
+    "B",
+    "F",
+    "FlatArrays",
+    "I",
+    "RowArrays",
+    "W",
+    "compute_arrays",
+    "flat_arrays",
+    "rank_stages",
+    "running_sums",
+]
 
 F, B, I, W = 0, 1, 2, 3  # noqa: E741 - the kinds' own names
 _CODES = {
@@ -84,3 +96,26 @@ def compute_arrays(schedule: Schedule) -> tuple[RowArrays, ...]:
     """Every rank's compute actions as arrays."""
     flat = flat_arrays(schedule)
     return tuple(flat.row(rank) for rank in range(schedule.num_ranks))
+
+
+def running_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The running sums of `values` (along the first axis) restarting at each of `starts`
+    (ascending, the first 0): a count kept per stage or per rank over one flat array."""
+    running = np.cumsum(values, axis=0)
+    before = np.concatenate([np.zeros_like(running[:1]), running])[starts]
+    lengths = np.diff(np.append(starts, len(values)))
+    return running - np.repeat(before, lengths, axis=0)
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_stages(placement: tuple[int, ...]) -> np.ndarray:
+    """Each rank's stages in order, one row per rank. Every rank must hold as many, as the
+    generators' placements do: the planner counts and composes only those."""
+    ranks = 1 + max(placement)
+    rows = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError(
+            f"placement {placement} gives its ranks different numbers of stages: the planner "
+            "counts and composes the generators' placements, v stages on every rank"
+        )
+    return np.array(rows, dtype=np.int64)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays
+from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays, running_sums
 from engine.schedule.passes import as_lowered, counterpart, peer_of
 from engine.schedule.schedule import Schedule
 
@@ -117,16 +117,9 @@ def held_in(flat: FlatArrays, placement: Sequence[int]) -> tuple[int, ...]:
     stages, steps = stages[order], steps[order]
     if len(stages):
         starts = np.flatnonzero(np.diff(stages, prepend=-1))
-        most[stages[starts]] = np.maximum(_segment_max_cumsum(steps, starts), 0)
+        held = running_sums(steps, starts)
+        most[stages[starts]] = np.maximum(np.maximum.reduceat(held, starts), 0)
     return tuple(most.tolist())
-
-
-def _segment_max_cumsum(steps: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """The most of the running sum of `steps` within each segment beginning at `starts`."""
-    running = np.cumsum(steps)
-    before = running[starts] - steps[starts]
-    lengths = np.diff(np.append(starts, len(steps)))
-    return np.maximum.reduceat(running - np.repeat(before, lengths), starts)
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from engine.plan import (
 )
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
-from engine.plan.counts import StageCounts, _together, stage_counts
+from engine.plan.counts import StageCounts, stage_counts
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
@@ -37,7 +38,7 @@ from engine.plan.search import (
     predict,
 )
 from engine.schedule import ActionCosts, make_schedule, simulate
-from engine.schedule.arrays import flat_arrays
+from engine.schedule.actions import Action, ActionKind
 from engine.training.config import TrainConfig
 from tests.unit.cli_error import cli_error
 
@@ -381,15 +382,31 @@ def test_stage_counts_in_one_pass_are_the_replays_counts_per_stage(name: str, v:
 )
 def test_the_states_counted_for_all_ranks_at_once_are_each_ranks_own(name: str, v: int) -> None:
     """`stage_counts` finds every rank's states together from one set of arrays; walking
-    each rank's row alone, keeping the states no other covers, finds the same."""
+    each rank's row action by action, keeping the states no other covers, finds the same."""
     for m in (8, 12):
         schedule = make_schedule(name, num_ranks=4, micro_batches=m, stages_per_rank=v)
-        flat = flat_arrays(schedule)
         each = tuple(
-            _together(flat.row(rank), schedule.stages_of(rank))
+            _states_walked(schedule.rows[rank], schedule.stages_of(rank))
             for rank in range(schedule.num_ranks)
         )
         assert stage_counts(schedule).together == each
+
+
+def _states_walked(row: Sequence[Action], mine: Sequence[int]) -> frozenset[tuple[int, ...]]:
+    """A rank's states after each forward and each stage's first backward (its stages'
+    in-flight counts, then 1 for each whose gradients exist), without those another covers."""
+    live, started, states = dict.fromkeys(mine, 0), dict.fromkeys(mine, 0), []
+    for action in row:
+        grew = action.kind is ActionKind.F
+        if action.kind is ActionKind.F:
+            live[action.stage] += 1
+        elif action.kind in (ActionKind.B, ActionKind.W):
+            live[action.stage] -= 1
+        if action.kind in (ActionKind.B, ActionKind.I) and not started[action.stage]:
+            started[action.stage], grew = 1, True
+        if grew:
+            states.append((*(live[s] for s in mine), *(started[s] for s in mine)))
+    return frozenset(a for a in states if not any(b != a and _covered(a, b) for b in states))
 
 
 def test_a_ranks_stages_are_counted_together_not_each_at_its_most() -> None:
