@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["CUDA_BLOCK", "MemoryTracker", "Span", "cuda_kernels", "fake_device", "round_up"]
 
@@ -46,19 +45,27 @@ class Span:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of `tree` that hold memory. A wrapper subclass (DTensor, a functional
-    collective's AsyncCollectiveTensor) stands for the tensors inside it: its own storage is as
-    large as the whole (global) tensor and allocates nothing."""
+    """The tensors of `tree` (an op's arguments or outputs: tensors in tuples, lists and dicts)
+    that hold memory. A wrapper subclass (DTensor, a functional collective's
+    AsyncCollectiveTensor) stands for the tensors inside it: its own storage is as large as
+    the whole (global) tensor and allocates nothing.
+
+    A plain walk rather than `tree_flatten`: it runs twice per op of every trace, and traces
+    ran 15-35 % longer with pytree's general flattening."""
     found: list[torch.Tensor] = []
-    pending = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    pending = [tree]
     while pending:
-        tensor = pending.pop()
-        if is_traceable_wrapper_subclass(tensor):
-            names, _ = tensor.__tensor_flatten__()
-            inner = (getattr(tensor, name) for name in names)
-            pending += [t for t in inner if isinstance(t, torch.Tensor)]
-        else:
-            found.append(tensor)
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if is_traceable_wrapper_subclass(item):
+                names, _ = item.__tensor_flatten__()
+                pending += [getattr(item, name) for name in names]
+            else:
+                found.append(item)
+        elif isinstance(item, (tuple, list)):
+            pending += item
+        elif isinstance(item, dict):
+            pending += item.values()
     return found
 
 
