@@ -54,7 +54,7 @@ from engine.memory.states import (
     stage_params,
     tail_peak,
 )
-from engine.memory.traces import StageTrace, cached_trace, compose
+from engine.memory.traces import StageTrace, TraceRequest, cached_trace, compose
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import ActionKind, split_units
 from engine.schedule.schedule import Schedule
@@ -73,6 +73,8 @@ __all__ = [
     "stage_memory",
     "stage_shape",
     "stage_trace",
+    "stage_trace_request",
+    "trace_requests",
 ]
 
 _FITTING_ROUNDS = 4
@@ -373,6 +375,11 @@ def resolve(config: MemoryConfig) -> Layout:
 
 def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
     """The stage's traced step start and micro-batches, shared by stages built alike."""
+    return cached_trace(*stage_trace_request(config, layout, stage))
+
+
+def stage_trace_request(config: MemoryConfig, layout: Layout, stage: int) -> TraceRequest:
+    """What `stage_trace` traces for the stage (for `trace_ahead`)."""
     actions = stage_actions(layout.schedule, stage)
     styles = backward_styles(actions)
     split = split_units(actions)
@@ -386,16 +393,21 @@ def stage_trace(config: MemoryConfig, layout: Layout, stage: int) -> StageTrace:
             "backward is not; the memory model traces the weight casts of the first forward "
             "with the first backward's style: order the stage's micro-batches alike",
         )
-    last = stage == layout.partition.num_stages - 1
-    return cached_trace(
+    return TraceRequest(
         layout.stage_specs(stage),
         stage == 0,
-        last,
+        stage == layout.partition.num_stages - 1,
         styles,
         layout.shape(config, stage),
         config.device,
         local_edges(layout.schedule, stage),
     )
+
+
+def trace_requests(config: MemoryConfig) -> list[TraceRequest]:
+    """Every stage trace `estimate_memory(config)` reads."""
+    layout = resolve(config)
+    return [stage_trace_request(config, layout, s) for s in range(layout.partition.num_stages)]
 
 
 def _step_peak(

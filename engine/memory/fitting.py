@@ -24,7 +24,7 @@ from itertools import accumulate
 
 from engine.memory.replay import StageShape, backward_styles, in_flight, stage_actions
 from engine.memory.states import stage_params
-from engine.memory.traces import cached_trace
+from engine.memory.traces import TraceRequest, cached_trace
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import Action, ActionKind
 from engine.schedule.schedule import Schedule
@@ -36,6 +36,7 @@ __all__ = [
     "LayerSums",
     "fitting_partition",
     "held_with_gradients",
+    "layer_requests",
     "layer_sums",
     "least_memory_partition",
     "stage_bytes",
@@ -77,13 +78,12 @@ def layer_sums(
     received = round_up(
         shape.micro_batch_size * shape.boundary_seq_len * shape.hidden * size, block
     )
-    last = len(specs) - 1
     states, grads, kept, copies, transient = [], [], [], [], []
-    for i, spec in enumerate(specs):
-        fp32 = sum(round_up(4 * p.numel, block) for p in stage_params((spec,), shape.tp))
+    for i, request in enumerate(layer_requests(specs, shape, device, styles)):
+        fp32 = sum(round_up(4 * p.numel, block) for p in stage_params(request.specs, shape.tp))
         states.append(fp32 + -(-2 * fp32 // shards))
         grads.append(fp32)
-        trace = cached_trace((spec,), i == 0, i == last, styles, shape, device)
+        trace = cached_trace(*request)
         kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
         copies.append(trace.weight_copies)
         spans = [trace.begin, *trace.first.values(), *trace.later.values()]
@@ -95,6 +95,18 @@ def layer_sums(
         copies=tuple(copies),
         transient=tuple(transient),
     )
+
+
+def layer_requests(
+    specs: Sequence[LayerSpec], shape: StageShape, device: str, styles: tuple[bool, ...]
+) -> list[TraceRequest]:
+    """What `layer_sums` traces: each layer alone, as stage 0 when it is the first layer and
+    as the last stage when it is the last."""
+    last = len(specs) - 1
+    return [
+        TraceRequest((spec,), i == 0, i == last, styles, shape, device)
+        for i, spec in enumerate(specs)
+    ]
 
 
 def held_with_gradients(actions: Sequence[Action]) -> int:

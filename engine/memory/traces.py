@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -28,7 +34,16 @@ from engine.runtime.sharded_stages import fully_shard_stages
 from engine.schedule.actions import Action, ActionKind, split_units
 from models import LayerSpec
 
-__all__ = ["Phase", "StageTrace", "cached_trace", "compose", "trace_stage"]
+__all__ = [
+    "Phase",
+    "StageTrace",
+    "TraceRequest",
+    "cached_trace",
+    "compose",
+    "forget_traces",
+    "trace_ahead",
+    "trace_stage",
+]
 
 _NOTHING = Span(peak=0, net=0)
 
@@ -240,7 +255,22 @@ def compose(
     return peak, live
 
 
-@functools.lru_cache(maxsize=256)
+class TraceRequest(NamedTuple):
+    """One distinct stage to trace: `cached_trace`'s arguments."""
+
+    specs: tuple[LayerSpec, ...]
+    first: bool
+    last: bool
+    styles: tuple[bool, ...]
+    shape: StageShape
+    device: str
+    local: tuple[bool, bool] = (False, False)
+
+
+_TRACED: dict[TraceRequest, StageTrace] = {}
+"""Every trace this process made, read or was handed by `trace_ahead`."""
+
+
 def cached_trace(
     specs: tuple[LayerSpec, ...],
     first: bool,
@@ -252,21 +282,79 @@ def cached_trace(
 ) -> StageTrace:
     """`trace_stage`, once per distinct stage (stages built alike allocate alike), and kept on
     disk between runs (`engine.memory.trace_cache`)."""
-    key = trace_key(specs, first, last, styles, shape, device, local)
-    kept = load_trace(key, StageTrace)
-    if kept is not None:
-        return kept
-    cuda = device == "cuda"
-    block = CUDA_BLOCK if cuda else 1
-    traced = trace_stage(
-        specs,
-        first=first,
-        last=last,
-        styles=styles,
-        shape=shape,
+    request = TraceRequest(specs, first, last, styles, shape, device, local)
+    known = _TRACED.get(request)
+    if known is None:
+        known = load_trace(trace_key(*request), StageTrace)
+    if known is None:
+        known = _traced(request)
+        store_trace(trace_key(*request), known)
+    _TRACED[request] = known
+    return known
+
+
+def forget_traces() -> None:
+    """Forget the traces this process holds (the disk's stay), as a new process would."""
+    _TRACED.clear()
+
+
+def _traced(request: TraceRequest) -> StageTrace:
+    cuda = request.device == "cuda"
+    return trace_stage(
+        request.specs,
+        first=request.first,
+        last=request.last,
+        styles=request.styles,
+        shape=request.shape,
         cuda=cuda,
-        block=block,
-        local=local,
+        block=CUDA_BLOCK if cuda else 1,
+        local=request.local,
     )
-    store_trace(key, traced)
-    return traced
+
+
+def trace_ahead(requests: Iterable[TraceRequest]) -> None:
+    """Trace the requests this process does not hold yet, in worker processes where the
+    machine has the cores, so that `cached_trace` finds them made.
+
+    A search knows every trace it will ask for before it asks, each is independent of the
+    others, and a first search spends most of its time in them. Longest first, each to the
+    next free worker. Where only one core (or one trace) is free, or forking is unsafe (not
+    Linux, or this process is in a process group whose sockets a child would share), nothing
+    is done here: `cached_trace` traces each in turn when asked.
+    """
+    missing = []
+    for request in dict.fromkeys(requests):
+        if request not in _TRACED:
+            kept = load_trace(trace_key(*request), StageTrace)
+            if kept is None:
+                missing.append(request)
+            else:
+                _TRACED[request] = kept
+    workers = min(len(missing), _trace_workers())
+    if workers < 2:
+        return
+    missing.sort(key=lambda r: len(r.specs), reverse=True)
+    context = multiprocessing.get_context("fork")
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            for request, trace in zip(missing, pool.map(_traced, missing), strict=True):
+                _TRACED[request] = trace
+                store_trace(trace_key(*request), trace)
+    except BrokenProcessPool:
+        return  # a worker died (out of memory?): the rest are traced here, one by one
+
+
+def _trace_workers() -> int:
+    """Worker processes for `trace_ahead`: `MESHPIPE_TRACE_WORKERS`, else the cores this
+    process may run on; 1 (none) off Linux or inside a process group."""
+    if sys.platform != "linux" or dist.is_initialized():
+        return 1
+    chosen = os.environ.get("MESHPIPE_TRACE_WORKERS")
+    if chosen:
+        require(
+            chosen.isdigit() and int(chosen) >= 1,
+            f"MESHPIPE_TRACE_WORKERS={chosen!r} is not a whole number of processes (1 or more; "
+            "1 traces in this process only)",
+        )
+        return int(chosen)
+    return len(os.sched_getaffinity(0))

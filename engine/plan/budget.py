@@ -90,19 +90,7 @@ def layer_bytes(
     states: StateLayout,
 ) -> LayerBytes:
     """Each layer's bytes, its activations traced at one sequence per micro-batch."""
-    hidden = int(specs[0].config.d_model)
-    shape = StageShape(
-        micro_batches=1,
-        micro_batch_size=1,
-        seq_len=seq_len,
-        hidden=hidden,
-        divisor=1,
-        precision=precision,
-        recompute="none",
-        tp=tp,
-        fsdp_replicas=_TRACED_REPLICAS if states.zero == 3 else 0,
-        fsdp_reshard=states.zero_reshard,
-    )
+    shape = layer_shape(specs, seq_len=seq_len, precision=precision, tp=tp, states=states)
     sums = layer_sums(specs, shape, device, 1, (split,))
     block = CUDA_BLOCK if device == "cuda" else 1
     size = 4 if precision == "fp32" else 2
@@ -110,10 +98,28 @@ def layer_bytes(
     return LayerBytes(
         kept=sums.kept,
         transient=sums.transient,
-        received=round_up(seq_len * hidden * size, block),
+        received=round_up(seq_len * shape.hidden * size, block),
         weights=tuple(w for w, _, _ in own),
         gradients=tuple(g for _, g, _ in own),
         during=sums.copies if states.zero == 0 else tuple(c for _, _, c in own),
+    )
+
+
+def layer_shape(
+    specs: Sequence[LayerSpec], *, seq_len: int, precision: str, tp: int, states: StateLayout
+) -> StageShape:
+    """The shape `layer_bytes` traces each layer at: one sequence, one micro-batch."""
+    return StageShape(
+        micro_batches=1,
+        micro_batch_size=1,
+        seq_len=seq_len,
+        hidden=int(specs[0].config.d_model),
+        divisor=1,
+        precision=precision,
+        recompute="none",
+        tp=tp,
+        fsdp_replicas=_TRACED_REPLICAS if states.zero == 3 else 0,
+        fsdp_reshard=states.zero_reshard,
     )
 
 

@@ -8,9 +8,17 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.memory.fitting import layer_requests
 from engine.memory.states import StateLayout
+from engine.memory.traces import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import LayerBytes, highest_stage_floor, layer_bytes, state_sums
+from engine.plan.budget import (
+    LayerBytes,
+    highest_stage_floor,
+    layer_bytes,
+    layer_shape,
+    state_sums,
+)
 from engine.plan.candidates import Candidate
 from engine.plan.counts import StageCounts, stage_counts
 from engine.plan.request import PlanRequest
@@ -149,6 +157,14 @@ class SearchContext:
             split=split,
             states=states,
         )
+
+    def layer_requests(self, states: StateLayout, split: bool) -> list[TraceRequest]:
+        """The traces `sums` reads for a layout (for `trace_ahead`)."""
+        r = self.request
+        shape = layer_shape(
+            self.specs, seq_len=r.seq_len, precision=r.precision, tp=states.tp, states=states
+        )
+        return layer_requests(self.specs, shape, r.device, (split,))
 
     @functools.cache  # noqa: B019
     def state_sums(self, states: StateLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:

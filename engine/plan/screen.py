@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_floor, rank_peaks
 from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SearchContext
@@ -94,15 +95,13 @@ def floor(state: SearchContext, c: Candidate) -> int:
     (`SearchContext.peak_floor`). Sends are not counted: how many a stage holds depends on
     its schedule (`held_input_gradients`)."""
     twice = c.mesh.dp > 1 and c.zero == 0
-    layout = state.layout(c)
-    first, later = state.stage_floors(layout, c.num_stages, twice)
-    states = first if later is None else max(first, later)
+    states = _states_floor(state, c)
     if states > state.request.device_memory:
         return states
     return max(
         states,
         state.peak_floor(
-            layout,
+            state.layout(c),
             c.split,
             c.num_stages,
             c.micro_batch_size,
@@ -111,6 +110,21 @@ def floor(state: SearchContext, c: Candidate) -> int:
             recompute_runs=() if c.split else (0, EVERY),
         ),
     )
+
+
+def _states_floor(state: SearchContext, c: Candidate) -> int:
+    """The highest stage's states and gradients: `floor` without a trace."""
+    twice = c.mesh.dp > 1 and c.zero == 0
+    first, later = state.stage_floors(state.layout(c), c.num_stages, twice)
+    return first if later is None else max(first, later)
+
+
+def _trace_ahead(state: SearchContext, candidates: Sequence[Candidate]) -> None:
+    """The layer traces the screen will read made at once (`trace_ahead`): those of every
+    candidate whose states alone fit, whose `floor` traces its layers."""
+    budget = state.request.device_memory
+    read = {(state.layout(c), c.split) for c in candidates if _states_floor(state, c) <= budget}
+    trace_ahead(r for layout, split in read for r in state.layer_requests(layout, split))
 
 
 def all_candidates(state: SearchContext) -> list[Candidate]:
@@ -172,7 +186,9 @@ def screen_memory(state: SearchContext) -> MemoryScreen:
     """Every candidate in the order of its `floor`: those that fit, with their recompute and
     peaks, and how many are over the budget."""
     budget = state.request.device_memory
-    floored = sorted(((floor(state, c), c) for c in all_candidates(state)), key=lambda x: x[0])
+    candidates = all_candidates(state)
+    _trace_ahead(state, candidates)
+    floored = sorted(((floor(state, c), c) for c in candidates), key=lambda x: x[0])
     fitted: list[Fitted] = []
     deferred: list[tuple[int, Candidate]] = []
     over, least = 0, math.inf

@@ -16,7 +16,8 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from engine.memory.estimate import MemoryConfig, estimate_memory
+from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
+from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, SearchContext
@@ -230,10 +231,14 @@ def _search(request: PlanRequest, progress: Callable[[int, int], None] | None) -
 def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
     """The plan with the exact replay's peaks (`estimate_memory`, as `meshpipe memory`
     prints them)."""
-    fields = layout_fields(request, plan.candidate, plan.boundaries)
-    report = estimate_memory(MemoryConfig.of(device=request.device, **fields))
+    report = estimate_memory(_memory_config(request, plan))
     stages = tuple(s.peak for s in report.stages)
     return replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
+
+
+def _memory_config(request: PlanRequest, plan: Prediction) -> MemoryConfig:
+    fields = layout_fields(request, plan.candidate, plan.boundaries)
+    return MemoryConfig.of(device=request.device, **fields)
 
 
 def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
@@ -299,6 +304,7 @@ def _rank(
         pending = [p for p in chosen if id(p.candidate) not in exact]
         if not pending or len(exact) + len(over) >= _REPLAYS:
             break
+        trace_ahead(r for p in pending for r in trace_requests(_memory_config(request, p)))
         replayed = _replayed(request, pending[0])
         if max(replayed.rank_peaks) > request.device_memory:
             over.append(replayed)

@@ -98,9 +98,9 @@ def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
 def test_fsdp_does_not_warn_of_views_meshpipes_layers_return() -> None:
     """Their outputs are never modified in place, so FSDP2's warning would only alarm (the
     tp × ZeRO-3 trace returns views from the embedding and the final norm)."""
-    from engine.memory.traces import cached_trace
+    from engine.memory.traces import forget_traces
 
-    cached_trace.cache_clear()  # the trace must run, not come from the cache
+    forget_traces()  # the trace must run, not come from the cache
     with warnings.catch_warnings(record=True) as caught:
         estimate_memory(_tiny(tp=2, dp=2, zero=3))
     assert not [w for w in caught if "returned a view tensor" in str(w.message)]
@@ -120,9 +120,9 @@ def test_a_zero3_estimate_inside_a_process_group_is_refused_by_name() -> None:
     process group cannot join: it says so and what to do, instead of tracing something else."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from engine.memory.traces import cached_trace
+    from engine.memory.traces import forget_traces
 
-    cached_trace.cache_clear()  # traces are cached per stage shape: this one must run
+    forget_traces()  # traces are cached per stage shape: this one must run
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         with pytest.raises(ValueError, match="estimate before init_process_group"):

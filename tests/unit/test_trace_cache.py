@@ -10,7 +10,7 @@ import pytest
 
 from engine.memory import trace_cache
 from engine.memory.replay import StageShape
-from engine.memory.traces import cached_trace
+from engine.memory.traces import cached_trace, forget_traces
 from models import layer_specs
 
 _SHAPE = StageShape(
@@ -30,7 +30,7 @@ _traces = sys.modules[cached_trace.__module__]
 def traced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[object]:
     """The cache in a folder of its own, and every real trace the test runs recorded."""
     monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(tmp_path))
-    cached_trace.cache_clear()
+    forget_traces()
     made: list[object] = []
     real = _traces.trace_stage
 
@@ -40,12 +40,12 @@ def traced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[object]:
 
     monkeypatch.setattr(_traces, "trace_stage", recording)
     yield made
-    cached_trace.cache_clear()
+    forget_traces()
 
 
 def test_a_trace_is_found_on_disk_by_a_later_run(traced: list[object]) -> None:
     first = cached_trace(*_ARGS)
-    cached_trace.cache_clear()  # a new process: only the disk remembers
+    forget_traces()  # a new process: only the disk remembers
     assert cached_trace(*_ARGS) == first
     assert len(traced) == 1
 
@@ -58,7 +58,7 @@ def test_a_file_that_fails_its_checksum_is_traced_again_and_rewritten(
     body = json.loads(stored.read_text())
     body["trace"]["sent_back"] += 1
     stored.write_text(json.dumps(body))
-    cached_trace.cache_clear()
+    forget_traces()
     assert cached_trace(*_ARGS) == first
     assert len(traced) == 2
     assert json.loads(stored.read_text())["trace"]["sent_back"] == first.sent_back
@@ -68,7 +68,7 @@ def test_other_code_reads_other_names(
     traced: list[object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cached_trace(*_ARGS)
-    cached_trace.cache_clear()
+    forget_traces()
     monkeypatch.setattr(trace_cache, "_code_digest", lambda: "another meshpipe")
     cached_trace(*_ARGS)
     assert len(traced) == 2
@@ -79,7 +79,7 @@ def test_off_keeps_nothing(
 ) -> None:
     monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
     cached_trace(*_ARGS)
-    cached_trace.cache_clear()
+    forget_traces()
     cached_trace(*_ARGS)
     assert len(traced) == 2 and not list(tmp_path.iterdir())
 
