@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.config import replace_flat, require
 from engine.config.sizes import parse_size
-from engine.memory.estimate import MemoryConfig, estimate_memory
+from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
 from engine.memory.measure import check_measurable, measure_memory
 from engine.memory.report import (
     format_comparison,
@@ -26,6 +26,7 @@ from engine.memory.report import (
 )
 from engine.memory.reshard import choose_reshard, with_reshard
 from engine.memory.suggest import suggest
+from engine.memory.traces import trace_ahead
 from engine.plan.plan_file import apply_plan
 
 __all__ = ["COMMANDS", "DOES_NOT_FIT", "add_parsers", "config_from_args", "run"]
@@ -147,6 +148,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> tuple[str, bool]:
         config = with_reshard(config, choice.reshard, choice.stages)
     if args.measure:
         check_measurable(config)
+    trace_ahead(trace_requests(config))  # its distinct stages traced at once
     report = estimate_memory(config)
     measured = measure_memory(config) if args.measure else None
     over = () if budget is None else report.ranks_over(budget)

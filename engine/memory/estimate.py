@@ -12,6 +12,7 @@ come the DP all-reduce's flat buffers and the optimizer's temporaries (`memory_s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -249,7 +250,7 @@ class MemoryReport:
 class Layout:
     """A config resolved: layer list, partition, schedule, and what a micro-batch looks like."""
 
-    specs: list[LayerSpec]
+    specs: tuple[LayerSpec, ...]
     partition: Partition
     schedule: Schedule
     states: StateLayout
@@ -295,7 +296,7 @@ def stage_shape(config: MemoryConfig, stage: int) -> StageShape:
     )
 
 
-def _partition(config: MemoryConfig, specs: list[LayerSpec], schedule: Schedule) -> Partition:
+def _partition(config: MemoryConfig, specs: Sequence[LayerSpec], schedule: Schedule) -> Partition:
     """The config's partition; `memory` is the fastest split that fits its budget."""
     if not config.partition.by_memory:
         return partition_model(
@@ -355,9 +356,11 @@ def _boundaries(partition: Partition) -> str:
     return "boundaries:" + ",".join(map(str, partition.boundaries))
 
 
+@functools.lru_cache(maxsize=8)
 def resolve(config: MemoryConfig) -> Layout:
-    """Partition the model and build the schedule the config names."""
-    specs = config.model.specs()
+    """Partition the model and build the schedule the config names (kept for the last few
+    configs: the planner, `suggest` and `estimate_memory` resolve the same one again)."""
+    specs = tuple(config.model.specs())
     schedule = config.schedule.resolve(config.parallel.pp)
     validate(schedule)
     partition = _partition(config, specs, schedule)

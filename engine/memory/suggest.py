@@ -63,7 +63,7 @@ def layer_memory(config: MemoryConfig) -> _PerLayer:
 
 def _layer_memory(config: MemoryConfig) -> _PerLayer:
     layout = resolve(config)
-    sums = layer_sums(tuple(layout.specs), layout.shape(config, 0), config.device)
+    sums = layer_sums(layout.specs, layout.shape(config, 0), config.device)
     states = tuple(s + g for s, g in zip(sums.states, sums.grads, strict=True))
     return states, sums.kept, sums.copies
 

@@ -60,9 +60,7 @@ def test_traces_made_by_workers_equal_those_made_here_and_are_not_made_again(
     assert [cached_trace(*r) for r in requests] == here
 
 
-def test_traces_held_already_fork_no_workers(
-    fresh: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_traces_held_already_fork_no_workers(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     requests = _requests()
     for r in requests:
         cached_trace(*r)
