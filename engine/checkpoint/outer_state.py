@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from engine.checkpoint.files import ShardRecord, TensorReader, canonical_name, write_index
 from engine.checkpoint.manifest import verify_manifest
+from engine.comm.dtensor import is_dtensor
 from engine.parallel import ReplicaMeetings, full_tensor, local_tensor, shard_like
 from models import LayerSpec
 
@@ -37,7 +37,9 @@ def outer_tensors(
         if canonical_name(specs, name) != name or id(param) not in momenta:
             continue
         buffer = momenta[id(param)]
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
+            from torch.distributed.tensor import DTensor
+
             buffer = DTensor.from_local(buffer, param.device_mesh, param.placements)
         stored[name] = full_tensor(buffer)
     return stored

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.checkpoint.files import CheckpointError, canonical_name, expected_names
+from engine.comm.dtensor import is_dtensor
 from engine.parallel import ShardedOptimizer, full_tensor, local_tensor, shard_like
 from models import LayerSpec
 
@@ -108,8 +108,10 @@ def copy_into(param: nn.Parameter, tensor: torch.Tensor) -> None:
 def _laid_out_like(param: nn.Parameter, value: Any) -> Any:
     """A stored optimizer state of a tensor-parallel parameter, sharded as the parameter is
     (the optimizer updates the shard with it); scalars and plain parameters' states as read."""
-    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or not value.dim():
+    if not is_dtensor(param) or not isinstance(value, torch.Tensor) or not value.dim():
         return value
+    from torch.distributed.tensor import DTensor
+
     local = shard_like(param, value)
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
 
@@ -370,14 +372,16 @@ def gathered(
 
 
 def _whole(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` placed as `param` is: its shard when `param` is a DTensor (ZeRO-3; no
     communication, every rank holds the whole tensor), else `tensor` itself."""
-    if not isinstance(param, DTensor) or isinstance(tensor, DTensor) or tensor.shape != param.shape:
+    if not is_dtensor(param) or is_dtensor(tensor) or tensor.shape != param.shape:
         return tensor
+    from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(
         tensor.to(param.device), param.device_mesh, param.placements, src_data_rank=None
     )

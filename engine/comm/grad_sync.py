@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
+
+from engine.comm.dtensor import is_dtensor
 
 __all__ = ["BucketedAllReduce"]
 
@@ -23,13 +24,15 @@ __all__ = ["BucketedAllReduce"]
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel (DTensor) parameter's or gradient's local shard: the replicas of a
     stage hold the same shards, so their gradients are summed shard by shard."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     """A summed local gradient as the parameter's gradient (a DTensor of the same layout)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return grad
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
 
 

@@ -15,9 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from engine.comm.collective import naming_failures
+from engine.comm.dtensor import is_dtensor
 from models import LayerSpec, LayerStack
 
 __all__ = ["TiedWeights", "new_tie_groups", "share_local_ties", "tied_parameters"]
@@ -45,7 +45,7 @@ class TiedWeights:
                 if param.grad is None:  # a holder whose copy got no gradient takes part
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
-            if isinstance(grad, DTensor):  # a tp or ZeRO-3 shard: summed in place
+            if is_dtensor(grad):  # a tp or ZeRO-3 shard: summed in place
                 grad = grad.to_local()
             with naming_failures(f"summing tied weight {key!r}", timeout_s=self._timeout_s):
                 dist.all_reduce(grad, group=self.groups[key])

@@ -10,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 from unittest import mock
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
 from engine.comm.grad_sync import BucketedAllReduce
 from engine.config import OptimizerSpec, check_zero_optimizer
@@ -33,6 +31,9 @@ from engine.runtime.precision import compute_dtype
 from engine.runtime.sharded_stages import fully_shard_stages
 from engine.runtime.stage import PipelineStage
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 __all__ = ["RankStates", "fsdp_resizes", "gathered_bytes"]
 
 
@@ -41,6 +42,7 @@ def fsdp_resizes(tracker: MemoryTracker) -> Iterator[None]:
     """Tell `tracker` of FSDP2's storage resizes: it allocates each gathered parameter once
     and then frees and reallocates its storage in place (`storage.resize_`), which no op
     dispatch shows."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     def alloc(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -191,6 +193,8 @@ def gathered_bytes(fsdp: FullyShardedLayers | None) -> int:
     """Bytes of ZeRO-3's gathered layers now (FSDP2's all-gather outputs in use); 0 without."""
     if fsdp is None:
         return 0
+    from torch.distributed.fsdp import fully_shard
+
     return sum(
         t.untyped_storage().nbytes()
         for layer in fsdp.layers
@@ -203,6 +207,8 @@ def gathered_bytes(fsdp: FullyShardedLayers | None) -> int:
 def _unsharded_grads(layers: Sequence[FSDPModule]) -> list[torch.Tensor]:
     """FSDP2's unsharded gradients of `layers` accumulated over the step (fp32, or the compute
     dtype's where no reduction dtype differs)."""
+    from torch.distributed.fsdp import fully_shard
+
     found = []
     for layer in layers:
         state = fully_shard.state(layer)  # type: ignore[attr-defined]

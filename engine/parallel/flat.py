@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from engine.comm.dtensor import is_dtensor
 from engine.parallel.tensor_parallel import local_tensor
 
 __all__ = [
@@ -172,9 +172,9 @@ def local_gradient(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """`grad` as a tensor of `param`'s local shape, to add into its `main_grad`: a DTensor
     gradient laid out as the parameter first (DTensor's backward may leave a sharded weight's
     gradient replicated or partial), then its local tensor; a plain one as it is."""
-    if not isinstance(grad, DTensor):
+    if not is_dtensor(grad):
         return grad
-    if isinstance(param, DTensor) and grad.placements != param.placements:
+    if is_dtensor(param) and grad.placements != param.placements:
         grad = grad.redistribute(param.device_mesh, param.placements)
     return grad.to_local()
 
@@ -182,8 +182,10 @@ def local_gradient(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 def laid_out_as(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """`local` (of `param`'s local shape) as a tensor laid out as `param`: a DTensor on its
     mesh and placements, or `local` itself."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return local
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(
         local,
         param.device_mesh,
@@ -198,7 +200,7 @@ def _rebind(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make `view` (of the flat buffer) the parameter's storage, keeping its identity: a plain
     one by `.data`; a DTensor is swapped for one whose local tensor is the view (a DTensor's
     `.data` would change its dtype, not its local tensor)."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         param.data = view
         return
     new = nn.Parameter(laid_out_as(param, view), requires_grad=param.requires_grad)

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
+from engine.comm.dtensor import is_dtensor
 from engine.parallel.tensor_parallel import shard_arriving_gradient
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["FullyShardedLayers", "check_unshared", "fold_compute_gradients", "shard_layers"]
 
@@ -63,6 +66,8 @@ def shard_layers(
             "needs torch.distributed: launch the run (meshpipe train, torchrun), or use "
             "zero=0, 1 or 2 in one process"
         )
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     check_unshared(layers, pp_rank)
     _quiet_view_warnings()
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -70,7 +75,7 @@ def shard_layers(
     sharded: list[FSDPModule] = []
     for layer, mode in zip(layers, modes, strict=True):
         per_micro_batch = mode == "micro-batch"
-        split = any(isinstance(p, DTensor) for p in layer.parameters())  # over tp, before FSDP
+        split = any(is_dtensor(p) for p in layer.parameters())  # over tp, before FSDP
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=per_micro_batch)
         assert isinstance(layer, FSDPModule)
         layer.set_gradient_divide_factor(1.0)
@@ -89,6 +94,8 @@ def _one_reduce_scatter_in_flight(layers: Sequence[FSDPModule]) -> None:
     at once, as much as the unsharded gradients resharding per micro-batch is meant to save.
     The layers share one list of those inputs, so the next layer's reduce-scatter frees the
     last one's, as under one root (contexts exist once lazily initialised)."""
+    from torch.distributed.fsdp import fully_shard
+
     in_flight: list[object] = []
     for layer in layers:
         state = fully_shard.state(layer)  # type: ignore[attr-defined]
@@ -117,6 +124,8 @@ def fold_compute_gradients(layers: Sequence[nn.Module]) -> None:
     """Add the compute-dtype gradients a split backward left on `layers`' gathered parameters
     into FSDP's fp32 accumulation, as FSDP's post-backward does for autograd's (the I and W
     halves assign some outside autograd, after it or without it)."""
+    from torch.distributed.fsdp import fully_shard
+
     for layer in layers:
         for group in fully_shard.state(layer)._fsdp_param_groups:  # type: ignore[attr-defined]
             for param in group.fsdp_params:
@@ -168,6 +177,8 @@ class FullyShardedLayers:
         """After the stage's last backward: every layer's post-backward with sync on (its fp32
         reduce-scatter into the sharded `.grad`), then reshard. Per micro-batch, each backward
         has done so already."""
+        from torch.distributed.fsdp import fully_shard
+
         for layer in self.kept:
             layer.set_is_last_backward(True)
             layer.set_reshard_after_backward(True, recurse=False)

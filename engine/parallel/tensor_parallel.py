@@ -25,30 +25,20 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import (
-    DTensor,
-    Placement,
-    Replicate,
-    Shard,
-    distribute_module,
-    distribute_tensor,
-)
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
 
-from engine.parallel.sequence_parallel import sequence_plan, sequence_style
+from engine.comm.dtensor import is_dtensor
 from models import LayerSpec, LayerStack, build_layers
 from models.layers import init_layer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "ROLES",
@@ -73,6 +63,11 @@ ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
 def _style(role: str, sequence_parallel: bool = False) -> ParallelStyle:
     """The torch style of a role; under sequence parallelism the activations around the split
     layers are sequence shards (`Shard(1)`) instead of whole (`Replicate`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from engine.parallel.sequence_parallel import sequence_style
+
     around = Shard(1) if sequence_parallel else Replicate()
     if role == "colwise":
         return ColwiseParallel()  # under sequence parallelism its block gathers the input
@@ -99,6 +94,11 @@ def parallelize_layers(
     keeps its slice of the very weights a single process starts from. A layer without a plan
     stays replicated. Ties are broken by the new parameters: the caller shares them again.
     """
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from engine.parallel.sequence_parallel import sequence_plan
+
     for layer in layers:
         plan = dict(getattr(layer, "tp_plan", {}))
         if sequence_parallel:
@@ -108,7 +108,7 @@ def parallelize_layers(
             parallelize_module(target, tp_mesh, _style(role, sequence_parallel))
         for module in layer.modules():
             own = list(module.parameters(recurse=False))
-            if any(not isinstance(p, DTensor) for p in own):
+            if any(not is_dtensor(p) for p in own):
                 distribute_module(
                     module,
                     tp_mesh,
@@ -119,16 +119,18 @@ def parallelize_layers(
 
 def _replicated(_module: nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh) -> object:
     """A replicated module's plain inputs as replicated DTensors (the same on every tp rank)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
     return tuple(
         DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        if isinstance(x, torch.Tensor) and not is_dtensor(x)
         else x
         for x in inputs
     )
 
 
 def _plain(_module: nn.Module, output: object, _mesh: DeviceMesh) -> object:
-    return output.to_local() if isinstance(output, DTensor) else output
+    return output.to_local() if is_dtensor(output) else output
 
 
 def build_sharded_layers(
@@ -159,32 +161,40 @@ def _write_slice(param: nn.Parameter, values: torch.Tensor) -> None:
 def sharded_loss_scope(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Where the loss is taken on vocabulary-sharded logits, and where its backward runs:
     torch's `loss_parallel` (cross entropy over the shards, never gathering the logits)."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of `tensor` this rank holds: its local shard, or the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def as_gradient_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """A gradient computed on local tensors (the split backward's W GEMM) as `param`'s
     gradient: a DTensor laid out as the parameter, or the value itself."""
-    if not isinstance(param, DTensor) or isinstance(value, DTensor):
+    if not is_dtensor(param) or is_dtensor(value):
         return value
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of a sharded tensor (a collective over its tp group), or the tensor itself."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `full`, cut as `like` is sharded (no communication: every rank
     holds `full`); `full` itself when `like` is a plain tensor."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return full
+    from torch.distributed.tensor import distribute_tensor
+
     cut = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return cut.to_local()
 
@@ -201,14 +211,14 @@ def shard_arriving_gradients(module: nn.Module) -> None:
 
 def shard_arriving_gradient(param: torch.Tensor) -> None:
     """`shard_arriving_gradients` for one parameter (nothing where tp does not split it)."""
-    if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+    if is_dtensor(param) and any(p.is_shard() for p in param.placements):
         param.register_hook(
             functools.partial(_laid_out, param.device_mesh, tuple(param.placements))
         )
 
 
 def _laid_out(mesh: DeviceMesh, placements: tuple[Placement, ...], grad: torch.Tensor) -> object:
-    if isinstance(grad, DTensor) and grad.placements != placements:
+    if is_dtensor(grad) and grad.placements != placements:
         return grad.redistribute(mesh, placements)
     return grad
 
@@ -222,7 +232,7 @@ def align_gradients(
     work shard by shard. Replicate → Shard is a local cut, no communication."""
     for param in params:
         grad = param.grad
-        if not isinstance(param, DTensor) or not isinstance(grad, DTensor):
+        if not is_dtensor(param) or not is_dtensor(grad):
             continue
         if grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
@@ -232,7 +242,7 @@ def align_gradients(
 def split_over_tp(tensor: torch.Tensor) -> bool:
     """Whether the tp ranks hold different slices of `tensor` (its norm sums over them), on a
     tp mesh or on ZeRO-3's (dp, tp) mesh, where every parameter is split over dp too."""
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         return False
     names = tensor.device_mesh.mesh_dim_names or ()
     return "tp" in names and tensor.placements[names.index("tp")].is_shard()
@@ -253,7 +263,7 @@ def split_gradient_norms(
     for position, grad in grads:
         norm = torch.linalg.vector_norm(local_tensor(grad), 2.0).float()
         if split_over_tp(grad):
-            assert isinstance(grad, DTensor)
+            assert is_dtensor(grad)
             squares[position] = norm * norm
             group = grad.device_mesh.get_group()
         else:

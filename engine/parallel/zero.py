@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from engine.comm.dtensor import is_dtensor
 from engine.parallel.flat import (
     FlatGroup,
     add_into_main_grad,
@@ -288,7 +288,7 @@ def _whole_over_tp(flat: FlatGroup, parts: dict[int, torch.Tensor]) -> dict[int,
     (collective; every tp rank walks the same parameters in the same order)."""
     for slot in flat.slots:
         param = slot.param
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
             parts[id(param)] = full_tensor(laid_out_as(param, parts[id(param)].contiguous()))
     return parts
 

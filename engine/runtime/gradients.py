@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from engine.comm.dtensor import is_dtensor
 from engine.parallel import ShardedOptimizer, split_over_tp
 from engine.runtime.clipping import (
     clip_gradients,
@@ -112,4 +112,4 @@ class StepGradients:
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """This rank's part of a gradient: a ZeRO-3 shard's local tensor, or the gradient."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad.to_local() if is_dtensor(grad) else grad

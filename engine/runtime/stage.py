@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from engine.comm.dtensor import is_dtensor
 from engine.config import recompute_groups
 from engine.parallel import (
     as_gradient_of,
@@ -196,7 +196,7 @@ class PipelineStage:
         is freed after the forward, as in a fused backward, instead of living until I."""
         if self._capture is None or not output.requires_grad:
             return
-        plain = self.precision == "fp32" and not isinstance(output, DTensor)
+        plain = self.precision == "fp32" and not is_dtensor(output)
         self._capture.append((module, inputs[0], get_gradient_edge(output) if plain else output))
 
     @property

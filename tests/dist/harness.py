@@ -85,9 +85,20 @@ def _context() -> Any:
     """Fresh processes forked from a server that imported torch and the engine once: a rank
     then starts in a fraction of a second instead of re-importing them (seconds of CPU each,
     which on 2 cores dominated the multi-rank tests). The server forks before any thread or
-    process group exists, so each rank starts as clean as a spawned one."""
+    process group exists, so each rank starts as clean as a spawned one. The engine imports
+    DTensor, FSDP2 and dynamo only where a run uses them (`engine.comm.dtensor`); the server
+    imports them once for every rank."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "engine.runtime.engine", "tests.dist.cases"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed.tensor",
+            "torch.distributed.fsdp",
+            "engine.runtime.engine",
+            "tests.dist.cases",
+        ]
+    )
     return ctx
 
 
