@@ -8,12 +8,14 @@ the layers it owns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,7 @@ class LayerSpec:
 
     def build(self, device: torch.device | str = "meta") -> nn.Module:
         """Build the layer's module with uninitialised storage on `device`."""
-        with torch.device(device):
+        with torch.device(device), _no_draws_on_meta(device):
             return self.module_cls(self.config)
 
     def num_parameters(self) -> int:
@@ -294,6 +296,24 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@contextlib.contextmanager
+def _no_draws_on_meta(device: torch.device | str) -> Iterator[None]:
+    """On `meta`, `nn.init.normal_` (an embedding's default init) does nothing: a meta tensor
+    holds no values to draw. torch would run its Python decomposition of `normal_` there,
+    whose first call imports `torch._dynamo` (with DTensor and sympy): 1.5 s of every process
+    that builds a layer on meta, for a draw that is thrown away (`init_layer` draws the real
+    values once the layer has storage)."""
+    if torch.device(device).type != "meta":
+        yield
+        return
+    with mock.patch.object(nn.init, "normal_", _unchanged):
+        yield
+
+
+def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 @functools.lru_cache(maxsize=4096)
