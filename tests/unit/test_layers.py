@@ -8,6 +8,8 @@ imported at run time.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +140,22 @@ def test_every_module_declares_its_public_names() -> None:
         if "__all__" not in path.read_text(encoding="utf-8")
     ]
     assert not missing, f"modules without __all__: {missing}"
+
+
+_STARTUP_HEAVY = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "sympy")
+"""What a process imports only where a run uses it (tensor parallelism, ZeRO-3, compile):
+seconds of every command's start on a small CPU (`engine.comm.dtensor`)."""
+
+
+def test_the_cli_and_a_model_built_on_meta_import_no_dtensor_fsdp_or_dynamo() -> None:
+    """In a fresh process, as a command starts: the whole CLI imported and a model's layers
+    built on meta (parameter counts, as `meshpipe plan` and `memory` take them)."""
+    script = (
+        "import sys; import engine.cli.main; from models import layer_specs; "
+        "[spec.num_parameters() for spec in layer_specs('llama-tiny')]; "
+        f"print([m for m in {_STARTUP_HEAVY!r} if m in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
