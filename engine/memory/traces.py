@@ -344,9 +344,15 @@ def trace_ahead(requests: Iterable[TraceRequest]) -> None:
         return  # a worker died (out of memory?): the rest are traced here, one by one
 
 
+_MOST_WORKERS = 8
+"""Workers `trace_ahead` starts unless told otherwise: each forked worker comes to own a
+copy of the pages of the search it touches, and a search rarely has more long traces."""
+
+
 def _trace_workers() -> int:
     """Worker processes for `trace_ahead`: `MESHPIPE_TRACE_WORKERS`, else the cores this
-    process may run on; 1 (none) off Linux or inside a process group."""
+    process may run on, at most `_MOST_WORKERS`; 1 (none) off Linux or inside a process
+    group."""
     if sys.platform != "linux" or dist.is_initialized():
         return 1
     chosen = os.environ.get("MESHPIPE_TRACE_WORKERS")
@@ -357,4 +363,4 @@ def _trace_workers() -> int:
             "1 traces in this process only)",
         )
         return int(chosen)
-    return len(os.sched_getaffinity(0))
+    return min(len(os.sched_getaffinity(0)), _MOST_WORKERS)
