@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 from engine.cli.flags import add_config_flags, flag_values
@@ -18,6 +18,7 @@ from engine.plan import (
     PlanRequest,
     PlanResult,
     Prediction,
+    Progress,
     measured_forward,
     measured_split_forward,
     plot_plan,
@@ -226,13 +227,14 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _progress(start: float) -> Callable[[int, int], None]:
-    """Report the simulations on stderr once the search has taken more than a second."""
+def _progress(start: float) -> Progress:
+    """Report the search's traces and simulations on stderr once it has taken more than a
+    second."""
 
-    def report(done: int, total: int) -> None:
+    def report(what: str, done: int, total: int) -> None:
         if time.perf_counter() - start > 1 and sys.stderr.isatty():
             end = "\n" if done == total else ""
-            print(f"\rmeshpipe plan: timing layouts {done}/{total}", end=end, file=sys.stderr)
+            print(f"\rmeshpipe plan: {what} {done}/{total}", end=end, file=sys.stderr)
 
     return report
 

@@ -14,7 +14,7 @@ import functools
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -285,11 +285,12 @@ def cached_trace(
     request = TraceRequest(specs, first, last, styles, shape, device, local)
     known = _TRACED.get(request)
     if known is None:
-        known = load_trace(trace_key(*request), StageTrace)
-    if known is None:
-        known = _traced(request)
-        store_trace(trace_key(*request), known)
-    _TRACED[request] = known
+        key = trace_key(*request)
+        known = load_trace(key, StageTrace)
+        if known is None:
+            known = _traced(request)
+            store_trace(key, known)
+        _TRACED[request] = known
     return known
 
 
@@ -312,15 +313,16 @@ def _traced(request: TraceRequest) -> StageTrace:
     )
 
 
-def trace_ahead(requests: Iterable[TraceRequest]) -> None:
-    """Trace the requests this process does not hold yet, in worker processes where the
-    machine has the cores, so that `cached_trace` finds them made.
+def trace_ahead(
+    requests: Iterable[TraceRequest], progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Trace the requests this process does not hold yet, so that `cached_trace` finds them
+    made: in worker processes where the machine has the cores, longest first, each to the
+    next free worker; else here, in turn. `progress(done, total)` after each.
 
     A search knows every trace it will ask for before it asks, each is independent of the
-    others, and a first search spends most of its time in them. Longest first, each to the
-    next free worker. Where only one core (or one trace) is free, or forking is unsafe (not
-    Linux, or this process is in a process group whose sockets a child would share), nothing
-    is done here: `cached_trace` traces each in turn when asked.
+    others, and a first search spends most of its time in them. Workers are forked, so not
+    off Linux, nor from a process in a process group (a child would share its sockets).
     """
     missing = []
     for request in dict.fromkeys(requests):
@@ -330,18 +332,27 @@ def trace_ahead(requests: Iterable[TraceRequest]) -> None:
                 missing.append(request)
             else:
                 _TRACED[request] = kept
-    workers = min(len(missing), _trace_workers())
-    if workers < 2:
-        return
     missing.sort(key=lambda r: len(r.specs), reverse=True)
-    context = multiprocessing.get_context("fork")
+    workers = min(len(missing), _trace_workers())
+    made = _in_workers(missing, workers) if workers > 1 else map(_traced, missing)
     try:
-        with ProcessPoolExecutor(workers, mp_context=context) as pool:
-            for request, trace in zip(missing, pool.map(_traced, missing), strict=True):
-                _TRACED[request] = trace
-                store_trace(trace_key(*request), trace)
+        for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
+            _TRACED[request] = trace
+            store_trace(trace_key(*request), trace)
+            if progress is not None:
+                progress(done, len(missing))
     except BrokenProcessPool:
-        return  # a worker died (out of memory?): the rest are traced here, one by one
+        return  # a worker died (out of memory?): `cached_trace` traces the rest here, when asked
+
+
+def _in_workers(requests: list[TraceRequest], workers: int) -> Iterator[StageTrace]:
+    """Each request's trace, in order, from a pool of forked workers; the ones not started are
+    cancelled if the caller stops (an error, Ctrl-C) instead of run to the end."""
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    try:
+        yield from pool.map(_traced, requests)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 _MOST_WORKERS = 8

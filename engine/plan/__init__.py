@@ -12,7 +12,7 @@ from engine.plan.plan_file import (
     write_plan,
 )
 from engine.plan.profile import measured_forward, measured_split_forward, profile_stage_costs
-from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction
+from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, Progress
 from engine.plan.search import predict, search
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "PlanRequest",
     "PlanResult",
     "Prediction",
+    "Progress",
     "apply_plan",
     "measured_forward",
     "measured_split_forward",

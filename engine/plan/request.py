@@ -3,7 +3,8 @@ batch, machine), a prediction per layout, the result, and a layout's settings by
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +15,27 @@ from engine.plan.hardware import Hardware
 from engine.schedule import SCHEDULES, SimResult
 from models import get_config
 
-__all__ = ["LOSSES", "PlanRequest", "PlanResult", "Prediction", "layout_fields"]
+__all__ = [
+    "LOSSES",
+    "PlanRequest",
+    "PlanResult",
+    "Prediction",
+    "Progress",
+    "layout_fields",
+    "reporting",
+]
 
 LOSSES = ("over memory", "more bubble", "more communication", "more recompute")
 """Why a candidate lost to the best plan."""
+
+Progress = Callable[[str, int, int], None]
+"""How a search reports as it goes: what it is doing ("tracing layers", "timing layouts",
+"tracing stages"), how many are done, of how many."""
+
+
+def reporting(progress: Progress | None, what: str) -> Callable[[int, int], None] | None:
+    """`progress` for one kind of work: called with (done, total)."""
+    return None if progress is None else functools.partial(progress, what)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_floor, rank_peaks
 from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SearchContext
+from engine.plan.request import Progress, reporting
 
 __all__ = [
     "EVERY",
@@ -119,12 +120,15 @@ def _states_floor(state: SearchContext, c: Candidate) -> int:
     return first if later is None else max(first, later)
 
 
-def _trace_ahead(state: SearchContext, candidates: Sequence[Candidate]) -> None:
+def _trace_ahead(
+    state: SearchContext, candidates: Sequence[Candidate], progress: Progress | None
+) -> None:
     """The layer traces the screen will read made at once (`trace_ahead`): those of every
     candidate whose states alone fit, whose `floor` traces its layers."""
     budget = state.request.device_memory
     read = {(state.layout(c), c.split) for c in candidates if _states_floor(state, c) <= budget}
-    trace_ahead(r for layout, split in read for r in state.layer_requests(layout, split))
+    requests = (r for layout, split in read for r in state.layer_requests(layout, split))
+    trace_ahead(requests, reporting(progress, "tracing layers"))
 
 
 def all_candidates(state: SearchContext) -> list[Candidate]:
@@ -182,12 +186,12 @@ class MemoryScreen:
     peaks are worked out only when no plan fits (`least_peak`)."""
 
 
-def screen_memory(state: SearchContext) -> MemoryScreen:
+def screen_memory(state: SearchContext, progress: Progress | None = None) -> MemoryScreen:
     """Every candidate in the order of its `floor`: those that fit, with their recompute and
     peaks, and how many are over the budget."""
     budget = state.request.device_memory
     candidates = all_candidates(state)
-    _trace_ahead(state, candidates)
+    _trace_ahead(state, candidates, progress)
     floored = sorted(((floor(state, c), c) for c in candidates), key=lambda x: x[0])
     fitted: list[Fitted] = []
     deferred: list[tuple[int, Candidate]] = []

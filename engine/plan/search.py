@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
@@ -22,7 +22,15 @@ from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, SearchContext
 from engine.plan.hardware import all_gather_time, reduce_scatter_time
-from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, layout_fields
+from engine.plan.request import (
+    LOSSES,
+    PlanRequest,
+    PlanResult,
+    Prediction,
+    Progress,
+    layout_fields,
+    reporting,
+)
 from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
@@ -179,7 +187,7 @@ def _loss(plan: Prediction, best: Prediction) -> str:
     return max(reasons, key=lambda k: reasons[k])
 
 
-def search(request: PlanRequest, progress: Callable[[int, int], None] | None = None) -> PlanResult:
+def search(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
     """The best `request.top` layouts, and why every other candidate lost."""
     with _no_cycle_collection():
         return _search(request, progress)
@@ -199,9 +207,9 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _search(request: PlanRequest, progress: Callable[[int, int], None] | None) -> PlanResult:
+def _search(request: PlanRequest, progress: Progress | None) -> PlanResult:
     state = SearchContext(request)
-    screen = screen_memory(state)
+    screen = screen_memory(state, progress)
     survivors = [
         replace(
             _screen(state, f.candidate, f.boundaries),
@@ -280,9 +288,7 @@ class _Ranked:
     """Those the replay put over the budget."""
 
 
-def _rank(
-    state: SearchContext, screened: list[_Screened], progress: Callable[[int, int], None] | None
-) -> _Ranked:
+def _rank(state: SearchContext, screened: list[_Screened], progress: Progress | None) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
     best `top`; then the best of distinct keys replayed exactly (`_replayed`), fastest first,
     one the replay puts over the budget dropped for the next (which may call for more
@@ -299,12 +305,13 @@ def _rank(
             simulated.append(_predict(state, order[done], _simulate(state, order[done])))
             done += 1
             if progress is not None:
-                progress(done, len(order))
+                progress("timing layouts", done, len(order))
         chosen = _distinct_best(simulated, dropped, request.top)
         pending = [p for p in chosen if id(p.candidate) not in exact]
         if not pending or len(exact) + len(over) >= _REPLAYS:
             break
-        trace_ahead(r for p in pending for r in trace_requests(_memory_config(request, p)))
+        requests = (r for p in pending for r in trace_requests(_memory_config(request, p)))
+        trace_ahead(requests, reporting(progress, "tracing stages"))
         replayed = _replayed(request, pending[0])
         if max(replayed.rank_peaks) > request.device_memory:
             over.append(replayed)
@@ -312,7 +319,7 @@ def _rank(
         else:
             exact[id(pending[0].candidate)] = replayed
     if progress is not None:
-        progress(len(order), len(order))
+        progress("timing layouts", len(order), len(order))
     by_id = {id(s.candidate): s for s in order}
     best = tuple(
         _with_timeline(state, by_id[id(p.candidate)], exact[id(p.candidate)])

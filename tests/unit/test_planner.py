@@ -16,6 +16,7 @@ from engine.cli.train import train_config
 from engine.config import ParallelConfig
 from engine.memory.fitting import held_with_gradients
 from engine.memory.replay import in_flight, stage_actions
+from engine.memory.traces import forget_traces
 from engine.plan import (
     PLAN_VERSION,
     PlanRequest,
@@ -551,3 +552,19 @@ def test_profile_times_each_layer_whole_and_split_for_every_tp_the_search_weighs
     assert main(argv) == 0
     assert sorted(asked) == [(1, 2), (2, 2)]  # tp 2 is the only split width of 2 devices
     assert capsys.readouterr().out.splitlines()[4].startswith("1  ")
+
+
+def test_a_search_reports_its_traces_and_simulations_as_it_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each kind of work counted up to its total: the screen's layer traces first (none held
+    yet), the simulations, the stage traces of the plans replayed."""
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
+    forget_traces()
+    reports: list[tuple[str, int, int]] = []
+    search(SMALL, progress=lambda what, done, total: reports.append((what, done, total)))
+    kinds = list(dict.fromkeys(what for what, _, _ in reports))
+    assert kinds[:2] == ["tracing layers", "timing layouts"] and "tracing stages" in kinds
+    for kind in kinds:
+        counts = [(done, total) for what, done, total in reports if what == kind]
+        assert counts[-1][0] == counts[-1][1] and all(d <= t for d, t in counts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -17,18 +18,20 @@ from models import layer_specs
 _traces = sys.modules[cached_trace.__module__]
 
 
+_SHAPE = StageShape(
+    micro_batches=1,
+    micro_batch_size=1,
+    seq_len=8,
+    hidden=64,
+    divisor=1,
+    precision="bf16",
+    recompute="none",
+)
+
+
 def _requests(tp: int = 1) -> list[TraceRequest]:
-    """gpt-tiny's distinct layers alone, as the planner's screen traces them."""
-    shape = StageShape(
-        micro_batches=1,
-        micro_batch_size=1,
-        seq_len=8,
-        hidden=64,
-        divisor=1,
-        precision="bf16",
-        recompute="none",
-        tp=tp,
-    )
+    """gpt-tiny's layers alone, as the planner's screen traces them."""
+    shape = replace(_SHAPE, tp=tp)
     return layer_requests(tuple(layer_specs("gpt-tiny")), shape, "cpu", (False,))
 
 
@@ -72,23 +75,25 @@ def test_traces_held_already_fork_no_workers(fresh: None, monkeypatch: pytest.Mo
     trace_ahead(requests + requests)
 
 
-def test_one_worker_leaves_the_tracing_to_the_asking_process(
+def test_one_worker_traces_in_the_asking_process_longest_first_reporting_each(
     fresh: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "1")
-    made: list[object] = []
+    made: list[int] = []
     real = _traces.trace_stage
 
-    def recording(*args: object, **kwargs: object) -> object:
-        made.append(real(*args, **kwargs))
-        return made[-1]
+    def recording(specs: tuple[object, ...], **kwargs: object) -> object:
+        made.append(len(specs))
+        return real(specs, **kwargs)
 
     monkeypatch.setattr(_traces, "trace_stage", recording)
-    requests = _requests()
-    trace_ahead(requests)
-    assert not made
-    traced = [cached_trace(*r) for r in dict.fromkeys(requests)]
-    assert made == traced
+    whole = TraceRequest(tuple(layer_specs("gpt-tiny")), True, True, (False,), _SHAPE, "cpu")
+    reports: list[tuple[int, int]] = []
+    trace_ahead([*_requests(), whole], progress=lambda done, total: reports.append((done, total)))
+    assert made == [7, 1, 1, 1, 1]  # the whole model first; its 4 blocks are one trace
+    assert reports == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
+    _refuse_tracing_here(monkeypatch)
+    assert cached_trace(*whole) is not None
 
 
 def test_a_workers_error_reaches_the_asking_process(fresh: None) -> None:
