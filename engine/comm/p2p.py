@@ -132,7 +132,7 @@ class StageExchange:
         if key not in self._sent:
             self._sent[key] = metas
             header = _encode(metas, self._wire)
-            self._pending.append((self._isend(header, peer, group), (header,), action))
+            self._pending.append((self._isend(header, peer, group, action), (header,), action))
         elif metas != self._sent[key]:
             raise ExchangeError(
                 f"stage {src} sends {what} of micro-batch {action.micro_batch} to stage {dst} "
@@ -143,7 +143,7 @@ class StageExchange:
             )
         payload = tuple(t.detach().contiguous().to(self._wire) for t in tensors)
         for tensor in payload:
-            self._pending.append((self._isend(tensor, peer, group), payload, action))
+            self._pending.append((self._isend(tensor, peer, group, action), payload, action))
 
     @property
     def unsettled_sends(self) -> tuple[Action, ...]:
@@ -164,7 +164,7 @@ class StageExchange:
         tensors = tuple(
             torch.empty(m.shape, dtype=m.dtype, device=self._wire) for m in self._received[key]
         )
-        works = [self._irecv(t, peer, group) for t in tensors]
+        works = [self._irecv(t, peer, group, action) for t in tensors]
         self._posted[action] = (tensors, works)
 
     def recv(self, action: Action, *, training: bool) -> tuple[torch.Tensor, ...]:
@@ -173,7 +173,7 @@ class StageExchange:
         key = (src, dst, training)
         if key not in self._received:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._wire)
-            header_work = self._irecv(header, self._rank_of[src], self._groups[(src, dst)])
+            header_work = self._irecv(header, self._rank_of[src], self._groups[(src, dst)], action)
             self._wait(header_work, action, what)
             self._received[key] = _decode(header.cpu())
         self.post_ahead(action, training=training)
@@ -202,13 +202,23 @@ class StageExchange:
         for work, _, action in pending:
             self._wait(work, action, "data")
 
-    def _irecv(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> dist.Work:
-        work = dist.irecv(tensor, src=peer, group=group)
+    def _irecv(
+        self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, action: Action
+    ) -> dist.Work:
+        try:
+            work = dist.irecv(tensor, src=peer, group=group)
+        except RuntimeError as error:  # gloo refuses to post to a peer already gone
+            raise self._failed(action, _edge(action)[2], error) from error
         assert work is not None
         return work
 
-    def _isend(self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> dist.Work:
-        work = dist.isend(tensor, dst=peer, group=group)
+    def _isend(
+        self, tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, action: Action
+    ) -> dist.Work:
+        try:
+            work = dist.isend(tensor, dst=peer, group=group)
+        except RuntimeError as error:
+            raise self._failed(action, _edge(action)[2], error) from error
         assert work is not None
         return work
 
@@ -217,10 +227,14 @@ class StageExchange:
         try:
             work.wait(self._timeout)
         except RuntimeError as error:
-            src, dst, _ = _edge(action)
-            raise ExchangeError(
-                f"{action}: exchanging {what} of micro-batch {action.micro_batch} between stage "
-                f"{src} (rank {self._rank_of.get(src)}) and stage {dst} (rank "
-                f"{self._rank_of.get(dst)}) failed: {error}. "
-                + peer_failed(self._timeout.total_seconds(), peer="The peer")
-            ) from error
+            raise self._failed(action, what, error) from error
+
+    def _failed(self, action: Action, what: str, error: Exception) -> ExchangeError:
+        """A transfer that failed to post or to complete, named by its edge and ranks."""
+        src, dst, _ = _edge(action)
+        return ExchangeError(
+            f"{action}: exchanging {what} of micro-batch {action.micro_batch} between stage "
+            f"{src} (rank {self._rank_of.get(src)}) and stage {dst} (rank "
+            f"{self._rank_of.get(dst)}) failed: {error}. "
+            + peer_failed(self._timeout.total_seconds(), peer="The peer")
+        )

@@ -15,6 +15,7 @@ and a rank's send to a peer must not queue behind its receive from that peer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -55,7 +56,8 @@ class StepReports:
         self._loss, self._loss_works = None, []
         if self._me != self._last and len(self._ranks) > 1:
             self._loss = torch.empty((), dtype=torch.float32, device=self._device)
-            work = dist.irecv(self._loss, src=self._last, group=self._group)
+            with self._naming("the loss"):  # gloo refuses to post to a peer already gone
+                work = dist.irecv(self._loss, src=self._last, group=self._group)
             assert work is not None
             self._loss_works = [work]
 
@@ -63,7 +65,8 @@ class StepReports:
         """On the last stage, after its last forward: the step's mean loss to every peer."""
         self._loss = loss.detach().to(self._device, torch.float32).reshape(())
         for peer in self._peers:
-            work = dist.isend(self._loss, dst=peer, group=self._group)
+            with self._naming("the loss"):
+                work = dist.isend(self._loss, dst=peer, group=self._group)
             assert work is not None
             self._loss_works.append(work)
 
@@ -84,7 +87,8 @@ class StepReports:
         ops = [dist.P2POp(dist.isend, mine, r, self._group) for r in self._peers] + [
             dist.P2POp(dist.irecv, theirs[r], r, self._group) for r in self._peers
         ]
-        works = dist.batch_isend_irecv(ops)
+        with self._naming("step figures"):
+            works = dist.batch_isend_irecv(ops)
 
         @functools.cache
         def resolve() -> torch.Tensor:
@@ -95,6 +99,10 @@ class StepReports:
         return resolve
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        where = f"exchanging {what} with its pipeline peers {self._peers}"
-        with naming_failures(where, timeout_s=self._timeout.total_seconds()):
+        with self._naming(what):
             work.wait(self._timeout)
+
+    def _naming(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A failure to post or complete an exchange of `what`, named with the peers."""
+        where = f"exchanging {what} with its pipeline peers {self._peers}"
+        return naming_failures(where, timeout_s=self._timeout.total_seconds())

@@ -30,7 +30,8 @@ def _mismatched_stages(rank: int, world_size: int) -> None:
     engine.train_step(tokens if engine.is_first else None, tokens if engine.is_last else None)
 
 
-def _peer_dies(rank: int, world_size: int) -> None:
+def _peer_dies(rank: int, world_size: int, wait_s: float = 0.0) -> None:
+    """Rank 1 exits once the engine is built; rank 0 steps after `wait_s`."""
     mesh = init_mesh(2, 1, timeout_s=5)
     specs = layer_specs("gpt-tiny")
     engine = PipelineEngine(
@@ -38,8 +39,17 @@ def _peer_dies(rank: int, world_size: int) -> None:
     )
     if rank == 1:
         os._exit(0)
+    time.sleep(wait_s)
     tokens = torch.zeros(4, 8, dtype=torch.long)
     engine.train_step(tokens, None)
+
+
+_NAMED_DEAD_PEER = (
+    r"(?s)rank 0.*(between stage [01] \(rank [01]\) and stage [01] \(rank [01]\)|with its "
+    r"pipeline peers \[1\]) failed.*crashed, stalled or timed out"
+)
+"""Whichever exchange meets the dead peer first (a schedule's send or receive, or the step's
+loss report), the error names it, the peer, and what likely happened."""
 
 
 def test_stages_that_disagree_on_activation_shape_fail_on_the_first_step() -> None:
@@ -52,9 +62,16 @@ def test_stages_that_disagree_on_activation_shape_fail_on_the_first_step() -> No
 
 def test_a_dead_peer_raises_instead_of_hanging() -> None:
     start = time.monotonic()
-    with pytest.raises(RanksFailed, match=r"(?s)rank 0 failed at action .*between stage"):
+    with pytest.raises(RanksFailed, match=_NAMED_DEAD_PEER):
         run_ranks(_peer_dies, 2, timeout_s=60)
     assert time.monotonic() - start < 45
+
+
+def test_a_peer_dead_before_the_step_is_named_too() -> None:
+    """gloo refuses to post a transfer to a peer whose connection is already closed: that
+    refusal is named like a failed transfer, not left as gloo's bare error."""
+    with pytest.raises(RanksFailed, match=_NAMED_DEAD_PEER):
+        run_ranks(_peer_dies, 2, 2.0, timeout_s=60)
 
 
 def test_pp_times_dp_times_tp_must_equal_the_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
