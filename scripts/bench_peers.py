@@ -8,6 +8,11 @@ Installs nothing: systems that are not installed are listed as skipped.
 
     python scripts/bench_peers.py --model bench --steps 10
     python scripts/bench_peers.py --model bench-large --steps 10
+    python scripts/bench_peers.py --systems meshpipe-zb_v,torch-ScheduleZBVZeroBubble --census
+
+`--census` also counts the aten ops of one more step on every rank of meshpipe's and torch's
+workers and prints where the counts differ: whether two engines run the same kernels is a
+fact the wall clock of a noisy machine cannot settle.
 """
 
 from __future__ import annotations
@@ -76,6 +81,34 @@ def _prepare(work: Path, model: str, steps: int) -> None:
     torch.save([loader.batch_at(step) for step in range(steps)], work / "batches.pt")
 
 
+def _census(step: Any) -> dict[str, list[int]]:
+    """aten op → [calls, bytes of its new outputs] in one call of `step` (`--census`): a view
+    or an in-place op's result (an alias of an input) allocates nothing, so it counts 0."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, list[int]] = {}
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            out = func(*args, **(kwargs or {}))
+            row = counts.setdefault(str(func), [0, 0])
+            row[0] += 1
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for tensor, schema in zip(outs, func._schema.returns, strict=False):
+                if isinstance(tensor, torch.Tensor) and schema.alias_info is None:
+                    row[1] += tensor.numel() * tensor.element_size()
+            return out
+
+    with Counting():
+        step()
+    return counts
+
+
+def _census_step(step: Any) -> dict[str, list[int]] | None:
+    """`_census` of one more step when the driver asked for it (after the timed ones)."""
+    return _census(step) if os.environ.get("BENCH_CENSUS") else None
+
+
 def _load_into(module: torch.nn.Module, work: Path, rename: Any = None) -> None:
     """Copy the saved weights into `module` (names mapped by `rename` to `layers.{i}.…`)."""
     with safe_open(str(work / "weights.safetensors"), framework="pt") as tensors, torch.no_grad():
@@ -105,14 +138,20 @@ def _boundaries(work: Path, stages: int) -> list[int]:
     return [int(b) for b in json.loads((work / "boundaries.json").read_text())[str(stages)]]
 
 
-def _report(work: Path, system: str, rank: int, walls: list[float], losses: list[float],
-            bubbles: list[float] | None = None) -> None:  # fmt: skip
+def _report(work: Path, system: str, rank: int, walls: list[float], cpus: list[float],
+            losses: list[float], bubbles: list[float] | None = None,
+            census: dict[str, list[int]] | None = None) -> None:  # fmt: skip
+    """A rank's medians over the measured steps: wall time, and the CPU time its process
+    spent in every thread (compute, gloo's, Python's), which tells a rank's work from its
+    waiting."""
     warm = int(os.environ.get("BENCH_WARMUP", "2"))
     result = {
         "step_s": statistics.median(walls[warm:]),
+        "cpu_s": statistics.median(cpus[warm:]),
         "losses": losses,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "bubble": statistics.median(bubbles[warm:]) if bubbles else None,
+        "census": census,
     }
     (work / f"{system}.rank{rank}.json").write_text(json.dumps(result))
 
@@ -139,14 +178,16 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
         options=EngineOptions(nonfinite_guard=guard == "guard"),
     )  # fmt: skip
     _load_into(engine.module, work, lambda n: n.split(".", 1)[1])
-    walls, steps = [], []
+    walls, cpus, steps = [], [], []
     for x, y in torch.load(work / "batches.pt"):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         steps.append(engine.train_step(x, y))
         walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
     losses = [s.loss for s in steps]
     bubbles = [s.bubble for s in steps]  # read after the run: they arrive a step late
-    _report(work, f"meshpipe-{schedule}", mesh.rank, walls, losses, bubbles)
+    census = _census_step(lambda: engine.train_step(x, y))
+    _report(work, f"meshpipe-{schedule}", mesh.rank, walls, cpus, losses, bubbles, census)
     torch.distributed.destroy_process_group()
 
 
@@ -170,16 +211,22 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
     runner = cls(stages[0] if v == 1 else stages, MICRO_BATCHES, loss_fn=lm_loss)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    walls, losses = [], []
-    for x, y in torch.load(work / "batches.pt"):
-        start = time.perf_counter()
+    walls, cpus, losses = [], [], []
+
+    def step(x: torch.Tensor, y: torch.Tensor, mb_losses: list[torch.Tensor]) -> None:
         optimizer.zero_grad(set_to_none=True)
-        mb_losses: list[torch.Tensor] = []
         _torch_step(runner, rank, x, y, mb_losses, schedule in V_SHAPED)
         optimizer.step()
+
+    for x, y in torch.load(work / "batches.pt"):
+        start, cpu = time.perf_counter(), time.process_time()
+        mb_losses: list[torch.Tensor] = []
+        step(x, y, mb_losses)
         walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
         losses.append(float(torch.stack(mb_losses).mean()) if mb_losses else float("nan"))
-    _report(work, f"torch-{schedule}", rank, walls, losses)
+    census = _census_step(lambda: step(x, y, []))
+    _report(work, f"torch-{schedule}", rank, walls, cpus, losses, census=census)
     dist.destroy_process_group()
 
 
@@ -226,12 +273,13 @@ def _deepspeed(work: Path, model: str) -> None:
     engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
     batches = torch.load(work / "batches.pt")
     stream = micro_batch_iterator(batches, MICRO_BATCHES)
-    walls, losses = [], []
+    walls, cpus, losses = [], [], []
     for _ in batches:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         losses.append(float(engine.train_batch(stream)))
         walls.append(time.perf_counter() - start)
-    _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, losses)
+        cpus.append(time.process_time() - cpu)
+    _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, cpus, losses)
     # Left to interpreter exit, gloo's teardown with a peer already gone sometimes aborts
     # ("terminate called without an active exception"), failing the run after its report.
     torch.distributed.barrier()
@@ -251,16 +299,17 @@ def _fairscale(work: Path, model: str) -> None:
     optimizer = torch.optim.AdamW(
         pipe.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True
     )
-    walls, losses = [], []
+    walls, cpus, losses = [], [], []
     for x, y in torch.load(work / "batches.pt"):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(pipe(x), y)
         loss.backward()
         optimizer.step()
         walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
         losses.append(float(loss))
-    _report(work, "fairscale-Pipe", 0, walls, losses)
+    _report(work, "fairscale-Pipe", 0, walls, cpus, losses)
 
 
 def _single(work: Path, model: str, threads: int) -> None:
@@ -271,14 +320,15 @@ def _single(work: Path, model: str, threads: int) -> None:
     model_ = build_layers(gpt_layers(MODELS[model]), seed=0)
     _load_into(model_, work)
     optimizer = build_optimizer(model_, lr=LR)
-    walls, losses = [], []
+    walls, cpus, losses = [], [], []
     for x, y in torch.load(work / "batches.pt"):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         losses.append(reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES))
         walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
     rank = int(os.environ.get("RANK", "0"))
     pair = "-pair" if os.environ.get("WORLD_SIZE", "1") == "2" else ""
-    _report(work, f"single-{threads}t{pair}", rank, walls, losses)
+    _report(work, f"single-{threads}t{pair}", rank, walls, cpus, losses)
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -321,10 +371,10 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
 
 
 def _run(
-    name: str, command: list[str], work: Path, warmup: int
+    name: str, command: list[str], work: Path, warmup: int, census: bool = False
 ) -> tuple[list[dict[str, Any]], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "BENCH_WARMUP": str(warmup)}  # fmt: skip
+           "BENCH_WARMUP": str(warmup), "BENCH_CENSUS": "1" if census else ""}  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     (work / f"{name}.log").write_text(done.stdout + done.stderr)
     results = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.rank*.json"))]
@@ -346,9 +396,10 @@ def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
         match = "NO"
     bubble = results[0]["bubble"]
     rss = ", ".join(f"{r['rss_mib']:.0f}" for r in results)
+    cpu = ", ".join(f"{r['cpu_s']:.3f}" for r in results)
     return (
-        f"| {name} | {step:.3f} | {tokens / step:,.0f} | {best / (tokens / step):.2f} | {rss} "
-        f"| {'–' if bubble is None else f'{bubble:.1%}'} | {match} |"
+        f"| {name} | {step:.3f} | {tokens / step:,.0f} | {best / (tokens / step):.2f} | {cpu} "
+        f"| {rss} | {'–' if bubble is None else f'{bubble:.1%}'} | {match} |"
     )
 
 
@@ -365,6 +416,11 @@ def main() -> None:
     parser.add_argument(
         "--port", type=int, default=29700, help="torchrun's port (DeepSpeed gets a free one)"
     )
+    parser.add_argument(
+        "--census", action="store_true",
+        help="count every rank's aten ops in one more step; print where meshpipe's best and "
+        "torch's best differ",
+    )  # fmt: skip
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
@@ -391,7 +447,7 @@ def main() -> None:
     rounds: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in wanted}
     for _ in range(args.rounds):
         for name in wanted:
-            result, why = _run(name, commands[name], work, args.warmup)
+            result, why = _run(name, commands[name], work, args.warmup, args.census)
             if why:
                 print(f"{name}: failed: {why}", file=sys.stderr)
             elif result:
@@ -408,23 +464,26 @@ def main() -> None:
         f"{args.warmup}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n"
     )
     print(
-        "| system | s/step (median) | tokens/s | meshpipe best ÷ this | peak RSS per rank (MiB) "
-        "| bubble | losses match reference |"
+        "| system | s/step (median) | tokens/s | meshpipe best ÷ this | CPU s/step per rank "
+        "| peak RSS per rank (MiB) | bubble | losses match reference |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in wanted:
         if ok.get(name):
             print(_row(name, ok[name], tokens, meshpipe_best, reference))
         else:
-            print(f"| {name} | failed or not installed | | | | | |")
+            print(f"| {name} | failed or not installed | | | | | | |")
     print()
     print("\n".join(_verdict(ok)))
     if args.rounds > 1:
         print("- every round, in run order (s/step of the slowest rank):")
         for name, runs in rounds.items():
             steps = " / ".join(f"{_slowest(ranks):.3f}" for ranks in runs)
-            print(f"  - {name}: {steps}")
+            cpus = " / ".join(f"{_cpu(ranks):.3f}" for ranks in runs)
+            print(f"  - {name}: {steps} (CPU of all ranks: {cpus})")
         print("\n".join(_paired(rounds, ok)))
+    if args.census:
+        print("\n".join(_census_lines(ok)))
 
 
 def _slowest(ranks: list[dict[str, Any]]) -> float:
@@ -452,12 +511,18 @@ def _paired(rounds: dict[str, list[list[dict[str, Any]]]],
     for peer in ("deepspeed-PipelineEngine", _fastest(ok, "torch")):
         if best is None or peer is None or peer not in ok:
             continue
-        ratios = [_slowest(theirs) / _slowest(ours)
-                  for ours, theirs in zip(rounds[best], rounds[peer], strict=False)]  # fmt: skip
-        listed = ", ".join(f"{r:.3f}" for r in ratios)
-        lines.append(f"- {peer} ÷ {best}, paired by round: {listed} "
-                     f"(median {statistics.median(ratios):.3f}×)")  # fmt: skip
+        pairs = list(zip(rounds[best], rounds[peer], strict=False))
+        for what, measure in (("s/step", _slowest), ("CPU s/step of all ranks", _cpu)):
+            ratios = [measure(theirs) / measure(ours) for ours, theirs in pairs]
+            listed = ", ".join(f"{r:.3f}" for r in ratios)
+            lines.append(f"- {peer} ÷ {best}, {what}, paired by round: {listed} "
+                         f"(median {statistics.median(ratios):.3f}×)")  # fmt: skip
     return lines
+
+
+def _cpu(ranks: list[dict[str, Any]]) -> float:
+    """A system's CPU time per step, every rank's together: the work it did."""
+    return sum(r["cpu_s"] for r in ranks)
 
 
 def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -486,6 +551,26 @@ def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
         if name in step:
             lines.append(f"- {label}: {step[name] / 2:.3f} s/step; meshpipe's best reaches "
                          f"{step[name] / 2 / step[best]:.1%} of it")  # fmt: skip
+    return lines
+
+
+def _census_lines(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """meshpipe's best against torch's best, rank by rank: the aten ops whose calls or output
+    bytes differ, and how many ops ran the same."""
+    best, peer = _fastest(ok, "meshpipe"), _fastest(ok, "torch")
+    if best is None or peer is None:
+        return []
+    lines = [f"- aten ops of one step, {best} against {peer} (calls, MiB of outputs):"]
+    for rank, (ours, theirs) in enumerate(zip(ok[best], ok[peer], strict=True)):
+        mine, other = ours["census"], theirs["census"]
+        same = [op for op in mine if mine[op] == other.get(op)]
+        lines.append(f"  - rank {rank}: {len(same)} ops alike ({sum(mine[op][0] for op in same)} "
+                     f"calls); differing:")  # fmt: skip
+        for op in sorted(set(mine) | set(other)):
+            a, b = mine.get(op, [0, 0]), other.get(op, [0, 0])
+            if a != b:
+                lines.append(f"    - {op}: {a[0]} vs {b[0]} calls, "
+                             f"{a[1] / 2**20:.1f} vs {b[1] / 2**20:.1f} MiB")  # fmt: skip
     return lines
 
 
