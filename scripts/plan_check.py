@@ -238,14 +238,63 @@ def _row(
 
 def _zero_levels(args: argparse.Namespace, folder: Path) -> None:
     """Every ZeRO level at pp 2 × dp 2, predicted and measured, then each against ZeRO-1."""
-    rows = {}
-    for c in _zero_layouts(args.global_batch):
-        request = _request(args, (c.micro_batch_size,), ())
-        rows[c.describe()] = _row(c.describe(), request, predict(request, c), args.steps, folder)
-    base = next(times for name, times in rows.items() if name.endswith("zero1"))
+    layouts = {c.describe(): c for c in _zero_layouts(args.global_batch)}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
+    for _ in range(args.rounds):
+        for name, c in layouts.items():
+            request = _request(args, (c.micro_batch_size,), ())
+            rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
+    medians = _medians(rows)
+    base = next(times for name, times in medians.items() if name.endswith("zero1"))
     print(f"\n{'layout':<44} {'predicted/ZeRO-1':>17} {'measured/ZeRO-1':>16}")
-    for name, (predicted, measured) in rows.items():
+    for name, (predicted, measured) in medians.items():
         print(f"{name:<44} {predicted / base[0]:>16.2f}x {measured / base[1]:>15.2f}x")
+
+
+def _medians(rows: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    """Each layout's median prediction and median measurement over the rounds."""
+    return {
+        name: (statistics.median(p for p, _ in runs), statistics.median(m for _, m in runs))
+        for name, runs in rows.items()
+    }
+
+
+def _layout_rounds(args: argparse.Namespace, folder: Path) -> None:
+    """Every layout, then the planner's choice and the hand choice (chosen in the first round
+    and kept), each round timing the layers and the link again before each run; with more than
+    one round, each layout's median prediction against its median measurement."""
+    layouts = {c.describe(): c for c in _layouts(args.devices, args.global_batch)}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
+    for round_ in range(args.rounds):
+        for name, c in layouts.items():
+            request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
+            rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
+        if round_ == 0:
+            for name, (request, plan) in _choices(args).items():
+                layouts[name] = plan.candidate
+                rows[name] = [_row(name, request, plan, args.steps, folder)]
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} rounds")
+        print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   every round")
+        for name, (predicted, measured) in _medians(rows).items():
+            each = ", ".join(f"{p / m - 1:+.1%}" for p, m in rows[name])
+            print(f"{name:<44} {predicted:>9.4f}s {measured:>9.4f}s "
+                  f"{predicted / measured - 1:>+7.1%}   {each}")  # fmt: skip
+
+
+def _choices(args: argparse.Namespace) -> dict[str, tuple[PlanRequest, Prediction]]:
+    """The planner's choice for the devices, and the hand choice, each with its request."""
+    widths = sorted({m.tp for m in meshes(args.model, args.devices,
+                                          num_layers=len(layer_specs(args.model)),
+                                          seq_len=args.seq_len, gpus_per_node=8)})  # fmt: skip
+    request = _request(args, _SIZES, widths)
+    chosen = search(request).plans[0]
+    hand_request = _request(args, _SIZES, ())
+    hand = _hand_choice(hand_request)
+    return {
+        "planner: " + chosen.candidate.describe(): (request, chosen),
+        "hand: " + hand.candidate.describe(): (hand_request, hand),
+    }
 
 
 def main() -> None:
@@ -262,16 +311,14 @@ def main() -> None:
     parser.add_argument(
         "--zero-levels", action="store_true", help="pp 2 × dp 2 at every ZeRO level (4 devices)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every layout this many times, round-robin; report each one's medians",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
     torch.set_num_threads(1)  # each rank trains on one thread (--threads 1)
-    layouts = meshes(
-        args.model,
-        args.devices,
-        num_layers=len(layer_specs(args.model)),
-        seq_len=args.seq_len,
-        gpus_per_node=8,
-    )
-    widths = sorted({m.tp for m in layouts})
     print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   link (measured)")
     if args.zero_levels:
         if args.devices != 4:
@@ -280,15 +327,7 @@ def main() -> None:
             _zero_levels(args, Path(folder))
         return
     with tempfile.TemporaryDirectory() as folder:
-        for c in _layouts(args.devices, args.global_batch):
-            request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
-            _row(c.describe(), request, predict(request, c), args.steps, Path(folder))
-        request = _request(args, _SIZES, widths)
-        chosen = search(request).plans[0]
-        _row("planner: " + chosen.candidate.describe(), request, chosen, args.steps, Path(folder))
-        request = _request(args, _SIZES, ())
-        hand = _hand_choice(request)
-        _row("hand: " + hand.candidate.describe(), request, hand, args.steps, Path(folder))
+        _layout_rounds(args, Path(folder))
 
 
 if __name__ == "__main__":
