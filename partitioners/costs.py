@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from models.layers import LayerSpec
-from models.stack import build_layers
+from models.stack import build_layers, lm_loss
 from partitioners._checks import check_num_stages
 from partitioners.methods import make_partition
 from partitioners.partition import Partition
@@ -22,6 +22,7 @@ from partitioners.partition import Partition
 __all__ = [
     "COST_MODELS",
     "activation_costs",
+    "backward_root",
     "flop_costs",
     "layer_costs",
     "measured_costs",
@@ -72,7 +73,18 @@ def activation_costs(
     return tuple(_saved_bytes(spec, batch_size, seq_len, dtype) for spec in specs)
 
 
-def _time_layer(spec: LayerSpec, index: int, batch_size: int, seq_len: int, repeats: int) -> float:
+def backward_root(out: torch.Tensor, last: bool) -> torch.Tensor:
+    """What a timed layer's backward starts from. The model's last layer feeds the LM loss,
+    as in training: the softmax over the vocabulary and its gradient are the last stage's
+    work too, if small against the head's GEMMs. Any other layer's output is summed."""
+    if not last:
+        return out.float().sum()
+    return lm_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device))
+
+
+def _time_layer(
+    spec: LayerSpec, index: int, batch_size: int, seq_len: int, repeats: int, last: bool
+) -> float:
     layer = build_layers([spec] * (index + 1), [index], seed=0)
     x = spec.example_input(batch_size, seq_len, device="cpu")
     if x.is_floating_point():
@@ -80,8 +92,7 @@ def _time_layer(spec: LayerSpec, index: int, batch_size: int, seq_len: int, repe
     samples = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        out = layer(x)
-        out.float().sum().backward()
+        backward_root(layer(x), last).backward()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples[1:])
 
@@ -89,10 +100,15 @@ def _time_layer(spec: LayerSpec, index: int, batch_size: int, seq_len: int, repe
 def measured_costs(
     specs: Sequence[LayerSpec], *, batch_size: int, seq_len: int, repeats: int = 3
 ) -> tuple[float, ...]:
-    """Median seconds of forward + backward per layer on the CPU, after one warm-up run."""
+    """Median seconds of forward + backward per layer on the CPU, after one warm-up run; the
+    last layer's with the loss (`backward_root`)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
-    return tuple(_time_layer(spec, i, batch_size, seq_len, repeats) for i, spec in enumerate(specs))
+    last = len(specs) - 1
+    return tuple(
+        _time_layer(spec, i, batch_size, seq_len, repeats, i == last)
+        for i, spec in enumerate(specs)
+    )
 
 
 def layer_costs(

@@ -31,7 +31,7 @@ from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
 from partitioners import Partition
-from partitioners.costs import activation_costs, measured_costs
+from partitioners.costs import activation_costs, backward_root, measured_costs
 
 __all__ = [
     "available_memory",
@@ -237,9 +237,10 @@ def _time_split_layer(
     if x.is_floating_point():
         x = torch.randn(x.shape).requires_grad_()
     samples = []
-    with sharded_loss_scope(index == len(specs) - 1):
+    last = index == len(specs) - 1
+    with sharded_loss_scope(last):
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            stack(x).float().sum().backward()
+            backward_root(stack(x), last).backward()
             samples.append(time.perf_counter() - start)
     return statistics.median(samples[1:])

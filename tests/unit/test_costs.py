@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from engine.cli.main import main
-from models import layer_specs
+from models import layer_specs, lm_loss
 from partitioners import Partition, layer_costs, partition_model
-from partitioners.costs import activation_costs, flop_costs, measured_costs, parameter_costs
+from partitioners.costs import (
+    activation_costs,
+    backward_root,
+    flop_costs,
+    measured_costs,
+    parameter_costs,
+)
 
 torch.set_num_threads(1)
 SPECS = layer_specs("gpt-tiny")
@@ -45,6 +51,17 @@ def test_activation_bytes_of_a_70b_block_are_traced_without_memory() -> None:
 def test_measured_costs_are_positive_seconds() -> None:
     costs = measured_costs(SPECS, batch_size=1, seq_len=16, repeats=1)
     assert len(costs) == len(SPECS) and all(c > 0 for c in costs)
+
+
+def test_the_last_layer_is_timed_through_the_loss_as_training_runs_it() -> None:
+    logits = torch.randn(2, 8, 256)
+    targets = torch.zeros(2, 8, dtype=torch.long)
+    assert torch.equal(backward_root(logits, last=True), lm_loss(logits, targets))
+
+
+def test_any_other_layer_is_timed_through_the_sum_of_its_output() -> None:
+    hidden = torch.randn(2, 8, 64)
+    assert torch.equal(backward_root(hidden, last=False), hidden.sum())
 
 
 def test_unknown_cost_model_lists_the_known_ones() -> None:
