@@ -35,6 +35,7 @@ from engine.plan import (
     Hardware,
     PlanRequest,
     measured_forward,
+    measured_memory_bandwidth,
     measured_split_forward,
     search,
     write_plan,
@@ -207,7 +208,12 @@ def _request(
         seq_len=args.seq_len,
         precision="fp32",
         device=args.device,
-        hardware=Hardware(link_bandwidth=bandwidth, latency=latency, gpus_per_node=8),
+        hardware=Hardware(
+            link_bandwidth=bandwidth,
+            latency=latency,
+            gpus_per_node=8,
+            **({"memory_bandwidth": measured_memory_bandwidth()} if args.device == "cpu" else {}),
+        ),
         measured={
             b: _scaled(measured_forward(specs, b, args.seq_len, _REPEATS), shared) for b in sizes
         },

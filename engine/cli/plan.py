@@ -7,9 +7,10 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
-from engine.cli.flags import add_config_flags, flag_values
+from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.plan import (
@@ -20,6 +21,7 @@ from engine.plan import (
     Prediction,
     Progress,
     measured_forward,
+    measured_memory_bandwidth,
     measured_split_forward,
     plot_plan,
     search,
@@ -159,6 +161,8 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
     require(args.device_memory is not None, "--devices plans a run: give --device-memory (80GB)")
     sizes = _sizes(args.micro_batch_sizes)
     hardware = Hardware(**flag_values(Hardware, args))
+    if args.profile and "memory_bandwidth" not in given_fields(Hardware, argv):
+        hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
     measured, split = _profile(args, model, sizes, hardware) if args.profile else (None, None)
     return PlanRequest(

@@ -11,7 +11,12 @@ from engine.plan.plan_file import (
     read_plan,
     write_plan,
 )
-from engine.plan.profile import measured_forward, measured_split_forward, profile_stage_costs
+from engine.plan.profile import (
+    measured_forward,
+    measured_memory_bandwidth,
+    measured_split_forward,
+    profile_stage_costs,
+)
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, Progress
 from engine.plan.search import predict, search
 
@@ -25,6 +30,7 @@ __all__ = [
     "Progress",
     "apply_plan",
     "measured_forward",
+    "measured_memory_bandwidth",
     "measured_split_forward",
     "merge_plan",
     "plan_fields",

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 
 from engine.config import require
 
-__all__ = ["Hardware", "all_gather_time", "all_reduce_time", "reduce_scatter_time"]
+__all__ = [
+    "ADAMW_BYTES_PER_PARAMETER",
+    "Hardware",
+    "all_gather_time",
+    "all_reduce_time",
+    "reduce_scatter_time",
+]
+
+ADAMW_BYTES_PER_PARAMETER = 28
+"""Bytes AdamW's update moves per fp32 parameter: it reads the weight, its gradient and both
+moments and writes the weight and both moments back (7 × 4 B), one pass over memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,9 +40,13 @@ class Hardware:
     """Devices per node: tensor parallelism stays within one."""
     latency: float = 10e-6
     """Seconds each message or collective step costs on top of its bytes."""
+    memory_bandwidth: float = 3.35e12
+    """Bytes/s of one device's memory: the optimizer's update, after a rank's last backward,
+    streams its parameters and states once (`update_time`)."""
 
     def __post_init__(self) -> None:
-        for name in ("device_flops", "link_bandwidth", "inter_node_bandwidth", "latency"):
+        rates = ("device_flops", "link_bandwidth", "inter_node_bandwidth", "memory_bandwidth")
+        for name in (*rates, "latency"):
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
             require(value >= 0 if name == "latency" else value > 0, f"{flag} {value}: give > 0")
@@ -41,6 +55,10 @@ class Hardware:
             f"--compute-efficiency {self.compute_efficiency}: give a fraction in (0, 1]",
         )
         require(self.gpus_per_node >= 1, f"--gpus-per-node {self.gpus_per_node}: give >= 1")
+
+    def update_time(self, parameters: float) -> float:
+        """Seconds of AdamW's update of `parameters` fp32 parameters on one device."""
+        return ADAMW_BYTES_PER_PARAMETER * parameters / self.memory_bandwidth
 
     @property
     def achieved_flops(self) -> float:

@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from engine.config import require
 from engine.config.sizes import format_size
 from engine.memory.fake_world import stage_grid
 from engine.memory.states import stage_params
 from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
+from engine.plan.hardware import ADAMW_BYTES_PER_PARAMETER
 from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
@@ -36,6 +38,7 @@ from partitioners.costs import activation_costs, backward_root, measured_costs
 __all__ = [
     "available_memory",
     "measured_forward",
+    "measured_memory_bandwidth",
     "measured_split_forward",
     "profile_stage_costs",
     "stage_profile_bytes",
@@ -199,6 +202,22 @@ def measured_forward(
     simulator's costs split it."""
     costs = measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats)
     return tuple(t / 3 for t in costs)
+
+
+def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s AdamW's update moves on this CPU, counted as `Hardware.update_time` counts
+    them: torch's fused AdamW (meshpipe's default) over `parameters` fp32 parameters, the
+    median of `repeats` steps after a warm-up one."""
+    require(repeats >= 1 and parameters >= 1, f"repeats={repeats}, parameters={parameters}")
+    weight = torch.nn.Parameter(torch.zeros(parameters))
+    weight.grad = torch.full((parameters,), 1e-3)
+    optimizer = torch.optim.AdamW([weight], fused=True)
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.step()
+        samples.append(time.perf_counter() - start)
+    return ADAMW_BYTES_PER_PARAMETER * parameters / statistics.median(samples[1:])
 
 
 def measured_split_forward(

@@ -44,6 +44,9 @@ class _Screened:
     stages: tuple[StageTimes, ...]
     p2p: float
     tails: tuple[float, ...]
+    """Per rank, its data-parallel communication after its last backward."""
+    updates: tuple[float, ...]
+    """Per rank, its optimizer update (of its shard under ZeRO), after the tail."""
     bound: float
     stage_peaks: tuple[int, ...]
     rank_peaks: tuple[int, ...]
@@ -100,6 +103,11 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
         )
         for rank in range(mesh.pp)
     )
+    shards = mesh.dp if c.zero else 1
+    updates = tuple(
+        hw.update_time(sum(params[s] for s in schedule.stages_of(rank)) / shards)
+        for rank in range(mesh.pp)
+    )
     p2p = 0.0
     if mesh.pp > 1:
         p2p = hidden_bytes / mesh.tp / hw.bandwidth(mesh.dp * mesh.tp + 1) + hw.latency
@@ -108,6 +116,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
     bound = max(
         c.micro_batches * sum(stages[s].forward + stages[s].backward for s in schedule.stages_of(k))
         + tails[k]
+        + updates[k]
         + (fill if k == mesh.pp - 1 else 0.0)
         for k in range(mesh.pp)
     )
@@ -117,6 +126,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
         stages=tuple(stages),
         p2p=p2p,
         tails=tails,
+        updates=updates,
         bound=bound,
         stage_peaks=(),
         rank_peaks=(),
@@ -167,7 +177,8 @@ def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Pre
 def _simulate(search: SearchContext, s: _Screened) -> Timed:
     """The step simulated, or extended from its two samples (`SAMPLED`)."""
     pipeline = search.pipeline(s.candidate)
-    timed = [with_tails(search.run(x, s.stages, s.p2p), s.tails) for x in pipeline.samples]
+    after = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
+    timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in pipeline.samples]
     if len(timed) == 1:
         return timed[0]
     low, high = timed

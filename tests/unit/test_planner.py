@@ -19,6 +19,7 @@ from engine.memory.replay import in_flight, stage_actions
 from engine.memory.traces import forget_traces
 from engine.plan import (
     PLAN_VERSION,
+    Hardware,
     PlanRequest,
     PlanResult,
     plan_fields,
@@ -568,3 +569,38 @@ def test_a_search_reports_its_traces_and_simulations_as_it_goes(
     for kind in kinds:
         counts = [(done, total) for what, done, total in reports if what == kind]
         assert counts[-1][0] == counts[-1][1] and all(d <= t for d, t in counts)
+
+
+def test_the_optimizer_update_is_seven_fp32_passes_per_parameter_at_memory_bandwidth() -> None:
+    assert Hardware(memory_bandwidth=1e9).update_time(1e6) == 28 * 1e6 / 1e9
+
+
+def _one_rank(zero: int, dp: int = 1) -> Candidate:
+    return Candidate(
+        mesh=ParallelConfig(pp=1, dp=dp, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8 // dp,
+        micro_batch_size=1,
+        zero=zero,
+    )
+
+
+def test_a_step_ends_with_its_ranks_optimizer_update_of_its_parameters() -> None:
+    params = sum(SearchContext(SMALL).params)
+    fast = replace(SMALL, devices=1, hardware=Hardware(memory_bandwidth=1e15))
+    slow = replace(fast, hardware=Hardware(memory_bandwidth=1e9))
+    grown = predict(slow, _one_rank(0)).step_time - predict(fast, _one_rank(0)).step_time
+    expected = 28 * params * (1 / 1e9 - 1 / 1e15)
+    assert grown == pytest.approx(expected, rel=1e-9)
+
+
+def test_zero_shards_the_update_over_the_data_parallel_replicas() -> None:
+    fast = replace(SMALL, devices=2, hardware=Hardware(memory_bandwidth=1e15))
+    slow = replace(fast, hardware=Hardware(memory_bandwidth=1e9))
+    grown = {
+        zero: predict(slow, _one_rank(zero, 2)).step_time
+        - predict(fast, _one_rank(zero, 2)).step_time
+        for zero in (0, 1)
+    }
+    assert grown[1] == pytest.approx(grown[0] / 2, rel=1e-6)
