@@ -25,7 +25,7 @@ from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule
 from engine.schedule.passes import as_lowered
-from models import get_config, layer_specs
+from models import LayerSpec, get_config, layer_specs
 from partitioners import Partition, partition_model
 
 __all__ = ["FLOOR_ROUNDS", "SAMPLED", "Pipeline", "SearchContext"]
@@ -46,6 +46,20 @@ def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[i
     """Counts at `m` micro-batches from those at 3·pp and 4·pp."""
     k = SAMPLED[0] * pp
     return tuple(a + (b - a) * (m - k) // pp for a, b in zip(low, high, strict=True))
+
+
+def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Per tie key (GPT-2's embedding and head), the layers holding a copy of the weight and
+    its parameter count."""
+    ties: dict[str, tuple[tuple[int, ...], int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.tie_key is None or spec.tied_param is None:
+            continue
+        held, numel = ties.get(spec.tie_key, ((), 0))
+        if not numel:
+            numel = spec.build("meta").get_parameter(spec.tied_param).numel()
+        ties[spec.tie_key] = ((*held, i), numel)
+    return ties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +87,7 @@ class SearchContext:
         self.size = 4 if request.precision == "fp32" else 2
         self.params = tuple(spec.num_parameters() for spec in self.specs)
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
+        self.ties = _tied_layers(self.specs)
 
     @functools.cache  # noqa: B019 (one search, then dropped)
     def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:

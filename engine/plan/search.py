@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -21,7 +22,7 @@ from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, SearchContext
-from engine.plan.hardware import all_gather_time, reduce_scatter_time
+from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
 from engine.plan.request import (
     LOSSES,
     PlanRequest,
@@ -33,6 +34,7 @@ from engine.plan.request import (
 )
 from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
+from engine.schedule import Schedule
 
 __all__ = ["predict", "search"]
 
@@ -44,7 +46,8 @@ class _Screened:
     stages: tuple[StageTimes, ...]
     p2p: float
     tails: tuple[float, ...]
-    """Per rank, its data-parallel communication after its last backward."""
+    """Per rank, its communication after its last backward: the sum of tied weights'
+    gradients across the pipeline and the data-parallel reduction."""
     updates: tuple[float, ...]
     """Per rank, its optimizer update (of its shard under ZeRO), after the tail."""
     bound: float
@@ -82,6 +85,26 @@ def _stage_costs(
     return stages
 
 
+def _tie_sums(
+    search: SearchContext, c: Candidate, schedule: Schedule, bounds: Sequence[int]
+) -> list[float]:
+    """Per rank, its share of summing tied weights' fp32 gradients over the ranks holding a
+    copy (GPT-2's embedding on the first stage, its head on the last), before the optimizer:
+    an all-reduce across the pipeline, nothing where one rank holds every copy (V placement,
+    pp 1)."""
+    hw, mesh = search.request.hardware, c.mesh
+    sums = [0.0] * mesh.pp
+    for layers, numel in search.ties.values():
+        ranks = {schedule.rank_of(bisect_right(bounds, i) - 1) for i in layers}
+        if len(ranks) < 2:
+            continue
+        width = (mesh.pp - 1) * mesh.dp * mesh.tp + 1
+        seconds = all_reduce_time(4 * numel / mesh.tp, len(ranks), hw.bandwidth(width), hw.latency)
+        for rank in ranks:
+            sums[rank] += seconds
+    return sums
+
+
 def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Screened:
     """Action costs, transfers, data-parallel tails and the step's lower bound."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
@@ -91,6 +114,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
     params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
     width = (mesh.dp - 1) * mesh.tp + 1
     stages = _stage_costs(search, c, layers, params)
+    ties = _tie_sums(search, c, schedule, bounds)
     tails = tuple(
         dp_tail(
             sum(params[s] for s in schedule.stages_of(rank)),
@@ -101,6 +125,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
             hardware=hw,
             width=width,
         )
+        + ties[rank]
         for rank in range(mesh.pp)
     )
     shards = mesh.dp if c.zero else 1

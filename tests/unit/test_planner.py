@@ -30,6 +30,7 @@ from engine.plan import (
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
 from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.hardware import all_reduce_time
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
@@ -37,6 +38,7 @@ from engine.plan.search import (
     _replayed,
     _screen,
     _simulate,
+    _tie_sums,
     predict,
 )
 from engine.schedule import ActionCosts, make_schedule, simulate
@@ -604,3 +606,37 @@ def test_zero_shards_the_update_over_the_data_parallel_replicas() -> None:
         for zero in (0, 1)
     }
     assert grown[1] == pytest.approx(grown[0] / 2, rel=1e-6)
+
+
+def _tie_sums_of(request: PlanRequest, c: Candidate) -> list[float]:
+    context = SearchContext(request)
+    schedule = context.pipeline(c).shape
+    return _tie_sums(context, c, schedule, context.boundaries(schedule.num_stages))
+
+
+def _layout(pp: int, schedule: str = "1f1b", v: int = 1) -> Candidate:
+    return Candidate(
+        mesh=ParallelConfig(pp=pp, dp=1, tp=1),
+        schedule=schedule,
+        stages_per_rank=v,
+        micro_batches=8,
+        micro_batch_size=1,
+    )
+
+
+def test_tied_embedding_and_head_on_two_ranks_sum_their_gradients_across_the_pipeline() -> None:
+    request = replace(SMALL, devices=2)
+    vocab, width = 256, 64  # gpt-tiny ties its token embedding and LM head
+    hw = request.hardware
+    seconds = all_reduce_time(4 * vocab * width, 2, hw.bandwidth(2), hw.latency)
+    assert _tie_sums_of(request, _layout(2)) == [seconds, seconds]
+
+
+def test_tied_weights_on_one_rank_need_no_sum() -> None:
+    assert _tie_sums_of(replace(SMALL, devices=1), _layout(1)) == [0.0]
+    assert _tie_sums_of(replace(SMALL, devices=2), _layout(2, "zb_v", 2)) == [0.0, 0.0]
+
+
+def test_an_untied_model_sums_nothing() -> None:
+    request = replace(SMALL, model="llama-tiny", devices=2)
+    assert _tie_sums_of(request, _layout(2)) == [0.0, 0.0]
