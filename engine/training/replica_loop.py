@@ -52,8 +52,12 @@ def rejoin_note(replicas: ReplicaGroup) -> str:
     assert replicas.healed is not None
     after = replicas.healed[1]
     missed = replicas.missed_steps
+    lost = (
+        f"it missed {missed} steps ({after - missed + 1} to {after}, trained without it)"
+        if missed
+        else "it missed no step (the live replicas committed none without it)"
+    )
     return (
         f"replica {replicas.place.replica} rejoined at step {after + 1} with a live replica's "
-        f"weights and optimizer state: it missed {missed} steps "
-        f"({after - missed + 1} to {after}, trained without it)"
+        f"weights and optimizer state: {lost}"
     )
