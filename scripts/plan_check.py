@@ -247,14 +247,24 @@ def _zero_levels(args: argparse.Namespace, folder: Path) -> None:
     layouts = {c.describe(): c for c in _zero_layouts(args.global_batch)}
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
-        for name, c in layouts.items():
-            request = _request(args, (c.micro_batch_size,), ())
-            rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
+        _round(args, layouts, rows, folder)
     medians = _medians(rows)
     base = next(times for name, times in medians.items() if name.endswith("zero1"))
     print(f"\n{'layout':<44} {'predicted/ZeRO-1':>17} {'measured/ZeRO-1':>16}")
     for name, (predicted, measured) in medians.items():
         print(f"{name:<44} {predicted / base[0]:>16.2f}x {measured / base[1]:>15.2f}x")
+
+
+def _round(
+    args: argparse.Namespace,
+    layouts: dict[str, Candidate],
+    rows: dict[str, list[tuple[float, float]]],
+    folder: Path,
+) -> None:
+    """Each layout once: its layers and the link timed, predicted, run; its row appended."""
+    for name, c in layouts.items():
+        request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
+        rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
 
 
 def _medians(rows: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
@@ -272,9 +282,7 @@ def _layout_rounds(args: argparse.Namespace, folder: Path) -> None:
     layouts = {c.describe(): c for c in _layouts(args.devices, args.global_batch)}
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in layouts}
     for round_ in range(args.rounds):
-        for name, c in layouts.items():
-            request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
-            rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
+        _round(args, layouts, rows, folder)
         if round_ == 0:
             for name, (request, plan) in _choices(args).items():
                 layouts[name] = plan.candidate

@@ -115,9 +115,10 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
     width = (mesh.dp - 1) * mesh.tp + 1
     stages = _stage_costs(search, c, layers, params)
     ties = _tie_sums(search, c, schedule, bounds)
+    held = [sum(params[s] for s in schedule.stages_of(rank)) for rank in range(mesh.pp)]
     tails = tuple(
         dp_tail(
-            sum(params[s] for s in schedule.stages_of(rank)),
+            held[rank],
             size=search.size,
             dp=mesh.dp,
             zero=c.zero,
@@ -129,10 +130,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
         for rank in range(mesh.pp)
     )
     shards = mesh.dp if c.zero else 1
-    updates = tuple(
-        hw.update_time(sum(params[s] for s in schedule.stages_of(rank)) / shards)
-        for rank in range(mesh.pp)
-    )
+    updates = tuple(hw.update_time(rank_params / shards) for rank_params in held)
     p2p = 0.0
     if mesh.pp > 1:
         p2p = hidden_bytes / mesh.tp / hw.bandwidth(mesh.dp * mesh.tp + 1) + hw.latency
