@@ -283,15 +283,28 @@ def cached_trace(
     """`trace_stage`, once per distinct stage (stages built alike allocate alike), and kept on
     disk between runs (`engine.memory.trace_cache`)."""
     request = TraceRequest(specs, first, last, styles, shape, device, local)
+    known = _held(request)
+    if known is None:
+        known = _traced(request)
+        _keep(request, known)
+    return known
+
+
+def _held(request: TraceRequest) -> StageTrace | None:
+    """The request's trace if this process holds it or the disk has it (then held from now
+    on), else None."""
     known = _TRACED.get(request)
     if known is None:
-        key = trace_key(*request)
-        known = load_trace(key, StageTrace)
-        if known is None:
-            known = _traced(request)
-            store_trace(key, known)
-        _TRACED[request] = known
+        known = load_trace(trace_key(*request), StageTrace)
+        if known is not None:
+            _TRACED[request] = known
     return known
+
+
+def _keep(request: TraceRequest, trace: StageTrace) -> None:
+    """A trace just made: held by this process and written to the disk cache."""
+    _TRACED[request] = trace
+    store_trace(trace_key(*request), trace)
 
 
 def forget_traces() -> None:
@@ -324,21 +337,13 @@ def trace_ahead(
     others, and a first search spends most of its time in them. Workers are forked, so not
     off Linux, nor from a process in a process group (a child would share its sockets).
     """
-    missing = []
-    for request in dict.fromkeys(requests):
-        if request not in _TRACED:
-            kept = load_trace(trace_key(*request), StageTrace)
-            if kept is None:
-                missing.append(request)
-            else:
-                _TRACED[request] = kept
+    missing = [request for request in dict.fromkeys(requests) if _held(request) is None]
     missing.sort(key=lambda r: len(r.specs), reverse=True)
     workers = min(len(missing), _trace_workers())
     made = _in_workers(missing, workers) if workers > 1 else map(_traced, missing)
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
-            _TRACED[request] = trace
-            store_trace(trace_key(*request), trace)
+            _keep(request, trace)
             if progress is not None:
                 progress(done, len(missing))
     except BrokenProcessPool:
