@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "flop_costs",
     "layer_costs",
     "measured_costs",
+    "median_seconds",
     "parameter_costs",
 ]
 
@@ -82,6 +83,16 @@ def backward_root(out: torch.Tensor, last: bool) -> torch.Tensor:
     return lm_loss(out, torch.zeros(out.shape[:-1], dtype=torch.long, device=out.device))
 
 
+def median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `run`, after one warm-up call."""
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:])
+
+
 def _time_layer(
     spec: LayerSpec, index: int, batch_size: int, seq_len: int, repeats: int, last: bool
 ) -> float:
@@ -89,12 +100,7 @@ def _time_layer(
     x = spec.example_input(batch_size, seq_len, device="cpu")
     if x.is_floating_point():
         x = torch.randn(x.shape).requires_grad_()
-    samples = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        backward_root(layer(x), last).backward()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+    return median_seconds(lambda: backward_root(layer(x), last).backward(), repeats)
 
 
 def measured_costs(

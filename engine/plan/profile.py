@@ -33,7 +33,7 @@ from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
 from partitioners import Partition
-from partitioners.costs import activation_costs, backward_root, measured_costs
+from partitioners.costs import activation_costs, backward_root, measured_costs, median_seconds
 
 __all__ = [
     "available_memory",
@@ -212,12 +212,7 @@ def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> 
     weight = torch.nn.Parameter(torch.zeros(parameters))
     weight.grad = torch.full((parameters,), 1e-3)
     optimizer = torch.optim.AdamW([weight], fused=True)
-    samples = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        optimizer.step()
-        samples.append(time.perf_counter() - start)
-    return ADAMW_BYTES_PER_PARAMETER * parameters / statistics.median(samples[1:])
+    return ADAMW_BYTES_PER_PARAMETER * parameters / median_seconds(optimizer.step, repeats)
 
 
 def measured_split_forward(
@@ -255,11 +250,6 @@ def _time_split_layer(
     x = spec.example_input(batch_size, seq_len, device="cpu")
     if x.is_floating_point():
         x = torch.randn(x.shape).requires_grad_()
-    samples = []
     last = index == len(specs) - 1
     with sharded_loss_scope(last):
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            backward_root(stack(x), last).backward()
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+        return median_seconds(lambda: backward_root(stack(x), last).backward(), repeats)
