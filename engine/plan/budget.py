@@ -54,20 +54,23 @@ class LayerBytes:
     gradients: tuple[int, ...]
     during: tuple[int, ...]
     """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
+    turn: tuple[int, ...]
+    """ZeRO-3 resharded per micro-batch: what a turn of this layer holds on top of the
+    shards (gathered, prefetched, its gradient reduced). A stage holds its largest, not
+    their sum: one layer turns at a time."""
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """Prefix sums of (weights and step-long copies, gradients, kept), then kept and
-        transient per layer: a stage's sum of each is one difference (the screen sums
-        stages hundreds of thousands of times)."""
+        """Prefix sums of (weights and step-long copies, gradients, kept), then kept,
+        transient and turn per layer: a stage's sum of each is one difference (the screen
+        sums stages hundreds of thousands of times), its largest one `reduceat`."""
         fixed = np.add(self.weights, self.during, dtype=np.int64)
         return (
             *(
                 np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
                 for x in (fixed, self.gradients, self.kept)
             ),
-            np.asarray(self.kept, dtype=np.int64),
-            np.asarray(self.transient, dtype=np.int64),
+            *(np.asarray(x, dtype=np.int64) for x in (self.kept, self.transient, self.turn)),
         )
 
 
@@ -95,14 +98,22 @@ def layer_bytes(
     block = CUDA_BLOCK if device == "cuda" else 1
     size = 4 if precision == "fp32" else 2
     own = [_layer_states(spec, states, precision) for spec in specs]
+    copies = sums.copies if states.zero == 0 else tuple(c for _, _, c in own)
+    turns = _per_micro_batch(states)
     return LayerBytes(
         kept=sums.kept,
         transient=sums.transient,
         received=round_up(seq_len * shape.hidden * size, block),
         weights=tuple(w for w, _, _ in own),
         gradients=tuple(g for _, g, _ in own),
-        during=sums.copies if states.zero == 0 else tuple(c for _, _, c in own),
+        during=(0,) * len(specs) if turns else copies,
+        turn=copies if turns else (0,) * len(specs),
     )
+
+
+def _per_micro_batch(states: StateLayout) -> bool:
+    """ZeRO-3 gathering each layer per turn: its copies are the largest turn, not a sum."""
+    return states.zero == 3 and states.zero_reshard == "micro-batch"
 
 
 def layer_shape(
@@ -139,12 +150,14 @@ def _layer_states(spec: LayerSpec, states: StateLayout, precision: str) -> tuple
 def state_sums(
     specs: Sequence[LayerSpec], states: StateLayout, precision: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Prefix sums over the layers of (weights, optimizer and ZeRO's gathered copies) and of
-    gradients, from parameter shapes alone: a floor of a stage's peak without a trace."""
+    """Prefix sums over the layers of (weights, optimizer and ZeRO-3's step-long gathered
+    copies) and of gradients, from parameter shapes alone: a floor of a stage's peak without a
+    trace (a per-micro-batch turn, one layer's, is left out)."""
     fixed, grads = [0], [0]
+    step_long = states.zero == 3 and not _per_micro_batch(states)
     for spec in specs:
         weights, gradients, gathered = _layer_states(spec, states, precision)
-        fixed.append(fixed[-1] + weights + (gathered if states.zero else 0))
+        fixed.append(fixed[-1] + weights + (gathered if step_long else 0))
         grads.append(grads[-1] + gradients)
     return tuple(fixed), tuple(grads)
 
@@ -188,12 +201,13 @@ def _stage_parts(
     plus `held`, the sends kept to the step's end (counted whole: a bound). Where
     `recomputed`, in runs of `every` layers (0: the whole stage), a forward keeps each run's
     input and a backward regenerates one run's activations at a time."""
-    fixed_sums, grad_sums, kept_sums, kept_each, transient_each = sums.arrays
+    fixed_sums, grad_sums, kept_sums, kept_each, transient_each, turn_each = sums.arrays
     bounds = np.asarray(boundaries, dtype=np.int64)
     first, stop = bounds[:-1], bounds[1:]
     grads = grad_sums[stop] - grad_sums[first]
     kept = micro_batch_size * (kept_sums[stop] - kept_sums[first])
     transient = micro_batch_size * np.maximum.reduceat(transient_each, first)
+    transient += np.maximum.reduceat(turn_each, first)  # a layer's turn lives while it computes
     if recomputed.any():
         runs, longest = _runs(kept_sums, kept_each, first, stop, every)
         inputs = runs - (first == 0)  # the model's first layer receives tokens

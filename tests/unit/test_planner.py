@@ -339,7 +339,12 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
     ],
 )
 def test_the_memory_screen_is_within_ten_percent_of_the_replay(
-    mesh: ParallelConfig, schedule: str, zero: int, every: int, tolerance: float = 0.1
+    mesh: ParallelConfig,
+    schedule: str,
+    zero: int,
+    every: int,
+    tolerance: float = 0.1,
+    reshard: str = "step",
 ) -> None:
     request = PlanRequest(
         model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
@@ -351,6 +356,7 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
         micro_batches=4,
         micro_batch_size=2,
         zero=zero,
+        zero_reshard=reshard,
         recompute=(0, 1) if every else (),
         recompute_every=every,
     )
@@ -367,6 +373,19 @@ def test_the_memory_screen_of_dualpipe_v_is_within_a_fifth_of_the_replay() -> No
     each plan the search keeps has the last word."""
     mesh = ParallelConfig(pp=2, dp=2, tp=1)
     test_the_memory_screen_is_within_ten_percent_of_the_replay(mesh, "dualpipe_v", 3, 0, 0.2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_the_memory_screen_of_zero3_resharded_per_micro_batch_is_within_fifteen_percent(
+    schedule: str,
+) -> None:
+    """A stage holds one layer's turn at a time, beyond what the layer's FSDP trace holds
+    the next layer's prefetch: +7 % to +13 % over the replay here, where each layer's whole
+    turn summed over the stage read +43 % to +58 %, enough to hide layouts that fit."""
+    mesh = ParallelConfig(pp=2, dp=2, tp=1)
+    test_the_memory_screen_is_within_ten_percent_of_the_replay(
+        mesh, schedule, 3, 0, 0.15, "micro-batch"
+    )
 
 
 @pytest.mark.parametrize(
