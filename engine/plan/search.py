@@ -286,6 +286,7 @@ def _memory_config(request: PlanRequest, plan: Prediction) -> MemoryConfig:
 def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     """One given layout's prediction (balanced boundaries, its own recompute), memory by the
     fast screen: what the search computes for each candidate, for comparing a hand choice."""
+    _check_batch(request, candidate)
     state = SearchContext(request)
     pipeline = state.pipeline(candidate)
     bounds = state.boundaries(pipeline.shape.num_stages)
@@ -301,6 +302,19 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     )
     screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
     return _with_timeline(state, screened, _predict(state, screened, _simulate(state, screened)))
+
+
+def _check_batch(request: PlanRequest, c: Candidate) -> None:
+    """The search makes only layouts that split the global batch; a hand choice may not,
+    and its memory and time would then be those of another batch."""
+    per_step = c.micro_batches * c.micro_batch_size * c.mesh.dp
+    if per_step != request.global_batch:
+        raise ValueError(
+            f"{c.describe()} trains {c.micro_batches} × {c.micro_batch_size} × dp {c.mesh.dp} = "
+            f"{per_step} sequences a step, not the global batch of {request.global_batch}: "
+            f"use {request.global_batch // (c.micro_batch_size * c.mesh.dp)} micro-batches "
+            "or another micro-batch size"
+        )
 
 
 _REPLAYS = 12

@@ -659,3 +659,10 @@ def test_tied_weights_on_one_rank_need_no_sum() -> None:
 def test_an_untied_model_sums_nothing() -> None:
     request = replace(SMALL, model="llama-tiny", devices=2)
     assert _tie_sums_of(request, _layout(2)) == [0.0, 0.0]
+
+
+def test_a_hand_choice_that_does_not_split_the_global_batch_is_refused_by_name() -> None:
+    c = replace(_one_rank(0), micro_batches=4)
+    with pytest.raises(ValueError, match=r"4 × 1 × dp 1 = 4 sequences a step, not the global "
+                       r"batch of 8: use 8 micro-batches"):  # fmt: skip
+        predict(replace(SMALL, devices=1), c)
