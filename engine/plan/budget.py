@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,6 +58,20 @@ class LayerBytes:
     """ZeRO-3 resharded per micro-batch: what a turn of this layer holds on top of the
     shards (gathered, prefetched, its gradient reduced). A stage holds its largest, not
     their sum: one layer turns at a time."""
+    fused_kept: tuple[int, ...]
+    fused_transient: tuple[int, ...]
+    """`kept` and `transient` before a fused backward: a split schedule's stages that run
+    no I (ZB-H1's first) keep these; the same as `kept` and `transient` where not split."""
+
+    @functools.cached_property
+    def least(self) -> LayerBytes:
+        """Each layer's lesser stash and transient of the two backward styles: what floors,
+        which know no stage's style, bound from below."""
+        kept = tuple(map(min, self.kept, self.fused_kept))
+        transient = tuple(map(min, self.transient, self.fused_transient))
+        return replace(
+            self, kept=kept, transient=transient, fused_kept=kept, fused_transient=transient
+        )
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, ...]:
@@ -68,9 +82,12 @@ class LayerBytes:
         return (
             *(
                 np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-                for x in (fixed, self.gradients, self.kept)
+                for x in (fixed, self.gradients, self.kept, self.fused_kept)
             ),
-            *(np.asarray(x, dtype=np.int64) for x in (self.kept, self.transient, self.turn)),
+            *(
+                np.asarray(x, dtype=np.int64)
+                for x in (self.kept, self.transient, self.turn, self.fused_transient)
+            ),
         )
 
 
@@ -95,6 +112,7 @@ def layer_bytes(
     """Each layer's bytes, its activations traced at one sequence per micro-batch."""
     shape = layer_shape(specs, seq_len=seq_len, precision=precision, tp=tp, states=states)
     sums = layer_sums(specs, shape, device, 1, (split,))
+    fused = layer_sums(specs, shape, device, 1, (False,)) if split else sums
     block = CUDA_BLOCK if device == "cuda" else 1
     size = 4 if precision == "fp32" else 2
     own = [_layer_states(spec, states, precision) for spec in specs]
@@ -108,6 +126,8 @@ def layer_bytes(
         gradients=tuple(g for _, g, _ in own),
         during=(0,) * len(specs) if turns else copies,
         turn=copies if turns else (0,) * len(specs),
+        fused_kept=fused.kept,
+        fused_transient=fused.transient,
     )
 
 
@@ -196,17 +216,34 @@ def _stage_parts(
     every: int,
     reduce_copy: bool,
     held: np.ndarray,
+    fused: np.ndarray | None = None,
 ) -> _Parts:
     """Each stage's peak: states, then the larger of its step and its gradient reduction,
-    plus `held`, the sends kept to the step's end (counted whole: a bound). Where
+    plus `held`, the sends kept to the step's end (counted whole: a bound). Stages
+    `fused` keep what a fused backward needs (`LayerBytes.fused_kept`). Where
     `recomputed`, in runs of `every` layers (0: the whole stage), a forward keeps each run's
     input and a backward regenerates one run's activations at a time."""
-    fixed_sums, grad_sums, kept_sums, kept_each, transient_each, turn_each = sums.arrays
+    (
+        fixed_sums,
+        grad_sums,
+        kept_sums,
+        fused_sums,
+        kept_each,
+        transient_each,
+        turn_each,
+        fused_each,
+    ) = sums.arrays
     bounds = np.asarray(boundaries, dtype=np.int64)
     first, stop = bounds[:-1], bounds[1:]
     grads = grad_sums[stop] - grad_sums[first]
     kept = micro_batch_size * (kept_sums[stop] - kept_sums[first])
     transient = micro_batch_size * np.maximum.reduceat(transient_each, first)
+    if fused is not None and fused.any():
+        fused_kept = micro_batch_size * (fused_sums[stop] - fused_sums[first])
+        kept = np.where(fused, fused_kept, kept)
+        transient = np.where(
+            fused, micro_batch_size * np.maximum.reduceat(fused_each, first), transient
+        )
     transient += np.maximum.reduceat(turn_each, first)  # a layer's turn lives while it computes
     if recomputed.any():
         runs, longest = _runs(kept_sums, kept_each, first, stop, every)
@@ -265,7 +302,7 @@ def highest_stage_floor(
     stages = len(boundaries) - 1
     peaks = [
         _stage_parts(
-            sums,
+            sums.least,
             boundaries,
             before=np.ones(stages, dtype=np.int64),
             after=np.full(stages, int(several), dtype=np.int64),
@@ -298,7 +335,7 @@ def rank_floor(
     per_rank = [
         _per_rank(
             _stage_parts(
-                sums,
+                sums.least,
                 boundaries,
                 before=np.asarray(counts.before, dtype=np.int64),
                 after=np.asarray(counts.after, dtype=np.int64),
@@ -398,5 +435,6 @@ def rank_peaks(
         every=every,
         reduce_copy=reduce_copy,
         held=_held(sums, schedule, counts, micro_batch_size),
+        fused=np.asarray(counts.fused, dtype=bool) if counts.fused else None,
     )
     return tuple(parts.peak.tolist()), _per_rank(parts, schedule, counts)

@@ -107,6 +107,7 @@ class SearchContext:
                     a if a == b else None for a, b in zip(low.together, high.together, strict=True)
                 ),
                 sent_back=_extend(low.sent_back, high.sent_back, m, pp),
+                fused=tuple(a and b for a, b in zip(low.fused, high.fused, strict=True)),
             ),
         )
 
@@ -179,7 +180,8 @@ class SearchContext:
         shape = layer_shape(
             self.specs, seq_len=r.seq_len, precision=r.precision, tp=states.tp, states=states
         )
-        return layer_requests(self.specs, shape, r.device, (split,))
+        styles = ((True,), (False,)) if split else ((False,),)
+        return [q for style in styles for q in layer_requests(self.specs, shape, r.device, style)]
 
     @functools.cache  # noqa: B019
     def state_sums(self, states: StateLayout) -> tuple[tuple[int, ...], tuple[int, ...]]:

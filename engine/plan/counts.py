@@ -36,6 +36,9 @@ class StageCounts:
     sent_back: tuple[int, ...]
     """The most input gradients each stage holds sent back at once, not yet proved delivered
     (`held_input_gradients`)."""
+    fused: tuple[bool, ...] = ()
+    """Per stage, whether its every backward is a fused B (no I): its forwards keep what a
+    fused backward needs, not what a split one does (ZB-H1's first stage). Empty: unknown."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
@@ -49,7 +52,15 @@ def stage_counts(schedule: Schedule) -> StageCounts:
         after=after,
         together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
+        fused=_fused(flat, schedule.num_stages),
     )
+
+
+def _fused(flat: FlatArrays, stages: int) -> tuple[bool, ...]:
+    """Per stage, whether no I of it runs: every backward of it is a fused B."""
+    split = np.zeros(stages, dtype=bool)
+    split[flat.stage[flat.kind == I]] = True
+    return tuple((~split).tolist())
 
 
 def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
