@@ -55,9 +55,9 @@ class LayerBytes:
     during: tuple[int, ...]
     """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
     turn: tuple[int, ...]
-    """ZeRO-3 resharded per micro-batch: what a turn of this layer holds on top of the
-    shards (gathered, prefetched, its gradient reduced). A stage holds its largest, not
-    their sum: one layer turns at a time."""
+    """ZeRO-3 resharded per micro-batch: what a turn of this layer holds beyond its FSDP
+    trace (the next layer's prefetch, `engine.memory.sharding._one_turn`). A stage holds its
+    largest, not their sum: one layer turns at a time."""
     fused_kept: tuple[int, ...]
     fused_transient: tuple[int, ...]
     """`kept` and `transient` before a fused backward: a split schedule's stages that run
