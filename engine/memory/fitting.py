@@ -59,6 +59,10 @@ class LayerSums:
     transient: tuple[int, ...]
     """The highest any one of its actions rises above where it started (the head's logits
     and their gradient, an attention's scores): one layer at a time, on top of what is held."""
+    awaiting_w: tuple[int, ...] = ()
+    """Split backwards: what one micro-batch holds from its I to its W, which frees it all
+    (the Linears' inputs and output gradients, under autocast the graph W runs through, the
+    layer's input too); `kept` where the backward is fused."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,13 +82,15 @@ def layer_sums(
     received = round_up(
         shape.micro_batch_size * shape.boundary_seq_len * shape.hidden * size, block
     )
-    states, grads, kept, copies, transient = [], [], [], [], []
+    states, grads, kept, copies, transient, awaiting = [], [], [], [], [], []
     for i, request in enumerate(layer_requests(specs, shape, device, styles)):
         fp32 = sum(round_up(4 * p.numel, block) for p in stage_params(request.specs, shape.tp))
         states.append(fp32 + -(-2 * fp32 // shards))
         grads.append(fp32)
         trace = cached_trace(*request)
         kept.append(trace.kept_per_micro_batch - (0 if i == 0 else received))
+        w = trace.later.get((ActionKind.W, True))
+        awaiting.append(kept[-1] if w is None else -w.net)
         copies.append(trace.weight_copies)
         spans = [trace.begin, *trace.first.values(), *trace.later.values()]
         transient.append(max(span.peak - max(span.net, 0) for span in spans))
@@ -94,6 +100,7 @@ def layer_sums(
         kept=tuple(kept),
         copies=tuple(copies),
         transient=tuple(transient),
+        awaiting_w=tuple(awaiting),
     )
 
 

@@ -62,15 +62,23 @@ class LayerBytes:
     fused_transient: tuple[int, ...]
     """`kept` and `transient` before a fused backward: a split schedule's stages that run
     no I (ZB-H1's first) keep these; the same as `kept` and `transient` where not split."""
+    awaiting_w: tuple[int, ...]
+    """What a split micro-batch holds from its I to its W (`LayerSums.awaiting_w`)."""
 
     @functools.cached_property
     def least(self) -> LayerBytes:
-        """Each layer's lesser stash and transient of the two backward styles: what floors,
-        which know no stage's style, bound from below."""
-        kept = tuple(map(min, self.kept, self.fused_kept))
+        """Each layer's least stash of the two backward styles and of a split one's two
+        halves, and lesser transient: what floors, which know no stage's style nor when its
+        W runs, bound from below."""
+        kept = tuple(map(min, self.kept, self.fused_kept, self.awaiting_w))
         transient = tuple(map(min, self.transient, self.fused_transient))
         return replace(
-            self, kept=kept, transient=transient, fused_kept=kept, fused_transient=transient
+            self,
+            kept=kept,
+            transient=transient,
+            fused_kept=kept,
+            fused_transient=transient,
+            awaiting_w=kept,
         )
 
     @functools.cached_property
@@ -82,7 +90,7 @@ class LayerBytes:
         return (
             *(
                 np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-                for x in (fixed, self.gradients, self.kept, self.fused_kept)
+                for x in (fixed, self.gradients, self.kept, self.fused_kept, self.awaiting_w)
             ),
             *(
                 np.asarray(x, dtype=np.int64)
@@ -128,6 +136,7 @@ def layer_bytes(
         turn=copies if turns else (0,) * len(specs),
         fused_kept=fused.kept,
         fused_transient=fused.transient,
+        awaiting_w=sums.awaiting_w,
     )
 
 
@@ -217,6 +226,7 @@ def _stage_parts(
     reduce_copy: bool,
     held: np.ndarray,
     fused: np.ndarray | None = None,
+    awaiting: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> _Parts:
     """Each stage's peak: states, then the larger of its step and its gradient reduction,
     plus `held`, the sends kept to the step's end (counted whole: a bound). Stages
@@ -228,6 +238,7 @@ def _stage_parts(
         grad_sums,
         kept_sums,
         fused_sums,
+        awaiting_sums,
         kept_each,
         transient_each,
         turn_each,
@@ -250,11 +261,16 @@ def _stage_parts(
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
+    stashed = after * kept
+    if awaiting is not None:
+        before_i, before_w = awaiting
+        waiting_w = micro_batch_size * (awaiting_sums[stop] - awaiting_sums[first])
+        stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
     return _Parts(
         fixed=fixed_sums[stop] - fixed_sums[first],
         kept=kept,
         grads=grads,
-        during=np.maximum(before * kept, grads + after * kept),
+        during=np.maximum(before * kept, grads + stashed),
         transient=transient,
         tail=2 * grads if reduce_copy else grads,
         held=held,
@@ -436,5 +452,17 @@ def rank_peaks(
         reduce_copy=reduce_copy,
         held=_held(sums, schedule, counts, micro_batch_size),
         fused=np.asarray(counts.fused, dtype=bool) if counts.fused else None,
+        awaiting=_awaiting_arrays(counts.awaiting) if counts.awaiting else None,
     )
     return tuple(parts.peak.tolist()), _per_rank(parts, schedule, counts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _awaiting_arrays(
+    awaiting: tuple[tuple[tuple[int, int], ...], ...],
+) -> tuple[np.ndarray, np.ndarray]:
+    """`StageCounts.awaiting` as two (stage, state) arrays, each stage's first state repeated
+    to the longest list."""
+    longest = max(len(pairs) for pairs in awaiting)
+    padded = np.array([[*pairs, *[pairs[0]] * (longest - len(pairs))] for pairs in awaiting])
+    return padded[:, :, 0].astype(np.int64), padded[:, :, 1].astype(np.int64)

@@ -39,6 +39,10 @@ class StageCounts:
     fused: tuple[bool, ...] = ()
     """Per stage, whether its every backward is a fused B (no I): its forwards keep what a
     fused backward needs, not what a split one does (ZB-H1's first stage). Empty: unknown."""
+    awaiting: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per stage, from its first backward on, the (awaiting I or B, awaiting W) micro-batch
+    counts it reaches, none another covers: a split micro-batch holds other bytes between
+    its I and its W than before its I. Empty: unknown (`after` of either kind)."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
@@ -53,7 +57,39 @@ def stage_counts(schedule: Schedule) -> StageCounts:
         together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
         fused=_fused(flat, schedule.num_stages),
+        awaiting=_awaiting(flat, schedule.num_stages),
     )
+
+
+def _awaiting(flat: FlatArrays, stages: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, the (awaiting I or B, awaiting W) counts after each of its actions from
+    its first backward on, those no other covers (`_in_flight`'s running sums, split in
+    two)."""
+    order = np.argsort(flat.stage, kind="stable")
+    stage, kind = flat.stage[order], flat.kind[order]
+    found: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * stages
+    if not len(stage):
+        return tuple(found)
+    starts = np.flatnonzero(np.diff(stage, prepend=-1))
+    ends = [*starts[1:].tolist(), len(stage)]
+    backward = (kind == B) | (kind == I)
+    before_i = running_sums((kind == F).astype(np.int64) - backward, starts)
+    before_w = running_sums((kind == I).astype(np.int64) - (kind == W), starts)
+    began = running_sums(backward.astype(np.int64), starts) > 0
+    for s, start, end in zip(stage[starts].tolist(), starts.tolist(), ends, strict=True):
+        at = slice(start, end)
+        waiting = (before_i[at][began[at]].tolist(), before_w[at][began[at]].tolist())
+        found[s] = _uncovered(set(zip(*waiting, strict=True)))
+    return tuple(found)
+
+
+def _uncovered(pairs: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The pairs no other is at least as large as in both places, most awaiting I first."""
+    kept: list[tuple[int, int]] = []
+    for a, b in sorted(pairs, reverse=True):
+        if not kept or b > kept[-1][1]:
+            kept.append((a, b))
+    return tuple(kept) or ((0, 0),)
 
 
 def _fused(flat: FlatArrays, stages: int) -> tuple[bool, ...]:

@@ -336,6 +336,8 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
         (ParallelConfig(pp=2, dp=2, tp=1), "v_half", 0, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "zb_v", 0, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "interleaved_1f1b", 0, 0),
+        (ParallelConfig(pp=2, dp=2, tp=1), "zb_h1", 0, 0),
+        (ParallelConfig(pp=2, dp=2, tp=1), "zb_h2", 1, 0),
     ],
 )
 def test_the_memory_screen_is_within_ten_percent_of_the_replay(
@@ -352,7 +354,7 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
     layout = Candidate(
         mesh=mesh,
         schedule=schedule,
-        stages_per_rank=1 if schedule in ("1f1b", "gpipe") else 2,
+        stages_per_rank=1 if schedule in ("1f1b", "gpipe", "zb_h1", "zb_h2") else 2,
         micro_batches=4,
         micro_batch_size=2,
         zero=zero,
@@ -704,3 +706,20 @@ def test_the_screen_keeps_a_fused_stash_on_the_split_schedules_stage_that_runs_n
     screened = predict(request, layout)
     replayed = _replayed(request, screened)
     assert screened.rank_peaks[0] == pytest.approx(replayed.rank_peaks[0], rel=0.1)
+
+
+def test_a_split_stage_counts_its_micro_batches_awaiting_i_and_awaiting_w_apart() -> None:
+    """ZB-H1 at pp 4, m 8: the first stage runs fused backwards, each later one holds more
+    micro-batches past their I and waiting for W the later it is (the last: four)."""
+    schedule = make_schedule("zb_h1", num_ranks=4, micro_batches=8, stages_per_rank=1)
+    assert stage_counts(schedule).awaiting == (
+        ((4, 0),),
+        ((3, 1), (2, 2)),
+        ((2, 2), (1, 3)),
+        ((1, 3), (0, 4)),
+    )
+
+
+def test_a_fused_schedule_awaits_no_w() -> None:
+    counts = stage_counts(make_schedule("1f1b", num_ranks=4, micro_batches=8))
+    assert counts.awaiting == tuple(((n, 0),) for n in counts.after)
