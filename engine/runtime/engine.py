@@ -1,8 +1,9 @@
 """PipelineEngine: one training or evaluation step of a pipeline replica on the mesh.
 
 The stage computes, the runtime interprets the schedule, the exchange moves tensors, the
-reducers sum gradients; the engine wires them together for one step and reports what it saw
-(loss on every rank, busy time, measured bubble, in-flight peak).
+reducers sum gradients; the engine wires them together for one step (each part built by
+`engine.runtime.wiring`) and reports what it saw (loss on every rank, busy time, measured
+bubble, in-flight peak).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,29 +21,26 @@ from engine.comm.channels import new_pipeline_channels
 from engine.comm.collective import naming_failures
 from engine.comm.grad_sync import BucketedAllReduce
 from engine.comm.mesh import Mesh
-from engine.comm.p2p import StageExchange
 from engine.comm.replica_group import ReplicaGroup
-from engine.comm.step_report import StepReports
-from engine.comm.ties import TiedWeights, new_tie_groups, share_local_ties, tied_parameters
-from engine.config import EngineOptions, OptimizerSpec, ReplicaSync, check_zero_optimizer
-from engine.parallel import (
-    FullyShardedLayers,
-    ParameterServer,
-    ReplicaMeetings,
-    SequenceShards,
-    ShardedOptimizer,
-    align_gradients,
-)
-from engine.runtime.gradients import StepGradients
+from engine.config import EngineOptions, OptimizerSpec, ReplicaSync
+from engine.parallel import SequenceShards, align_gradients
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
-from engine.runtime.optim import build_from_spec, build_sharded
-from engine.runtime.precision import LossScaler, compute_dtype, step_casts
-from engine.runtime.sharded_stages import fully_shard_stages
-from engine.runtime.stage import PipelineStage
+from engine.runtime.precision import LossScaler, step_casts
 from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
 from engine.runtime.step_stats import StepStats, pipeline_bubble
+from engine.runtime.wiring import (
+    OptimizerFactory,
+    build_exchange,
+    build_gradients,
+    build_meetings,
+    build_optimizer,
+    build_param_server,
+    build_reports,
+    build_stages,
+    build_ties,
+)
 from engine.schedule.actions import split_units
 from engine.schedule.delivery import released_at
 from engine.schedule.resolve import lowered_schedules
@@ -52,8 +49,6 @@ from models import LayerSpec, lm_loss
 from partitioners import Partition
 
 __all__ = ["OptimizerFactory", "PipelineEngine"]
-
-OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
 
 class PipelineEngine:
@@ -88,12 +83,23 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
-        self.stages = self._build_stages(specs, partition, seed, loss_fn)
+        self.stages, self.fsdp = build_stages(
+            specs,
+            partition,
+            schedule=self.schedule,
+            mesh=mesh,
+            options=self.options,
+            seed=seed,
+            loss_fn=loss_fn,
+            split=bool(self.split_units),
+        )
+        """This rank's stages; `fsdp`: under ZeRO-3 their layers, each fully sharded over
+        the stage's replicas."""
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
         self.closed = False
         self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
         """The process groups this rank's pipeline traffic travels over (one per edge)."""
-        self.exchange = self._build_exchange(partition)
+        self.exchange = build_exchange(self.channels, self.schedule, mesh, timeout_s=timeout_s)
         self._shards = (
             SequenceShards(mesh.tp_group, mesh.tp_rank, mesh.tp)
             if mesh.tp > 1 and mesh.tp_group is not None and not self.options.sequence_parallel
@@ -101,204 +107,35 @@ class PipelineEngine:
         )
         """Each tp rank exchanges 1/tp of every boundary tensor (None without tp, and under
         sequence parallelism, where each rank's stage output is its sequence shard already)."""
-        self.reports = self._build_reports(partition)
+        self.reports = build_reports(self.channels, self.schedule, mesh, timeout_s=timeout_s)
         self._dp_reduce = BucketedAllReduce(
             list(self.module.parameters()),
             mesh.dp_group,
             reduce=replicas.all_reduce if replicas is not None else None,
         )
-        self.meetings = self._build_meetings()
+        self.meetings = build_meetings(self.module, mesh, self.replica_sync, self.options)
         """Semi-synchronous replicas (local SGD, DiLoCo): their meetings (None every step)."""
-        self.ties = self._build_ties(specs, partition)
-        self.sharded: ShardedOptimizer | None = None
-        """ZeRO-1/2: the flat buffers, sharded masters and their optimizer (`engine.parallel`)."""
-        self.optimizer = self._build_optimizer(optimizer)
-        self.param_server = self._build_param_server()
+        self.ties = build_ties(
+            self.stages, specs, partition, schedule=self.schedule, mesh=mesh, timeout_s=timeout_s
+        )
+        self.optimizer, self.sharded = build_optimizer(optimizer, self.module, mesh, self.options)
+        """`sharded`: ZeRO-1/2's flat buffers, sharded masters and their optimizer."""
+        self.param_server = build_param_server(
+            self.module,
+            self.optimizer,
+            mesh,
+            self.replica_sync,
+            options=self.options,
+            timeout_s=timeout_s,
+        )
         """--dp-sync parameter-server: this rank's side of its stage's server (else None)."""
         self._previous_figures: Callable[[], tuple[float, float]] | None = None
-        self.gradients = self._build_gradients(specs)
+        self.gradients = build_gradients(
+            self.module, specs, mesh, options=self.options, sharded=self.sharded,
+            fsdp=self.fsdp is not None,
+        )  # fmt: skip
         self.scaler = LossScaler.of(self.options)
         self.skipped_steps = 0
-
-    def _build_stages(
-        self, specs: Sequence[LayerSpec], partition: Partition, seed: int, loss_fn: LossFn
-    ) -> dict[int, PipelineStage]:
-        """This rank's stages, built on its device; stages on one rank share their tied
-        weights, and every stage of a rank whose row splits a backward records for its W."""
-        options = self.options
-        stages = {
-            s: PipelineStage(
-                specs,
-                stage=s,
-                layers=partition.layers_of(s),
-                num_stages=partition.num_stages,
-                seed=seed,
-                device=self.mesh.device,
-                loss_fn=loss_fn,
-                precision=options.precision,
-                recompute=options.recompute_of(s),
-                compile=options.compile,
-                tp_mesh=self.mesh.tp_mesh,
-                sequence_parallel=options.sequence_parallel,
-            )
-            for s in self.schedule.stages_of(self.mesh.pp_rank)
-        }
-        if self.split_units:
-            for stage in stages.values():
-                stage.enable_split_backward()
-        share_local_ties(specs, [stage.module for stage in stages.values()])
-        self.fsdp: FullyShardedLayers | None = None
-        """ZeRO-3: this rank's layers, each fully sharded over the stage's replicas."""
-        if options.zero == 3:
-            self.fsdp = self._fully_shard(stages)
-        return stages
-
-    def _fully_shard(self, stages: dict[int, PipelineStage]) -> FullyShardedLayers:
-        dp_mesh = self.mesh.device_mesh["dp"] if self.mesh.device_mesh is not None else None
-        return fully_shard_stages(
-            list(stages.values()),
-            dp_mesh,
-            self.options.precision,
-            pp_rank=self.mesh.pp_rank,
-            reshard=[self.options.reshard_of(s) for s in stages],
-        )
-
-    def _global_rank_of_stage(self, stage: int, dp_rank: int | None = None) -> int:
-        return self.mesh.global_rank(pp_rank=self.schedule.rank_of(stage), dp_rank=dp_rank)
-
-    def _build_exchange(self, partition: Partition) -> StageExchange:
-        return StageExchange(
-            groups=self.channels.edges,
-            global_rank_of_stage={
-                s: self._global_rank_of_stage(s) for s in range(partition.num_stages)
-            },
-            device=self.mesh.device,
-            timeout_s=self.timeout_s,
-            wire_device=self.mesh.wire_device,
-        )
-
-    def _build_reports(self, partition: Partition) -> StepReports:
-        mesh = self.mesh
-        return StepReports(
-            group=self.channels.reports,
-            ranks=[mesh.global_rank(pp_rank=r) for r in range(mesh.pp)],
-            me=mesh.rank,
-            last=self._global_rank_of_stage(partition.num_stages - 1),
-            device=mesh.wire_device,
-            timeout_s=self.timeout_s,
-        )
-
-    def _build_meetings(self) -> ReplicaMeetings | None:
-        sync = self.replica_sync
-        if not sync.periodic or self.mesh.dp == 1:
-            return None
-        if self.options.zero:
-            raise ValueError(
-                f"dp_sync={sync.dp_sync!r} with zero={self.options.zero}: ZeRO shards over "
-                "replicas that hold the same weights every step; use zero=0 or every-step"
-            )
-        params = list(self.module.parameters())
-        return ReplicaMeetings(params, self.mesh.dp_group, sync, dp=self.mesh.dp)
-
-    def _build_param_server(self) -> ParameterServer | None:
-        """Pair groups (server, replica) for every stage's dp group, made by every rank in
-        one order; this rank's side of its own stage's server."""
-        sync, mesh = self.replica_sync, self.mesh
-        if sync.dp_sync != "parameter-server" or mesh.dp == 1 or self.optimizer is None:
-            return None
-        if self.options.zero:
-            raise ValueError(
-                f"dp_sync='parameter-server' with zero={self.options.zero}: the server holds "
-                "each stage's whole optimizer state; use zero=0 or every-step"
-            )
-        links: dict[int, tuple[dist.ProcessGroup, int]] = {}
-        for pp_rank in range(mesh.pp):
-            for tp_rank in range(mesh.tp):
-                ranks = [
-                    mesh.global_rank(pp_rank=pp_rank, dp_rank=d, tp_rank=tp_rank)
-                    for d in range(mesh.dp)
-                ]
-                for d in range(1, mesh.dp):
-                    group = dist.new_group([ranks[0], ranks[d]], timeout=timedelta(days=1))
-                    if mesh.rank == ranks[0]:
-                        links[d] = (group, ranks[d])
-                    elif mesh.rank == ranks[d]:
-                        links[0] = (group, ranks[0])
-        return ParameterServer(
-            list(self.module.parameters()),
-            self.optimizer,
-            dp_rank=mesh.dp_rank,
-            dp=mesh.dp,
-            max_staleness=sync.max_staleness,
-            links=links,
-            timeout_s=self.timeout_s,
-        )
-
-    def _build_ties(self, specs: Sequence[LayerSpec], partition: Partition) -> TiedWeights:
-        tied: dict[str, nn.Parameter] = {}
-        for stage in self.stages.values():
-            tied.update(tied_parameters(stage.module, specs, stage.layers))
-        groups: dict[str, dist.ProcessGroup | None] = {}
-        if self.mesh.world_size > 1:
-            stages = range(partition.num_stages)
-            groups = new_tie_groups(
-                specs,
-                [partition.layers_of(s) for s in stages],
-                [
-                    [
-                        self.mesh.global_rank(
-                            pp_rank=self.schedule.rank_of(s), dp_rank=d, tp_rank=t
-                        )
-                        for s in stages
-                    ]
-                    for d, t in self.mesh.columns()
-                ],
-                timeout=timedelta(seconds=self.timeout_s),
-            )
-        return TiedWeights(tied, groups, timeout_s=self.timeout_s)
-
-    def _build_gradients(self, specs: Sequence[LayerSpec]) -> StepGradients:
-        """Norms, clipping and the skip verdict over this rank's gradients: ZeRO-1/2's
-        buffers, ZeRO-3's shards (over dp, and tp), or the parameters' own `.grad`."""
-        mesh, fsdp = self.mesh, self.fsdp is not None
-        return StepGradients(
-            self.module,
-            specs,
-            group=mesh.pp_group if mesh.pp > 1 else None,
-            clip_grad_norm=self.options.clip_grad_norm,
-            sharded=self.sharded,
-            dp_group=mesh.dp_group if fsdp else None,
-            tp_group=mesh.tp_group if fsdp and mesh.tp > 1 else None,
-        )
-
-    def _build_optimizer(
-        self, optimizer: OptimizerFactory | OptimizerSpec | None
-    ) -> torch.optim.Optimizer | None:
-        if optimizer is None:
-            return None
-        zero = self.options.zero
-        if isinstance(optimizer, OptimizerSpec) and zero in (1, 2):
-            self.sharded = build_sharded(
-                optimizer,
-                self.module,
-                level=zero,
-                dtype=compute_dtype(self.options.precision),
-                group=self.mesh.dp_group,
-                dp=self.mesh.dp,
-                dp_rank=self.mesh.dp_rank,
-                tp_group=self.mesh.tp_group if self.mesh.tp > 1 else None,
-            )
-            return self.sharded.optimizer
-        if isinstance(optimizer, OptimizerSpec):
-            check_zero_optimizer(zero, optimizer.impl)
-            return build_from_spec(optimizer, self.module)  # on FSDP's shards under ZeRO-3
-        if zero:
-            raise ValueError(
-                f"zero={zero} shards the optimizer's state over flat buffers it builds itself, "
-                "so it needs an OptimizerSpec, not an optimizer factory: pass "
-                "optimizer=OptimizerSpec(...), or zero=0 with the factory"
-            )
-        return optimizer(self.module)
 
     @property
     def is_first(self) -> bool:
