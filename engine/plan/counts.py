@@ -57,14 +57,18 @@ def stage_counts(schedule: Schedule) -> StageCounts:
         together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
         fused=_fused(flat, schedule.num_stages),
-        awaiting=_awaiting(flat, schedule.num_stages),
+        awaiting=_awaiting(flat, schedule.num_stages, after),
     )
 
 
-def _awaiting(flat: FlatArrays, stages: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _awaiting(
+    flat: FlatArrays, stages: int, after: tuple[int, ...]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, the (awaiting I or B, awaiting W) counts after each of its actions from
     its first backward on, those no other covers (`_in_flight`'s running sums, split in
-    two)."""
+    two). Without an I every stage's one state is its `after`."""
+    if not (flat.kind == I).any():
+        return tuple(((n, 0),) for n in after)
     order = np.argsort(flat.stage, kind="stable")
     stage, kind = flat.stage[order], flat.kind[order]
     found: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * stages
