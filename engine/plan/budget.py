@@ -1,194 +1,29 @@
 """Per-rank memory of a candidate layout, fast enough to screen thousands of them.
 
-The terms are the memory model's own: each distinct layer is traced once on fake tensors
-(`engine.memory.fitting.layer_sums`, one sequence per micro-batch: what a forward keeps, its
-weight copies, its highest transient, all proportional to the micro-batch size) and its model
-states follow from its parameter shapes under the ZeRO level (`engine.memory.sharding`). A
-stage holds its states, then, as `engine.memory.fitting.stage_bytes` composes them, its
-in-flight stashes (the schedule's counts, `engine.plan.counts`) or its gradients with the
-stashes still held once they exist, plus the highest transient. Under full recompute a stage
-keeps only its input per micro-batch and regenerates one micro-batch's activations during
-each backward. A rank holds the sum of its stages. `meshpipe memory --plan FILE` replays the
-chosen plan exactly.
+The terms are the memory model's own, per layer (`engine.plan.layer_bytes`: each distinct
+layer traced once on fake tensors, its model states from its parameter shapes). A stage
+holds its states, then, as `engine.memory.fitting.stage_bytes` composes them, its in-flight
+stashes (the schedule's counts, `engine.plan.counts`) or its gradients with the stashes still
+held once they exist, plus the highest transient. Under full recompute a stage keeps only its
+input per micro-batch and regenerates one micro-batch's activations during each backward. A
+rank holds the sum of its stages. `meshpipe memory --plan FILE` replays the chosen plan
+exactly.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from engine.memory.fitting import layer_sums
-from engine.memory.replay import StageShape
-from engine.memory.sharding import sharded_states
-from engine.memory.states import StateLayout, stage_params
-from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.plan.counts import StageCounts
+from engine.plan.layer_bytes import LayerBytes
 from engine.schedule import Schedule
 from engine.schedule.arrays import rank_stages
-from models import LayerSpec
 
-__all__ = [
-    "LayerBytes",
-    "highest_stage_floor",
-    "layer_bytes",
-    "rank_floor",
-    "rank_peaks",
-    "state_sums",
-]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayerBytes:
-    """Per layer, bytes for one sequence per micro-batch (activations) or one replica (states)."""
-
-    kept: tuple[int, ...]
-    """What one forward keeps until its backward, less the input the stage received."""
-    transient: tuple[int, ...]
-    received: int
-    """The input a stage receives per sequence (what full recompute keeps)."""
-    weights: tuple[int, ...]
-    """Kept across steps, with the optimizer's states."""
-    gradients: tuple[int, ...]
-    during: tuple[int, ...]
-    """Step-long copies: autocast's weight casts, or ZeRO-3's gathered layers."""
-    turn: tuple[int, ...]
-    """ZeRO-3 resharded per micro-batch: what a turn of this layer holds beyond its FSDP
-    trace (the next layer's prefetch, `engine.memory.sharding._one_turn`). A stage holds its
-    largest, not their sum: one layer turns at a time."""
-    fused_kept: tuple[int, ...]
-    fused_transient: tuple[int, ...]
-    """`kept` and `transient` before a fused backward: a split schedule's stages that run
-    no I (ZB-H1's first) keep these; the same as `kept` and `transient` where not split."""
-    awaiting_w: tuple[int, ...]
-    """What a split micro-batch holds from its I to its W (`LayerSums.awaiting_w`)."""
-
-    @functools.cached_property
-    def least(self) -> LayerBytes:
-        """Each layer's least stash of the two backward styles and of a split one's two
-        halves, and lesser transient: what floors, which know no stage's style nor when its
-        W runs, bound from below."""
-        kept = tuple(map(min, self.kept, self.fused_kept, self.awaiting_w))
-        transient = tuple(map(min, self.transient, self.fused_transient))
-        return replace(
-            self,
-            kept=kept,
-            transient=transient,
-            fused_kept=kept,
-            fused_transient=transient,
-            awaiting_w=kept,
-        )
-
-    @functools.cached_property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """Prefix sums of (weights and step-long copies, gradients, kept), then kept,
-        transient and turn per layer: a stage's sum of each is one difference (the screen
-        sums stages hundreds of thousands of times), its largest one `reduceat`."""
-        fixed = np.add(self.weights, self.during, dtype=np.int64)
-        return (
-            *(
-                np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-                for x in (fixed, self.gradients, self.kept, self.fused_kept, self.awaiting_w)
-            ),
-            *(
-                np.asarray(x, dtype=np.int64)
-                for x in (self.kept, self.transient, self.turn, self.fused_transient)
-            ),
-        )
-
-
-_TRACED_REPLICAS = 2
-"""ZeRO-3's layers are traced under FSDP on a fake world of this many replicas, whatever the
-candidate's dp: what a layer's forward keeps and its transients do not depend on the replica
-count beyond the shards' padding, and one trace per layer serves every dp the search weighs
-(`meshpipe memory` replays the chosen plan at its own dp exactly)."""
-
-
-@functools.lru_cache(maxsize=64)
-def layer_bytes(
-    specs: tuple[LayerSpec, ...],
-    *,
-    seq_len: int,
-    precision: str,
-    device: str,
-    tp: int,
-    split: bool,
-    states: StateLayout,
-) -> LayerBytes:
-    """Each layer's bytes, its activations traced at one sequence per micro-batch."""
-    shape = layer_shape(specs, seq_len=seq_len, precision=precision, tp=tp, states=states)
-    sums = layer_sums(specs, shape, device, 1, (split,))
-    fused = layer_sums(specs, shape, device, 1, (False,)) if split else sums
-    block = CUDA_BLOCK if device == "cuda" else 1
-    size = 4 if precision == "fp32" else 2
-    own = [_layer_states(spec, states, precision) for spec in specs]
-    copies = sums.copies if states.zero == 0 else tuple(c for _, _, c in own)
-    turns = _per_micro_batch(states)
-    return LayerBytes(
-        kept=sums.kept,
-        transient=sums.transient,
-        received=round_up(seq_len * shape.hidden * size, block),
-        weights=tuple(w for w, _, _ in own),
-        gradients=tuple(g for _, g, _ in own),
-        during=(0,) * len(specs) if turns else copies,
-        turn=copies if turns else (0,) * len(specs),
-        fused_kept=fused.kept,
-        fused_transient=fused.transient,
-        awaiting_w=sums.awaiting_w,
-    )
-
-
-def _per_micro_batch(states: StateLayout) -> bool:
-    """ZeRO-3 gathering each layer per turn: its copies are the largest turn, not a sum."""
-    return states.zero == 3 and states.zero_reshard == "micro-batch"
-
-
-def layer_shape(
-    specs: Sequence[LayerSpec], *, seq_len: int, precision: str, tp: int, states: StateLayout
-) -> StageShape:
-    """The shape `layer_bytes` traces each layer at: one sequence, one micro-batch."""
-    return StageShape(
-        micro_batches=1,
-        micro_batch_size=1,
-        seq_len=seq_len,
-        hidden=int(specs[0].config.d_model),
-        divisor=1,
-        precision=precision,
-        recompute="none",
-        tp=tp,
-        fsdp_replicas=_TRACED_REPLICAS if states.zero == 3 else 0,
-        fsdp_reshard=states.zero_reshard,
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _layer_states(spec: LayerSpec, states: StateLayout, precision: str) -> tuple[int, int, int]:
-    """(weights + optimizer, gradients, step-long copies) of one layer on one replica."""
-    params = stage_params((spec,), states.tp)
-    if states.zero:
-        sharded = sharded_states(params, states, precision=precision)
-        return sharded.weights + sharded.optimizer, sharded.gradients, sharded.gathered
-    fp32 = sum(round_up(4 * p.numel, states.block) for p in params)
-    step = round_up(4, states.block) if states.step_counters else 0
-    optimizer = sum(2 * round_up(4 * p.numel, states.block) + step for p in params)
-    return fp32 + optimizer, fp32, 0
-
-
-def state_sums(
-    specs: Sequence[LayerSpec], states: StateLayout, precision: str
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Prefix sums over the layers of (weights, optimizer and ZeRO-3's step-long gathered
-    copies) and of gradients, from parameter shapes alone: a floor of a stage's peak without a
-    trace (a per-micro-batch turn, one layer's, is left out)."""
-    fixed, grads = [0], [0]
-    step_long = states.zero == 3 and not _per_micro_batch(states)
-    for spec in specs:
-        weights, gradients, gathered = _layer_states(spec, states, precision)
-        fixed.append(fixed[-1] + weights + (gathered if step_long else 0))
-        grads.append(grads[-1] + gradients)
-    return tuple(fixed), tuple(grads)
+__all__ = ["highest_stage_floor", "rank_floor", "rank_peaks"]
 
 
 @dataclass(frozen=True)

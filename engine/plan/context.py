@@ -12,15 +12,10 @@ from engine.memory.fitting import layer_requests
 from engine.memory.states import StateLayout
 from engine.memory.traces import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
-from engine.plan.budget import (
-    LayerBytes,
-    highest_stage_floor,
-    layer_bytes,
-    layer_shape,
-    state_sums,
-)
+from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
 from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule
