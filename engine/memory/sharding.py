@@ -103,7 +103,7 @@ def _one_turn(params: Sequence[ParamInfo], size: int, block: int) -> int:
     (the planner's screen; the estimate traces FSDP itself): the layer's gather and gradient
     reduction are in that trace (`engine.plan.layer_bytes` traces layers under FSDP), the next
     layer FSDP prefetches is not. Against the replay, the screen of gpt-small at pp 2-4, dp
-    2-4 reads 7-13 % high with this, 43-58 % with each layer's whole turn summed."""
+    2-4 reads 7-13 % high with this, 27-58 % with each layer's whole turn summed."""
     layers: dict[int, int] = {}
     for p in params:
         layers[p.layer] = layers.get(p.layer, 0) + round_up(p.numel * size, block)
