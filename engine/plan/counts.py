@@ -50,36 +50,54 @@ def stage_counts(schedule: Schedule) -> StageCounts:
     actions, all stages at once (the search counts schedules of tens of thousands of
     actions), each rank's states together, and the input gradients held (`held_in`)."""
     flat = flat_arrays(schedule)
-    before, after = _in_flight(flat, schedule.num_stages)
+    rows = _by_stage(flat)
+    before, after = _in_flight(rows, schedule.num_stages)
     return StageCounts(
         before=before,
         after=after,
         together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
         fused=_fused(flat, schedule.num_stages),
-        awaiting=_awaiting(flat, schedule.num_stages, after),
+        awaiting=_awaiting(rows, schedule.num_stages, after),
     )
 
 
+@dataclass(frozen=True)
+class _StageRows:
+    """Every stage's actions together, each stage's in its rank's order (a stage's actions
+    lie on one rank): their stages and kinds, where each stage's run starts, and whether the
+    stage's first backward (B or I) has run by each action."""
+
+    stage: np.ndarray
+    kind: np.ndarray
+    starts: np.ndarray
+    began: np.ndarray
+
+
+def _by_stage(flat: FlatArrays) -> _StageRows | None:
+    """The actions of `flat` grouped by stage; None when there are none."""
+    order = np.argsort(flat.stage, kind="stable")
+    stage, kind = flat.stage[order], flat.kind[order]
+    if not len(stage):
+        return None
+    starts = np.flatnonzero(np.diff(stage, prepend=-1))
+    began = running_sums(((kind == B) | (kind == I)).astype(np.int64), starts) > 0
+    return _StageRows(stage=stage, kind=kind, starts=starts, began=began)
+
+
 def _awaiting(
-    flat: FlatArrays, stages: int, after: tuple[int, ...]
+    rows: _StageRows | None, stages: int, after: tuple[int, ...]
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, the (awaiting I or B, awaiting W) counts after each of its actions from
     its first backward on, those no other covers (`_in_flight`'s running sums, split in
     two). Without an I every stage's one state is its `after`."""
-    if not (flat.kind == I).any():
+    if rows is None or not (rows.kind == I).any():
         return tuple(((n, 0),) for n in after)
-    order = np.argsort(flat.stage, kind="stable")
-    stage, kind = flat.stage[order], flat.kind[order]
+    stage, kind, starts, began = rows.stage, rows.kind, rows.starts, rows.began
     found: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * stages
-    if not len(stage):
-        return tuple(found)
-    starts = np.flatnonzero(np.diff(stage, prepend=-1))
     ends = [*starts[1:].tolist(), len(stage)]
-    backward = (kind == B) | (kind == I)
-    before_i = running_sums((kind == F).astype(np.int64) - backward, starts)
+    before_i = running_sums((kind == F).astype(np.int64) - ((kind == B) | (kind == I)), starts)
     before_w = running_sums((kind == I).astype(np.int64) - (kind == W), starts)
-    began = running_sums(backward.astype(np.int64), starts) > 0
     for s, start, end in zip(stage[starts].tolist(), starts.tolist(), ends, strict=True):
         at = slice(start, end)
         waiting = (before_i[at][began[at]].tolist(), before_w[at][began[at]].tolist())
@@ -103,21 +121,18 @@ def _fused(flat: FlatArrays, stages: int) -> tuple[bool, ...]:
     return tuple((~split).tolist())
 
 
-def _in_flight(flat: FlatArrays, stages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _in_flight(rows: _StageRows | None, stages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per stage, the most micro-batches in flight (a forward opens one, B or W closes it),
     and the most from its first backward (B or I) on: running sums over each stage's own
-    actions, which lie on one rank in that rank's order."""
+    actions."""
     before, after = np.zeros(stages, np.int64), np.zeros(stages, np.int64)
-    order = np.argsort(flat.stage, kind="stable")
-    stage, kind = flat.stage[order], flat.kind[order]
-    if not len(stage):
+    if rows is None:
         return tuple(before.tolist()), tuple(after.tolist())
-    starts = np.flatnonzero(np.diff(stage, prepend=-1))
+    stage, kind, starts = rows.stage, rows.kind, rows.starts
     step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
     live = running_sums(step, starts)
-    began = running_sums(((kind == B) | (kind == I)).astype(np.int64), starts)
     before[stage[starts]] = np.maximum(np.maximum.reduceat(live, starts), 0)
-    gradients = np.where(began > 0, live, 0)
+    gradients = np.where(rows.began, live, 0)
     after[stage[starts]] = np.maximum(np.maximum.reduceat(gradients, starts), 0)
     return tuple(before.tolist()), tuple(after.tolist())
 
