@@ -68,41 +68,30 @@ def _stage_parts(
     `fused` keep what a fused backward needs (`LayerBytes.fused_kept`). Where
     `recomputed`, in runs of `every` layers (0: the whole stage), a forward keeps each run's
     input and a backward regenerates one run's activations at a time."""
-    (
-        fixed_sums,
-        grad_sums,
-        kept_sums,
-        fused_sums,
-        awaiting_sums,
-        kept_each,
-        transient_each,
-        turn_each,
-        fused_each,
-    ) = sums.arrays
+    arrays = sums.arrays
     bounds = np.asarray(boundaries, dtype=np.int64)
     first, stop = bounds[:-1], bounds[1:]
-    grads = grad_sums[stop] - grad_sums[first]
-    kept = micro_batch_size * (kept_sums[stop] - kept_sums[first])
-    transient = micro_batch_size * np.maximum.reduceat(transient_each, first)
+    grads = arrays.grad_sums[stop] - arrays.grad_sums[first]
+    kept = micro_batch_size * (arrays.kept_sums[stop] - arrays.kept_sums[first])
+    transient = micro_batch_size * np.maximum.reduceat(arrays.transient, first)
     if fused is not None and fused.any():
-        fused_kept = micro_batch_size * (fused_sums[stop] - fused_sums[first])
+        fused_kept = micro_batch_size * (arrays.fused_sums[stop] - arrays.fused_sums[first])
+        fused_transient = micro_batch_size * np.maximum.reduceat(arrays.fused_transient, first)
         kept = np.where(fused, fused_kept, kept)
-        transient = np.where(
-            fused, micro_batch_size * np.maximum.reduceat(fused_each, first), transient
-        )
-    transient += np.maximum.reduceat(turn_each, first)  # a layer's turn lives while it computes
+        transient = np.where(fused, fused_transient, transient)
+    transient += np.maximum.reduceat(arrays.turn, first)  # a layer's turn lives as it computes
     if recomputed.any():
-        runs, longest = _runs(kept_sums, kept_each, first, stop, every)
+        runs, longest = _runs(arrays.kept_sums, arrays.kept, first, stop, every)
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
     stashed = after * kept
     if awaiting is not None:
         before_i, before_w = awaiting
-        waiting_w = micro_batch_size * (awaiting_sums[stop] - awaiting_sums[first])
+        waiting_w = micro_batch_size * (arrays.awaiting_sums[stop] - arrays.awaiting_sums[first])
         stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
     return _Parts(
-        fixed=fixed_sums[stop] - fixed_sums[first],
+        fixed=arrays.fixed_sums[stop] - arrays.fixed_sums[first],
         kept=kept,
         grads=grads,
         during=np.maximum(before * kept, grads + stashed),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from engine.memory.states import StateLayout, stage_params
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from models import LayerSpec
 
-__all__ = ["LayerBytes", "layer_bytes", "layer_shape", "state_sums"]
+__all__ = ["LayerArrays", "LayerBytes", "layer_bytes", "layer_shape", "state_sums"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,21 +68,42 @@ class LayerBytes:
         )
 
     @functools.cached_property
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """Prefix sums of (weights and step-long copies, gradients, kept), then kept,
-        transient and turn per layer: a stage's sum of each is one difference (the screen
-        sums stages hundreds of thousands of times), its largest one `reduceat`."""
-        fixed = np.add(self.weights, self.during, dtype=np.int64)
-        return (
-            *(
-                np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
-                for x in (fixed, self.gradients, self.kept, self.fused_kept, self.awaiting_w)
-            ),
-            *(
-                np.asarray(x, dtype=np.int64)
-                for x in (self.kept, self.transient, self.turn, self.fused_transient)
-            ),
+    def arrays(self) -> LayerArrays:
+        """The fields as arrays: a stage's sum of each is one difference of prefix sums (the
+        screen sums stages hundreds of thousands of times), its largest one `reduceat`."""
+
+        def prefix(values: tuple[int, ...] | np.ndarray) -> np.ndarray:
+            return np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+
+        def each(values: tuple[int, ...]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)
+
+        return LayerArrays(
+            fixed_sums=prefix(np.add(self.weights, self.during, dtype=np.int64)),
+            grad_sums=prefix(self.gradients),
+            kept_sums=prefix(self.kept),
+            fused_sums=prefix(self.fused_kept),
+            awaiting_sums=prefix(self.awaiting_w),
+            kept=each(self.kept),
+            transient=each(self.transient),
+            turn=each(self.turn),
+            fused_transient=each(self.fused_transient),
         )
+
+
+class LayerArrays(NamedTuple):
+    """`LayerBytes` as arrays: prefix sums over the layers (`*_sums`; the fixed ones are the
+    weights with their step-long copies), and per-layer values."""
+
+    fixed_sums: np.ndarray
+    grad_sums: np.ndarray
+    kept_sums: np.ndarray
+    fused_sums: np.ndarray
+    awaiting_sums: np.ndarray
+    kept: np.ndarray
+    transient: np.ndarray
+    turn: np.ndarray
+    fused_transient: np.ndarray
 
 
 _TRACED_REPLICAS = 2
