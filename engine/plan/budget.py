@@ -36,6 +36,10 @@ class _Parts:
     fixed: np.ndarray
     kept: np.ndarray
     """One micro-batch's stash."""
+    fused_kept: np.ndarray
+    """One micro-batch's stash before a fused B, where the stage's others are split."""
+    waiting_w: np.ndarray
+    """What one split micro-batch holds from its I to its W."""
     grads: np.ndarray
     during: np.ndarray
     """The step's stashes and gradients, without the transient."""
@@ -74,8 +78,9 @@ def _stage_parts(
     grads = arrays.grad_sums[stop] - arrays.grad_sums[first]
     kept = micro_batch_size * (arrays.kept_sums[stop] - arrays.kept_sums[first])
     transient = micro_batch_size * np.maximum.reduceat(arrays.transient, first)
+    fused_kept = micro_batch_size * (arrays.fused_sums[stop] - arrays.fused_sums[first])
+    waiting_w = micro_batch_size * (arrays.awaiting_sums[stop] - arrays.awaiting_sums[first])
     if fused is not None and fused.any():
-        fused_kept = micro_batch_size * (arrays.fused_sums[stop] - arrays.fused_sums[first])
         fused_transient = micro_batch_size * np.maximum.reduceat(arrays.fused_transient, first)
         kept = np.where(fused, fused_kept, kept)
         transient = np.where(fused, fused_transient, transient)
@@ -84,15 +89,17 @@ def _stage_parts(
         runs, longest = _runs(arrays.kept_sums, arrays.kept, first, stop, every)
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
+        fused_kept = np.where(recomputed, kept, fused_kept)
         transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
     stashed = after * kept
     if awaiting is not None:
         before_i, before_w = awaiting
-        waiting_w = micro_batch_size * (arrays.awaiting_sums[stop] - arrays.awaiting_sums[first])
         stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
     return _Parts(
         fixed=arrays.fixed_sums[stop] - arrays.fixed_sums[first],
         kept=kept,
+        fused_kept=fused_kept,
+        waiting_w=waiting_w,
         grads=grads,
         during=np.maximum(before * kept, grads + stashed),
         transient=transient,
@@ -200,9 +207,9 @@ def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[i
     if schedule.num_stages == schedule.num_ranks:
         return tuple(parts.peak[mine[:, 0]].tolist())
     states = _stacked(schedule.placement, counts.together or (None,) * schedule.num_ranks)
-    k = mine.shape[1]
-    kept, grads = parts.kept[mine][:, None, :], parts.grads[mine][:, None, :]
-    reached = (states.states[:, :, :k] * kept + states.states[:, :, k:] * grads).sum(axis=2)
+    each = (parts.fused_kept, parts.kept, parts.waiting_w, parts.grads)
+    bytes_per = np.concatenate([part[mine] for part in each], axis=1)[:, None, :]
+    reached = (states.states * bytes_per).sum(axis=2)
     stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))
     top = np.maximum(stashes + parts.transient[mine].max(axis=1), parts.tail[mine].sum(axis=1))
     return tuple(((parts.fixed + parts.held)[mine].sum(axis=1) + top).tolist())
@@ -211,7 +218,7 @@ def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[i
 @dataclass(frozen=True)
 class _Stacked:
     """Each rank's states together (`StageCounts.together`) as one array, (rank, state,
-    in-flight counts then gradients), a rank's first state repeated to the longest list;
+    `counts.State`'s four columns per stage), a rank's first state repeated to the longest list;
     `known` where a rank has them."""
 
     states: np.ndarray
@@ -223,12 +230,12 @@ def _stacked(
     placement: tuple[int, ...], together: tuple[frozenset[tuple[int, ...]] | None, ...]
 ) -> _Stacked:
     k = rank_stages(placement).shape[1]
-    rows = [sorted(states) if states else [(0,) * 2 * k] for states in together]
+    rows = [sorted(states) if states else [(0,) * 4 * k] for states in together]
     longest = max(len(row) for row in rows)
     padded = [row + [row[0]] * (longest - len(row)) for row in rows]
     known = np.array([states is not None for states in together])
     return _Stacked(
-        states=np.array(padded, dtype=np.int64).reshape(len(rows), longest, 2 * k), known=known
+        states=np.array(padded, dtype=np.int64).reshape(len(rows), longest, 4 * k), known=known
     )
 
 

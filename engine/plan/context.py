@@ -14,7 +14,7 @@ from engine.memory.traces import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
-from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.counts import StageCounts, State, stage_counts
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
@@ -41,6 +41,20 @@ def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[i
     """Counts at `m` micro-batches from those at 3·pp and 4·pp."""
     k = SAMPLED[0] * pp
     return tuple(a + (b - a) * (m - k) // pp for a, b in zip(low, high, strict=True))
+
+
+def _settled(
+    low: frozenset[State] | None, high: frozenset[State] | None
+) -> frozenset[State] | None:
+    """A rank's states together at more micro-batches than the samples have: the samples'
+    where they agree; the longer one's where they differ only in which stages' gradients
+    exist (at 3 per rank, DualPipeV reaches one state before a stage's first backward that it
+    reaches after it from 4 on); None (unknown) where their stashes differ."""
+    if low is None or high is None or low == high:
+        return low if low == high else None
+    columns = 3 * len(next(iter(high), ())) // 4
+    stashes = ({state[:columns] for state in states} for states in (low, high))
+    return high if next(stashes) == next(stashes) else None
 
 
 def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -98,9 +112,7 @@ class SearchContext:
             counts=StageCounts(
                 before=_extend(low.before, high.before, m, pp),
                 after=_extend(low.after, high.after, m, pp),
-                together=tuple(
-                    a if a == b else None for a, b in zip(low.together, high.together, strict=True)
-                ),
+                together=tuple(map(_settled, low.together, high.together)),
                 sent_back=_extend(low.sent_back, high.sent_back, m, pp),
                 fused=tuple(a and b for a, b in zip(low.fused, high.fused, strict=True)),
                 awaiting=low.awaiting if low.awaiting == high.awaiting else (),

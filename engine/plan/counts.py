@@ -16,10 +16,11 @@ from engine.schedule import Schedule
 from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays, rank_stages, running_sums
 from engine.schedule.delivery import held_in
 
-__all__ = ["StageCounts", "stage_counts"]
+__all__ = ["StageCounts", "State", "stage_counts"]
 
 State = tuple[int, ...]
-"""A rank's stages' in-flight counts, then 1 for each whose gradients exist."""
+"""A rank's stages' micro-batches awaiting a fused B, awaiting their I, awaiting their W,
+then 1 for each stage whose gradients exist: four columns of the rank's stages each."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +31,8 @@ class StageCounts:
     before: tuple[int, ...]
     after: tuple[int, ...]
     together: tuple[frozenset[tuple[int, ...]] | None, ...] = ()
-    """Per rank of several stages, the states its stages reach at once: each their in-flight
-    counts, then 1 for each whose gradients exist (`stages_of` order), none another covers.
+    """Per rank of several stages, the states its stages reach at once (`State`, its stages in
+    `rank_stages` order), none another covers.
     None (or nothing) where unknown; a rank's stages then count their most at once."""
     sent_back: tuple[int, ...]
     """The most input gradients each stage holds sent back at once, not yet proved delivered
@@ -138,9 +139,12 @@ def _in_flight(rows: _StageRows | None, stages: int) -> tuple[tuple[int, ...], t
 
 
 def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:
-    """Per rank of several stages, its states after each action that adds bytes (a forward,
-    a stage's first backward): its stages' in-flight counts (`rank_stages` order), then 1 for
-    each whose gradients exist, none another covers; None for a rank of one stage."""
+    """Per rank of several stages, its states after each action that can add bytes (a
+    forward, an I, a stage's first backward): per stage (`rank_stages` order) the micro-batches
+    awaiting a fused B, those awaiting their I, those awaiting their W, then 1 for each whose
+    gradients exist, none another covers; None for a rank of one stage. The three stashes
+    differ (DualPipeV's overlapped pairs run fused, its last ones split), so each is counted
+    apart."""
     mine = rank_stages(schedule.placement)
     k = mine.shape[1]
     if k < 2:
@@ -149,14 +153,27 @@ def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State
     column[mine] = np.arange(k)
     column = column[flat.stage]
     kind = flat.kind
-    step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
+    split = _split_micro_batches(flat)
+    forward = (kind == F).astype(np.int64)
+    steps = (
+        forward * ~split - (kind == B),
+        forward * split - (kind == I),
+        (kind == I).astype(np.int64) - (kind == W),
+    )
     backward = (kind == B) | (kind == I)
-    live = _running_per_rank(flat, column, step, k)
+    stashes = [_running_per_rank(flat, column, step, k) for step in steps]
     seen = _running_per_rank(flat, column, backward.astype(np.int64), k)
     first = backward & (seen[np.arange(len(kind)), column] == 1)
-    grown = (kind == F) | first
-    states = np.concatenate([live, (seen > 0).astype(np.int64)], axis=1)[grown]
+    grown = (kind == F) | (kind == I) | first
+    states = np.concatenate([*stashes, (seen > 0).astype(np.int64)], axis=1)[grown]
     return _uncovered_per_rank(flat.rank[grown], states, schedule.num_ranks)
+
+
+def _split_micro_batches(flat: FlatArrays) -> np.ndarray:
+    """Per action, whether its micro-batch's backward at its stage is split (an I of the same
+    stage and micro-batch runs)."""
+    key = flat.stage * (int(flat.micro_batch.max(initial=0)) + 1) + flat.micro_batch
+    return np.isin(key, key[flat.kind == I])
 
 
 def _running_per_rank(
@@ -176,22 +193,16 @@ def _uncovered_per_rank(
     states is at least as large as in every place: only those can peak. The largest left is
     never covered; each pass keeps each rank's largest state left (the first of the largest
     sum) and drops every state it covers, so the passes are as many as the most states a rank
-    keeps (a few), for every rank at once."""
+    keeps, for every rank at once, each over the states left."""
     kept: list[set[State]] = [set() for _ in range(num_ranks)]
-    if not len(states):
-        return tuple(frozenset(k) for k in kept)
-    owners, starts = np.unique(ranks, return_index=True)
-    segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ranks))))
-    sums, index = states.sum(axis=1), np.arange(len(states))
-    alive = np.ones(len(states), dtype=bool)
-    while alive.any():
-        score = np.where(alive, sums, -1)
-        best = np.maximum.reduceat(score, starts)
-        first = np.where(alive & (score == best[segment]), index, len(states))
-        top = np.minimum.reduceat(first, starts)
-        found = top < len(states)
-        for rank, state in zip(owners[found].tolist(), states[top[found]].tolist(), strict=True):
+    while len(states):
+        starts = np.flatnonzero(np.diff(ranks, prepend=-1))
+        segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ranks))))
+        sums = states.sum(axis=1)
+        largest = sums == np.maximum.reduceat(sums, starts)[segment]
+        top = np.minimum.reduceat(np.where(largest, np.arange(len(states)), len(states)), starts)
+        for rank, state in zip(ranks[starts].tolist(), states[top].tolist(), strict=True):
             kept[rank].add(tuple(state))
-        tops = np.where(found[:, None], states[np.minimum(top, len(states) - 1)], -1)
-        alive &= ~(states <= tops[segment]).all(axis=1)
+        left = ~(states <= states[top][segment]).all(axis=1)  # a top covers itself
+        ranks, states = ranks[left], states[left]
     return tuple(frozenset(k) for k in kept)
