@@ -14,6 +14,7 @@ from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.plan import (
+    DOUBLINGS,
     LOSSES,
     Hardware,
     PlanRequest,
@@ -251,13 +252,18 @@ def _check_found(result: PlanResult) -> None:
         f"(the replicas must divide it, into micro-batches of {r.micro_batch_sizes}): give a "
         f"multiple of {r.devices} or other --micro-batch-sizes",
     )
-    least = result.least_memory
+    least, fewest = result.least_memory, result.fewest_devices
+    devices = (
+        f"--devices {fewest} (the fewest, doubling, that the memory screen fits)"
+        if fewest
+        else f"more --devices (none up to {r.devices * 2**DOUBLINGS} fits the memory screen)"
+    )
     require(
         bool(result.plans),
         f"no layout of {r.model} fits {r.devices} devices of {format_size(r.device_memory)} "
         f"at global batch {r.global_batch} × {r.seq_len} tokens: the leanest needs "
-        f"{format_size(least or 0)} per device; give a "
-        "--device-memory that large, more --devices, or a shorter --seq-len",
+        f"{format_size(least or 0)} per device; give a --device-memory that large, {devices}, "
+        "or a shorter --seq-len",
     )
 
 

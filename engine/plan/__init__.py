@@ -18,9 +18,10 @@ from engine.plan.profile import (
     profile_stage_costs,
 )
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, Progress
-from engine.plan.search import predict, search
+from engine.plan.search import DOUBLINGS, fewest_devices, predict, search
 
 __all__ = [
+    "DOUBLINGS",
     "LOSSES",
     "PLAN_VERSION",
     "Hardware",
@@ -29,6 +30,7 @@ __all__ = [
     "Prediction",
     "Progress",
     "apply_plan",
+    "fewest_devices",
     "measured_forward",
     "measured_memory_bandwidth",
     "measured_split_forward",

@@ -26,6 +26,7 @@ __all__ = [
     "Fitted",
     "MemoryScreen",
     "all_candidates",
+    "any_fits",
     "count_floor",
     "fit",
     "floor",
@@ -214,6 +215,21 @@ def screen_memory(state: SearchContext, progress: Progress | None = None) -> Mem
     return MemoryScreen(
         fitted=fitted, considered=len(floored), over=over, least=least, deferred=deferred
     )
+
+
+def any_fits(state: SearchContext) -> bool:
+    """Whether some candidate fits the budget by the screen: `screen_memory`'s walk in the
+    order of `floor`, stopped at the first that fits or the first whose floor is over."""
+    budget = state.request.device_memory
+    candidates = all_candidates(state)
+    _trace_ahead(state, candidates, None)
+    for low, c in sorted(((floor(state, c), c) for c in candidates), key=lambda x: x[0]):
+        if low > budget:
+            return False
+        bound = count_floor(state, c)
+        if (bound is None or bound <= budget) and not isinstance(fit(state, c, budget), int):
+            return True
+    return False
 
 
 def least_peak(state: SearchContext, screen: MemoryScreen) -> float:

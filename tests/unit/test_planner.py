@@ -293,6 +293,26 @@ def test_no_layout_that_fits_names_the_memory_that_would(
     assert "the leanest needs" in err and "--device-memory" in err
 
 
+def test_no_layout_that_fits_names_the_fewest_devices_that_would() -> None:
+    """gpt-tiny needs 4.1 MB per device on one, 2.2 MB on two and 1.3 MB on four: at 1.5 MB
+    the planner names 4 devices (doubling from the request's, by the memory screen), and a
+    search on 4 finds a plan."""
+    request = PlanRequest(
+        model="gpt-tiny", devices=1, device_memory=1_500_000, global_batch=8, seq_len=32
+    )
+    request = replace(request, device="cpu", precision="fp32")
+    found = search(request)
+    assert not found.plans and found.fewest_devices == 4
+    assert not search(replace(request, devices=2)).plans
+    assert search(replace(request, devices=4)).plans
+
+
+def test_no_layout_within_64_times_the_devices_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "1", "--device-memory", "1kB"]
+    code, err = cli_error([*argv, "--global-batch", "4", "--seq-len", "32"], capsys)
+    assert code == 2 and "more --devices (none up to 64 fits the memory screen)" in err
+
+
 def test_a_batch_no_layout_splits_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
     argv += ["--global-batch", "3", "--micro-batch-sizes", "2"]
