@@ -90,11 +90,13 @@ def _stage_parts(
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         fused_kept = np.where(recomputed, kept, fused_kept)
+        waiting_w = np.where(recomputed, kept, waiting_w)  # W reads what I regenerated
         transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
     stashed = after * kept
     if awaiting is not None:
         before_i, before_w = awaiting
-        stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
+        waiting = np.maximum(waiting_w, kept)[:, None]  # as `StageCounts.awaiting` prunes
+        stashed = (before_i * kept[:, None] + before_w * waiting).max(axis=1)
     return _Parts(
         fixed=arrays.fixed_sums[stop] - arrays.fixed_sums[first],
         kept=kept,
@@ -207,7 +209,10 @@ def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[i
     if schedule.num_stages == schedule.num_ranks:
         return tuple(parts.peak[mine[:, 0]].tolist())
     states = _stacked(schedule.placement, counts.together or (None,) * schedule.num_ranks)
-    each = (parts.fused_kept, parts.kept, parts.waiting_w, parts.grads)
+    fused = parts.fused_kept
+    kept = np.maximum(parts.kept, fused)
+    waiting = np.maximum(parts.waiting_w, kept)  # so that a covered state holds no more
+    each = (waiting - kept, kept - fused, fused, parts.grads)
     bytes_per = np.concatenate([part[mine] for part in each], axis=1)[:, None, :]
     reached = (states.states * bytes_per).sum(axis=2)
     stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))

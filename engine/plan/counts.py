@@ -19,8 +19,11 @@ from engine.schedule.delivery import held_in
 __all__ = ["StageCounts", "State", "stage_counts"]
 
 State = tuple[int, ...]
-"""A rank's stages' micro-batches awaiting a fused B, awaiting their I, awaiting their W,
-then 1 for each stage whose gradients exist: four columns of the rank's stages each."""
+"""Four columns of a rank's stages each: micro-batches awaiting their W; those and the ones
+awaiting their I; those and the ones awaiting a fused B (every stash); then 1 for each stage
+whose gradients exist. Counted that way, a state another covers holds no more bytes whenever
+an awaiting-W stash costs at least an awaiting-I one and that at least a fused one
+(`budget._per_rank` prices them so), and the states no other covers stay few."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,29 +93,21 @@ def _awaiting(
     rows: _StageRows | None, stages: int, after: tuple[int, ...]
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, the (awaiting I or B, awaiting W) counts after each of its actions from
-    its first backward on, those no other covers (`_in_flight`'s running sums, split in
-    two). Without an I every stage's one state is its `after`."""
+    its first backward on (`_in_flight`'s running sums, split in two), those no other covers
+    as (awaiting W, all awaiting): what a W-awaiting stash costing at least an I-awaiting one
+    holds at most (`budget._stage_parts` prices them so). Without an I every stage's one
+    state is its `after`."""
     if rows is None or not (rows.kind == I).any():
         return tuple(((n, 0),) for n in after)
     stage, kind, starts, began = rows.stage, rows.kind, rows.starts, rows.began
-    found: list[tuple[tuple[int, int], ...]] = [((0, 0),)] * stages
-    ends = [*starts[1:].tolist(), len(stage)]
     before_i = running_sums((kind == F).astype(np.int64) - ((kind == B) | (kind == I)), starts)
     before_w = running_sums((kind == I).astype(np.int64) - (kind == W), starts)
-    for s, start, end in zip(stage[starts].tolist(), starts.tolist(), ends, strict=True):
-        at = slice(start, end)
-        waiting = (before_i[at][began[at]].tolist(), before_w[at][began[at]].tolist())
-        found[s] = _uncovered(set(zip(*waiting, strict=True)))
-    return tuple(found)
-
-
-def _uncovered(pairs: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The pairs no other is at least as large as in both places, most awaiting I first."""
-    kept: list[tuple[int, int]] = []
-    for a, b in sorted(pairs, reverse=True):
-        if not kept or b > kept[-1][1]:
-            kept.append((a, b))
-    return tuple(kept) or ((0, 0),)
+    states = np.column_stack([before_w, before_w + before_i])[began]
+    found = _uncovered_per_rank(stage[began], states, stages)
+    return tuple(
+        tuple(sorted(((every - w, w) for w, every in pairs), reverse=True)) or ((0, 0),)
+        for pairs in found
+    )
 
 
 def _fused(flat: FlatArrays, stages: int) -> tuple[bool, ...]:
@@ -139,12 +134,11 @@ def _in_flight(rows: _StageRows | None, stages: int) -> tuple[tuple[int, ...], t
 
 
 def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:
-    """Per rank of several stages, its states after each action that can add bytes (a
-    forward, an I, a stage's first backward): per stage (`rank_stages` order) the micro-batches
-    awaiting a fused B, those awaiting their I, those awaiting their W, then 1 for each whose
-    gradients exist, none another covers; None for a rank of one stage. The three stashes
-    differ (DualPipeV's overlapped pairs run fused, its last ones split), so each is counted
-    apart."""
+    """Per rank of several stages, its states (`State`, stages in `rank_stages` order) after
+    each action that can add bytes (a forward, an I, a stage's first backward), none another
+    covers; None for a rank of one stage. The three stashes differ (DualPipeV's overlapped
+    pairs run fused, its last ones split; a split one holds more from its I to its W), so
+    each is counted apart."""
     mine = rank_stages(schedule.placement)
     k = mine.shape[1]
     if k < 2:
@@ -161,7 +155,8 @@ def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State
         (kind == I).astype(np.int64) - (kind == W),
     )
     backward = (kind == B) | (kind == I)
-    stashes = [_running_per_rank(flat, column, step, k) for step in steps]
+    on_b, on_i, on_w = (_running_per_rank(flat, column, step, k) for step in steps)
+    stashes = [on_w, on_w + on_i, on_w + on_i + on_b]
     seen = _running_per_rank(flat, column, backward.astype(np.int64), k)
     first = backward & (seen[np.arange(len(kind)), column] == 1)
     grown = (kind == F) | (kind == I) | first
@@ -195,6 +190,7 @@ def _uncovered_per_rank(
     sum) and drops every state it covers, so the passes are as many as the most states a rank
     keeps, for every rank at once, each over the states left."""
     kept: list[set[State]] = [set() for _ in range(num_ranks)]
+    ranks, states = _below_the_next_dropped(ranks, states)
     while len(states):
         starts = np.flatnonzero(np.diff(ranks, prepend=-1))
         segment = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(ranks))))
@@ -206,3 +202,17 @@ def _uncovered_per_rank(
         left = ~(states <= states[top][segment]).all(axis=1)  # a top covers itself
         ranks, states = ranks[left], states[left]
     return tuple(frozenset(k) for k in kept)
+
+
+def _below_the_next_dropped(ranks: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The states without those the next state of the same rank covers (a forward followed
+    by another only adds): most of a row, in a few vectorised passes, before the pairwise
+    passes of `_uncovered_per_rank`."""
+    while len(states) > 1:
+        covered = np.append(
+            (ranks[:-1] == ranks[1:]) & (states[:-1] <= states[1:]).all(axis=1), False
+        )
+        if not covered.any():
+            break
+        ranks, states = ranks[~covered], states[~covered]
+    return ranks, states
