@@ -218,7 +218,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     request = request_from_args(args, argv)
     start = time.perf_counter()
-    result = search(request, progress=_progress(start))
+    result = search(request, progress=_progress(start), timeline=bool(args.plot))
     elapsed = time.perf_counter() - start
     _check_found(result)
     print(format_result(result, elapsed))

@@ -221,10 +221,14 @@ def _loss(plan: Prediction, best: Prediction) -> str:
     return max(reasons, key=lambda k: reasons[k])
 
 
-def search(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
-    """The best `request.top` layouts, and why every other candidate lost."""
+def search(
+    request: PlanRequest, progress: Progress | None = None, *, timeline: bool = False
+) -> PlanResult:
+    """The best `request.top` layouts, and why every other candidate lost; with `timeline`,
+    the best one's simulated timeline too (`Prediction.simulated`, what `plot_plan` draws:
+    a second, slower simulation, a second of a 405b search)."""
     with _no_cycle_collection():
-        return _search(request, progress)
+        return _search(request, progress, timeline)
 
 
 @contextlib.contextmanager
@@ -241,7 +245,7 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _search(request: PlanRequest, progress: Progress | None) -> PlanResult:
+def _search(request: PlanRequest, progress: Progress | None, timeline: bool) -> PlanResult:
     state = SearchContext(request)
     screen = screen_memory(state, progress)
     survivors = [
@@ -252,7 +256,7 @@ def _search(request: PlanRequest, progress: Progress | None) -> PlanResult:
         )
         for f in screen.fitted
     ]
-    ranked = _rank(state, survivors, progress)
+    ranked = _rank(state, survivors, progress, timeline)
     losses = dict.fromkeys(LOSSES, 0)
     losses["over memory"] = screen.over + len(ranked.over)
     decided = {id(p.candidate) for p in (*ranked.best, *ranked.over)}
@@ -357,7 +361,9 @@ class _Ranked:
     """Those the replay put over the budget."""
 
 
-def _rank(state: SearchContext, screened: list[_Screened], progress: Progress | None) -> _Ranked:
+def _rank(
+    state: SearchContext, screened: list[_Screened], progress: Progress | None, timeline: bool
+) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
     best `top`; then the best of distinct keys replayed exactly (`_replayed`), fastest first,
     one the replay puts over the budget dropped for the next (which may call for more
@@ -390,11 +396,9 @@ def _rank(state: SearchContext, screened: list[_Screened], progress: Progress | 
     if progress is not None:
         progress("timing layouts", len(order), len(order))
     by_id = {id(s.candidate): s for s in order}
-    best = tuple(
-        _with_timeline(state, by_id[id(p.candidate)], exact[id(p.candidate)])
-        for p in chosen
-        if id(p.candidate) in exact
-    )
+    best = tuple(exact[id(p.candidate)] for p in chosen if id(p.candidate) in exact)
+    if timeline and best:
+        best = (_with_timeline(state, by_id[id(best[0].candidate)], best[0]), *best[1:])
     rest = [_predict(state, s, None) for s in order[done:]]
     return _Ranked(plans=simulated + rest, best=best, over=over)
 
