@@ -21,6 +21,7 @@ from engine.plan import (
     PlanResult,
     Prediction,
     Progress,
+    fewest_devices,
     measured_forward,
     measured_memory_bandwidth,
     measured_split_forward,
@@ -220,7 +221,7 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     start = time.perf_counter()
     result = search(request, progress=_progress(start), timeline=bool(args.plot))
     elapsed = time.perf_counter() - start
-    _check_found(result)
+    _check_found(result, start)
     print(format_result(result, elapsed))
     best = result.plans[0]
     if args.emit:
@@ -244,7 +245,7 @@ def _progress(start: float) -> Progress:
     return report
 
 
-def _check_found(result: PlanResult) -> None:
+def _check_found(result: PlanResult, start: float) -> None:
     r = result.request
     require(
         result.considered > 0,
@@ -252,18 +253,19 @@ def _check_found(result: PlanResult) -> None:
         f"(the replicas must divide it, into micro-batches of {r.micro_batch_sizes}): give a "
         f"multiple of {r.devices} or other --micro-batch-sizes",
     )
-    least, fewest = result.least_memory, result.fewest_devices
+    if result.plans:
+        return
+    least, fewest = result.least_memory, fewest_devices(r, _progress(start))
     devices = (
         f"--devices {fewest} (the fewest, doubling, that the memory screen fits)"
         if fewest
         else f"more --devices (none up to {r.devices * 2**DOUBLINGS} fits the memory screen)"
     )
-    require(
-        bool(result.plans),
+    raise ValueError(
         f"no layout of {r.model} fits {r.devices} devices of {format_size(r.device_memory)} "
         f"at global batch {r.global_batch} × {r.seq_len} tokens: the leanest needs "
         f"{format_size(least or 0)} per device; give a --device-memory that large, {devices}, "
-        "or a shorter --seq-len",
+        "or a shorter --seq-len"
     )
 
 

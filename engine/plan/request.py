@@ -110,9 +110,6 @@ class PlanResult:
     losses: dict[str, int]
     least_memory: int | None
     """The lowest per-device peak of any candidate (every stage recomputed)."""
-    fewest_devices: int | None = None
-    """Where no plan fits: the fewest devices, doubling the request's (`fewest_devices`), on
-    which a layout passes the memory screen; None when that is not tried or none within."""
 
 
 def layout_fields(request: PlanRequest, c: Candidate, boundaries: Sequence[int]) -> dict[str, Any]:

@@ -271,9 +271,6 @@ def _search(request: PlanRequest, progress: Progress | None, timeline: bool) -> 
         considered=screen.considered,
         losses=losses,
         least_memory=None if ranked.best or least == math.inf else int(least),
-        fewest_devices=(
-            None if ranked.best or not screen.considered else fewest_devices(request, progress)
-        ),
     )
 
 
