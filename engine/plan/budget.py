@@ -90,7 +90,7 @@ def _stage_parts(
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         fused_kept = np.where(recomputed, kept, fused_kept)
-        waiting_w = np.where(recomputed, kept, waiting_w)  # W reads what I regenerated
+        waiting_w = np.where(recomputed, kept, waiting_w)  # the replay reads no more
         transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
     stashed = after * kept
     if awaiting is not None:
