@@ -18,7 +18,8 @@ from engine.plan.profile import (
     profile_stage_costs,
 )
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, Progress
-from engine.plan.search import DOUBLINGS, fewest_devices, predict, search
+from engine.plan.screen import DOUBLINGS, fewest_devices
+from engine.plan.search import predict, search
 
 __all__ = [
     "DOUBLINGS",

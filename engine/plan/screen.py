@@ -19,15 +19,17 @@ from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_floor, rank_peaks
 from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SearchContext
-from engine.plan.request import Progress, reporting
+from engine.plan.request import PlanRequest, Progress, reporting
 
 __all__ = [
+    "DOUBLINGS",
     "EVERY",
     "Fitted",
     "MemoryScreen",
     "all_candidates",
     "any_fits",
     "count_floor",
+    "fewest_devices",
     "fit",
     "floor",
     "least_peak",
@@ -244,3 +246,21 @@ def least_peak(state: SearchContext, screen: MemoryScreen) -> float:
         assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
         least = min(least, lowest)
     return least
+
+
+DOUBLINGS = 6
+"""How far `fewest_devices` looks: up to 2^6 = 64 times the devices asked for."""
+
+
+def fewest_devices(request: PlanRequest, progress: Progress | None = None) -> int | None:
+    """The fewest devices, doubling the request's up to `DOUBLINGS` times, on which some
+    layout passes the memory screen (`any_fits`), the per-device memory and the batch
+    unchanged; None when none does. What a user whose model fits no layout is told to ask
+    for: the screen's count, which a search on that many devices then checks exactly."""
+    for doubling in range(1, DOUBLINGS + 1):
+        larger = replace(request, devices=request.devices * 2**doubling)
+        if progress is not None:
+            progress(f"none fits: screening {larger.devices} devices", doubling, DOUBLINGS)
+        if any_fits(SearchContext(larger)):
+            return larger.devices
+    return None

@@ -32,11 +32,11 @@ from engine.plan.request import (
     layout_fields,
     reporting,
 )
-from engine.plan.screen import any_fits, least_peak, screen_memory
+from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 from engine.schedule import Schedule
 
-__all__ = ["DOUBLINGS", "fewest_devices", "predict", "search"]
+__all__ = ["predict", "search"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,24 +272,6 @@ def _search(request: PlanRequest, progress: Progress | None, timeline: bool) -> 
         losses=losses,
         least_memory=None if ranked.best or least == math.inf else int(least),
     )
-
-
-DOUBLINGS = 6
-"""How far `fewest_devices` looks: up to 2^6 = 64 times the devices asked for."""
-
-
-def fewest_devices(request: PlanRequest, progress: Progress | None = None) -> int | None:
-    """The fewest devices, doubling the request's up to `DOUBLINGS` times, on which some
-    layout passes the memory screen (`any_fits`), the per-device memory and the batch
-    unchanged; None when none does. What a user whose model fits no layout is told to ask
-    for: the screen's count, which a search on that many devices then checks exactly."""
-    for doubling in range(1, DOUBLINGS + 1):
-        larger = replace(request, devices=request.devices * 2**doubling)
-        if progress is not None:
-            progress(f"none fits: screening {larger.devices} devices", doubling, DOUBLINGS)
-        if any_fits(SearchContext(larger)):
-            return larger.devices
-    return None
 
 
 def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
