@@ -1,4 +1,6 @@
-"""Stage traces kept on disk, so a plan or an estimate traces nothing a run before it traced.
+"""Stage traces kept on disk, so a plan or an estimate traces nothing a run before it traced;
+and beside them what else the planner derives at length from the code alone (a schedule's
+in-flight counts, `engine.plan.context`).
 
 A trace (`StageTrace`) follows from the stage's layers, its shape, the device and the code that
 runs it (meshpipe's packages and torch). A file's name is the digest of all of them: changed
@@ -25,7 +27,15 @@ import torch
 from engine.memory.tracker import Span
 from engine.schedule.actions import ActionKind
 
-__all__ = ["TRACE_CACHE_VERSION", "load_trace", "store_trace", "trace_folder", "trace_key"]
+__all__ = [
+    "TRACE_CACHE_VERSION",
+    "load_payload",
+    "load_trace",
+    "store_payload",
+    "store_trace",
+    "trace_folder",
+    "trace_key",
+]
 
 TRACE_CACHE_VERSION = 1
 """The file format; part of every name."""
@@ -59,8 +69,8 @@ def _code_digest() -> str:
 
 
 def trace_key(*parts: object) -> str:
-    """The file name of the trace of `parts` (`cached_trace`'s arguments: frozen dataclasses
-    and tuples, whose reprs spell out every field)."""
+    """The file name of what follows from `parts` (a trace's request: frozen dataclasses and
+    tuples, whose reprs spell out every field) and the code."""
     text = repr((TRACE_CACHE_VERSION, _code_digest(), parts))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -80,19 +90,43 @@ def _payload(trace: Any) -> dict[str, Any]:
     }
 
 
-def _digest(payload: dict[str, Any]) -> str:
+def _digest(payload: Any) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def store_trace(key: str, trace: Any) -> None:
-    """Write the trace under `key`, all or nothing (a temporary file renamed over it; not
-    fsynced: a file a crash truncates fails its checksum and is traced again). A folder that
-    cannot be written costs only speed: the trace is simply not kept."""
+    """Write the trace under `key` (`store_payload`)."""
+    store_payload(key, "trace", _payload(trace))
+
+
+def load_trace(key: str, build: Callable[..., _T]) -> _T | None:
+    """The trace stored under `key`, rebuilt with `build` (`StageTrace`), or None when there
+    is none or it fails its checksum."""
+    payload = load_payload(key, "trace")
+    if payload is None:
+        return None
+    try:
+        return build(
+            begin=Span(peak=payload["begin"][0], net=payload["begin"][1]),
+            first=_spans(payload["first"]),
+            later=_spans(payload["later"]),
+            held_per_micro_batch=payload["held_per_micro_batch"],
+            sent_back=payload["sent_back"],
+            weight_copies=payload["weight_copies"],
+            reduce=Span(peak=payload["reduce"][0], net=payload["reduce"][1]),
+        )
+    except (ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def store_payload(key: str, kind: str, payload: Any) -> None:
+    """Write `payload` (JSON) under `key` as a `kind`, all or nothing (a temporary file
+    renamed over it; not fsynced: a file a crash truncates fails its checksum and is computed
+    again). A folder that cannot be written costs only speed: the payload is not kept."""
     folder = trace_folder()
     if folder is None:
         return
-    payload = _payload(trace)
-    text = json.dumps({"sha256": _digest(payload), "trace": payload})
+    text = json.dumps({"sha256": _digest(payload), kind: payload})
     temporary: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -105,27 +139,17 @@ def store_trace(key: str, trace: Any) -> None:
             Path(temporary).unlink(missing_ok=True)
 
 
-def load_trace(key: str, build: Callable[..., _T]) -> _T | None:
-    """The trace stored under `key`, rebuilt with `build` (`StageTrace`), or None when there
-    is none or it fails its checksum."""
+def load_payload(key: str, kind: str) -> Any:
+    """The `kind` stored under `key`, or None when there is none, it is another kind, or it
+    fails its checksum."""
     folder = trace_folder()
     if folder is None:
         return None
     try:
         stored = json.loads((folder / f"{key}.json").read_text())
-        payload = stored["trace"]
-        if stored["sha256"] != _digest(payload):
-            return None
-        return build(
-            begin=Span(peak=payload["begin"][0], net=payload["begin"][1]),
-            first=_spans(payload["first"]),
-            later=_spans(payload["later"]),
-            held_per_micro_batch=payload["held_per_micro_batch"],
-            sent_back=payload["sent_back"],
-            weight_copies=payload["weight_copies"],
-            reduce=Span(peak=payload["reduce"][0], net=payload["reduce"][1]),
-        )
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        payload = stored[kind]
+        return payload if stored["sha256"] == _digest(payload) else None
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

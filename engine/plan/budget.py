@@ -20,7 +20,6 @@ import numpy as np
 
 from engine.plan.counts import StageCounts
 from engine.plan.layer_bytes import LayerBytes
-from engine.schedule import Schedule
 from engine.schedule.arrays import rank_stages
 
 __all__ = ["highest_stage_floor", "rank_floor", "rank_peaks"]
@@ -168,7 +167,7 @@ def highest_stage_floor(
 
 def rank_floor(
     sums: LayerBytes,
-    schedule: Schedule,
+    placement: tuple[int, ...],
     counts: StageCounts,
     boundaries: Sequence[int],
     *,
@@ -180,7 +179,7 @@ def rank_floor(
     least over `_choices`). Given counts at most the schedule's own (those of fewer
     micro-batches, `SearchContext.floor_pipeline`), it bounds the longer step's peak without
     that step's schedule built."""
-    held = _held(sums, schedule, counts, micro_batch_size)
+    held = _held(sums, placement, counts, micro_batch_size)
     per_rank = [
         _per_rank(
             _stage_parts(
@@ -194,21 +193,21 @@ def rank_floor(
                 reduce_copy=reduce_copy,
                 held=held,
             ),
-            schedule,
+            placement,
             counts,
         )
-        for recomputed, every in _choices(schedule.num_stages, recompute_runs)
+        for recomputed, every in _choices(len(placement), recompute_runs)
     ]
     return max(min(peaks) for peaks in zip(*per_rank, strict=True))
 
 
-def _per_rank(parts: _Parts, schedule: Schedule, counts: StageCounts) -> tuple[int, ...]:
+def _per_rank(parts: _Parts, placement: tuple[int, ...], counts: StageCounts) -> tuple[int, ...]:
     """Each rank's peak from its stages' parts, at the states they reach together (without
     them, each stage's most in flight) and the largest transient."""
-    mine = rank_stages(schedule.placement)
-    if schedule.num_stages == schedule.num_ranks:
+    mine = rank_stages(placement)
+    if mine.shape[1] == 1:
         return tuple(parts.peak[mine[:, 0]].tolist())
-    states = _stacked(schedule.placement, counts.together or (None,) * schedule.num_ranks)
+    states = _stacked(placement, counts.together or (None,) * mine.shape[0])
     fused = parts.fused_kept
     kept = np.maximum(parts.kept, fused)
     waiting = np.maximum(parts.waiting_w, kept)  # so that a covered state holds no more
@@ -245,12 +244,12 @@ def _stacked(
 
 
 def _held(
-    sums: LayerBytes, schedule: Schedule, counts: StageCounts, micro_batch_size: int
+    sums: LayerBytes, placement: tuple[int, ...], counts: StageCounts, micro_batch_size: int
 ) -> np.ndarray:
     """The sends each stage holds at once: input gradients sent back and not yet proved
     delivered, outputs sent forward (over the network: a neighbour on the same rank, as at
     the V's turn, is handed what crosses in memory) whose gradients are to come."""
-    place = np.asarray(schedule.placement)
+    place = np.asarray(placement)
     forward = np.append(place[1:] != place[:-1], False)
     in_flight = np.maximum(counts.before, counts.after)
     sent_back = np.asarray(counts.sent_back, dtype=np.int64)
@@ -259,7 +258,7 @@ def _held(
 
 def rank_peaks(
     sums: LayerBytes,
-    schedule: Schedule,
+    placement: tuple[int, ...],
     counts: StageCounts,
     boundaries: Sequence[int],
     *,
@@ -286,11 +285,11 @@ def rank_peaks(
         recomputed=np.asarray(recomputed, dtype=bool),
         every=every,
         reduce_copy=reduce_copy,
-        held=_held(sums, schedule, counts, micro_batch_size),
+        held=_held(sums, placement, counts, micro_batch_size),
         fused=np.asarray(counts.fused, dtype=bool) if counts.fused else None,
         awaiting=_awaiting_arrays(counts.awaiting) if counts.awaiting else None,
     )
-    return tuple(parts.peak.tolist()), _per_rank(parts, schedule, counts)
+    return tuple(parts.peak.tolist()), _per_rank(parts, placement, counts)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -1,8 +1,10 @@
 """The search's shared state: schedules (or their two samples, extended), in-flight
-counts, boundaries, per-layer bytes and times, and simulations, each computed once."""
+counts (kept on disk too), boundaries, per-layer bytes and times, and simulations, each
+computed once."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Sequence
@@ -10,15 +12,22 @@ from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
 from engine.memory.states import StateLayout
+from engine.memory.trace_cache import load_payload, store_payload, trace_key
 from engine.memory.traces import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
-from engine.plan.counts import StageCounts, State, stage_counts
+from engine.plan.counts import (
+    StageCounts,
+    State,
+    counts_from_payload,
+    counts_payload,
+    stage_counts,
+)
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
-from engine.schedule import Schedule, SimResult, SimTimes, make_schedule
+from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
 from engine.schedule.passes import as_lowered
 from models import LayerSpec, get_config, layer_specs
 from partitioners import Partition, partition_model
@@ -73,16 +82,41 @@ def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...],
 
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
-    """A schedule as the search uses it: itself, or two samples to extend from."""
+    """A schedule as the search uses it: its placement and in-flight counts, known without
+    its rows (`SearchContext.counts`); the rows, its own or its two samples' to extend from
+    (`lengths`), are built only for a simulation (`SearchContext.samples`)."""
 
+    name: str
     micro_batches: int
-    samples: tuple[Schedule, ...]
+    placement: tuple[int, ...]
+    lengths: tuple[int, ...]
+    """Micro-batches of the schedules built to simulate it: its own, or `SAMPLED` per rank."""
     counts: StageCounts
 
     @property
-    def shape(self) -> Schedule:
-        """A schedule with the placement of the real one (ranks, stages)."""
-        return self.samples[0]
+    def num_ranks(self) -> int:
+        return max(self.placement) + 1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    def rank_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return self._stages_by_rank[rank]
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        mine: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for stage, rank in enumerate(self.placement):
+            mine[rank].append(stage)
+        return tuple(map(tuple, mine))
 
 
 class SearchContext:
@@ -100,15 +134,18 @@ class SearchContext:
 
     @functools.cache  # noqa: B019 (one search, then dropped)
     def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:
+        placement = own_placement(name, pp, v)
         if m <= SAMPLED[1] * pp:
-            schedule, counts = self.built(name, pp, m, v)
-            return Pipeline(micro_batches=m, samples=(schedule,), counts=counts)
-        (low_schedule, low), (high_schedule, high) = (
-            self.built(name, pp, k * pp, v) for k in SAMPLED
-        )
+            counts = self.counts(name, pp, m, v)
+            return Pipeline(
+                name=name, micro_batches=m, placement=placement, lengths=(m,), counts=counts
+            )
+        low, high = (self.counts(name, pp, k * pp, v) for k in SAMPLED)
         return Pipeline(
+            name=name,
             micro_batches=m,
-            samples=(low_schedule, high_schedule),
+            placement=placement,
+            lengths=tuple(k * pp for k in SAMPLED),
             counts=StageCounts(
                 before=_extend(low.before, high.before, m, pp),
                 after=_extend(low.after, high.after, m, pp),
@@ -120,10 +157,27 @@ class SearchContext:
         )
 
     @functools.cache  # noqa: B019
-    def built(self, name: str, pp: int, m: int, v: int) -> tuple[Schedule, StageCounts]:
-        """A schedule and its in-flight counts: the samples serve every longer step."""
-        schedule = make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
-        return schedule, stage_counts(schedule)
+    def counts(self, name: str, pp: int, m: int, v: int) -> StageCounts:
+        """A schedule's in-flight counts, kept on disk beside the traces (`store_payload`):
+        they follow from the code alone, and counting a 405b search's schedules takes
+        seconds. A stored payload that does not read back is counted again."""
+        key = trace_key("stage_counts", name, pp, m, v)
+        stored = load_payload(key, "counts")
+        if stored is not None:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                return counts_from_payload(stored)
+        counts = stage_counts(self.built(name, pp, m, v))
+        store_payload(key, "counts", counts_payload(counts))
+        return counts
+
+    @functools.cache  # noqa: B019
+    def built(self, name: str, pp: int, m: int, v: int) -> Schedule:
+        return make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
+
+    def samples(self, pipeline: Pipeline) -> tuple[Schedule, ...]:
+        """The schedules a pipeline's simulation runs: its own, or its two samples."""
+        name, pp, v = pipeline.name, pipeline.num_ranks, pipeline.stages_per_rank
+        return tuple(self.built(name, pp, m, v) for m in pipeline.lengths)
 
     @functools.cache  # noqa: B019
     def boundaries(self, stages: int) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ search counts hundreds of schedules of tens of thousands of actions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from engine.schedule import Schedule
 from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays, rank_stages, running_sums
 from engine.schedule.delivery import held_in
 
-__all__ = ["StageCounts", "State", "stage_counts"]
+__all__ = ["StageCounts", "State", "counts_from_payload", "counts_payload", "stage_counts"]
 
 State = tuple[int, ...]
 """Four columns of a rank's stages each: micro-batches awaiting their W; those and the ones
@@ -63,6 +64,34 @@ def stage_counts(schedule: Schedule) -> StageCounts:
         sent_back=held_in(flat, schedule.placement),
         fused=_fused(flat, schedule.num_stages),
         awaiting=_awaiting(rows, schedule.num_stages, after),
+    )
+
+
+def counts_payload(counts: StageCounts) -> dict[str, Any]:
+    """`counts` as JSON, for the search to keep on disk (`SearchContext.counts`)."""
+    return {
+        "before": list(counts.before),
+        "after": list(counts.after),
+        "together": [None if s is None else sorted(map(list, s)) for s in counts.together],
+        "sent_back": list(counts.sent_back),
+        "fused": list(counts.fused),
+        "awaiting": [[list(pair) for pair in pairs] for pairs in counts.awaiting],
+    }
+
+
+def counts_from_payload(payload: dict[str, Any]) -> StageCounts:
+    """The counts `counts_payload` wrote; KeyError, TypeError or ValueError where it is not
+    such a payload."""
+    return StageCounts(
+        before=tuple(int(n) for n in payload["before"]),
+        after=tuple(int(n) for n in payload["after"]),
+        together=tuple(
+            None if s is None else frozenset(tuple(int(n) for n in state) for state in s)
+            for s in payload["together"]
+        ),
+        sent_back=tuple(int(n) for n in payload["sent_back"]),
+        fused=tuple(bool(x) for x in payload["fused"]),
+        awaiting=tuple(tuple((int(i), int(w)) for i, w in pairs) for pairs in payload["awaiting"]),
     )
 
 

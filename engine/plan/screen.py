@@ -58,29 +58,29 @@ def fit(search: SearchContext, c: Candidate, budget: int) -> Fitted | int:
     lowers their peaks as it does fused ones' (gpt-tiny's stage 0 under ZB-H1 at pp 2: 1.74
     → 1.21 MB, the replay and a tracked run equal to the byte)."""
     pipeline = search.pipeline(c)
-    schedule, counts = pipeline.shape, pipeline.counts
-    bounds = search.boundaries(schedule.num_stages)
+    counts = pipeline.counts
+    bounds = search.boundaries(pipeline.num_stages)
     sums = search.sums(c)
 
     def peaks(recomputed: Sequence[int], every: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         chosen = set(recomputed)
         return rank_peaks(
             sums,
-            schedule,
+            pipeline.placement,
             counts,
             bounds,
             micro_batch_size=c.micro_batch_size,
-            recomputed=[s in chosen for s in range(schedule.num_stages)],
+            recomputed=[s in chosen for s in range(pipeline.num_stages)],
             reduce_copy=c.mesh.dp > 1 and c.zero == 0,
             every=every,
         )
 
-    every = tuple(range(schedule.num_stages))
+    every = tuple(range(pipeline.num_stages))
     tried: list[tuple[tuple[int, ...], int]] = [((), 0)]
     stages, ranks = peaks((), 0)
     if max(ranks) > budget:
         over = [r for r, peak in enumerate(ranks) if peak > budget]
-        some = tuple(sorted(s for r in over for s in schedule.stages_of(r)))
+        some = tuple(sorted(s for r in over for s in pipeline.stages_of(r)))
         wholes = [some, every] if some != every else [every]
         tried = [(stages, n) for stages in wholes for n in (0, EVERY)]
     lowest = max(ranks)
@@ -166,12 +166,11 @@ def count_floor(state: SearchContext, c: Candidate) -> int | None:
     shorter = state.floor_pipeline(c)
     if shorter is None:
         return None
-    schedule = shorter.shape
     return rank_floor(
         state.sums(c),
-        schedule,
+        shorter.placement,
         shorter.counts,
-        state.boundaries(schedule.num_stages),
+        state.boundaries(shorter.num_stages),
         micro_batch_size=c.micro_batch_size,
         reduce_copy=c.mesh.dp > 1 and c.zero == 0,
         recompute_runs=(0, EVERY),

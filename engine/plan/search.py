@@ -21,7 +21,7 @@ from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
 from engine.memory.traces import trace_ahead
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
-from engine.plan.context import SAMPLED, SearchContext
+from engine.plan.context import SAMPLED, Pipeline, SearchContext
 from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
 from engine.plan.request import (
     LOSSES,
@@ -34,7 +34,6 @@ from engine.plan.request import (
 )
 from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
-from engine.schedule import Schedule
 
 __all__ = ["predict", "search"]
 
@@ -86,7 +85,7 @@ def _stage_costs(
 
 
 def _tie_sums(
-    search: SearchContext, c: Candidate, schedule: Schedule, bounds: Sequence[int]
+    search: SearchContext, c: Candidate, pipeline: Pipeline, bounds: Sequence[int]
 ) -> list[float]:
     """Per rank, its share of summing tied weights' fp32 gradients over the ranks holding a
     copy (GPT-2's embedding on the first stage, its head on the last), before the optimizer:
@@ -95,7 +94,7 @@ def _tie_sums(
     hw, mesh = search.request.hardware, c.mesh
     sums = [0.0] * mesh.pp
     for layers, numel in search.ties.values():
-        ranks = {schedule.rank_of(bisect_right(bounds, i) - 1) for i in layers}
+        ranks = {pipeline.rank_of(bisect_right(bounds, i) - 1) for i in layers}
         if len(ranks) < 2:
             continue
         width = (mesh.pp - 1) * mesh.dp * mesh.tp + 1
@@ -108,14 +107,14 @@ def _tie_sums(
 def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Screened:
     """Action costs, transfers, data-parallel tails and the step's lower bound."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
-    schedule = search.pipeline(c).shape
+    pipeline = search.pipeline(c)
     hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
-    layers = [range(bounds[s], bounds[s + 1]) for s in range(schedule.num_stages)]
+    layers = [range(bounds[s], bounds[s + 1]) for s in range(pipeline.num_stages)]
     params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
     width = (mesh.dp - 1) * mesh.tp + 1
     stages = _stage_costs(search, c, layers, params)
-    ties = _tie_sums(search, c, schedule, bounds)
-    held = [sum(params[s] for s in schedule.stages_of(rank)) for rank in range(mesh.pp)]
+    ties = _tie_sums(search, c, pipeline, bounds)
+    held = [sum(params[s] for s in pipeline.stages_of(rank)) for rank in range(mesh.pp)]
     tails = tuple(
         dp_tail(
             held[rank],
@@ -137,7 +136,7 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
     # the last rank waits for the first micro-batch to pass every rank before it
     fill = (mesh.pp - 1) * (min(s.forward for s in stages) + p2p)
     bound = max(
-        c.micro_batches * sum(stages[s].forward + stages[s].backward for s in schedule.stages_of(k))
+        c.micro_batches * sum(stages[s].forward + stages[s].backward for s in pipeline.stages_of(k))
         + tails[k]
         + updates[k]
         + (fill if k == mesh.pp - 1 else 0.0)
@@ -159,10 +158,10 @@ def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Scre
 def _costs(search: SearchContext, s: _Screened) -> tuple[float, float]:
     """(communication, recompute) seconds of the busiest rank's step."""
     c = s.candidate
-    schedule = search.pipeline(c).shape
+    pipeline = search.pipeline(c)
     comm, recompute = 0.0, 0.0
     for rank in range(c.mesh.pp):
-        mine = schedule.stages_of(rank)
+        mine = pipeline.stages_of(rank)
         transfers = 2 * (c.mesh.pp - 1) * c.stages_per_rank * s.p2p
         turns = sum(s.stages[k].tp_comm for k in mine) * c.micro_batches
         comm = max(comm, s.tails[rank] + turns + transfers)
@@ -193,7 +192,7 @@ def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Predic
 
 def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Prediction:
     """The plan with its simulated timeline: the step's, or its longer sample's."""
-    sample = search.pipeline(s.candidate).samples[-1]
+    sample = search.samples(search.pipeline(s.candidate))[-1]
     return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p))
 
 
@@ -201,11 +200,12 @@ def _simulate(search: SearchContext, s: _Screened) -> Timed:
     """The step simulated, or extended from its two samples (`SAMPLED`)."""
     pipeline = search.pipeline(s.candidate)
     after = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
-    timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in pipeline.samples]
+    samples = search.samples(pipeline)
+    timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in samples]
     if len(timed) == 1:
         return timed[0]
     low, high = timed
-    pp, m = pipeline.shape.num_ranks, pipeline.micro_batches
+    pp, m = pipeline.num_ranks, pipeline.micro_batches
     per_micro_batch = (high.step - low.step) / pp
     step = low.step + per_micro_batch * (m - SAMPLED[0] * pp)
     busy = high.busy * m / (SAMPLED[1] * pp)
@@ -293,14 +293,14 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     _check_batch(request, candidate)
     state = SearchContext(request)
     pipeline = state.pipeline(candidate)
-    bounds = state.boundaries(pipeline.shape.num_stages)
+    bounds = state.boundaries(pipeline.num_stages)
     stage_peaks, peaks = rank_peaks(
         state.sums(candidate),
-        pipeline.shape,
+        pipeline.placement,
         pipeline.counts,
         bounds,
         micro_batch_size=candidate.micro_batch_size,
-        recomputed=[s in candidate.recompute for s in range(pipeline.shape.num_stages)],
+        recomputed=[s in candidate.recompute for s in range(pipeline.num_stages)],
         reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
         every=candidate.recompute_every,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.schedule.actions import Action, ActionKind
-from engine.schedule.placement import PLACEMENTS, placement_name, with_placement
+from engine.schedule.placement import PLACEMENTS, placement_name, placement_of, with_placement
 from engine.schedule.schedule import Schedule
 from engine.schedule.v_schedules import V_SCHEDULES
 
@@ -22,6 +22,7 @@ __all__ = [
     "looped_bfs",
     "make_schedule",
     "one_f_one_b",
+    "own_placement",
     "placed",
     "zb_drain",
     "zb_h1",
@@ -313,6 +314,13 @@ def _generate(name: str, num_ranks: int, micro_batches: int, stages_per_rank: in
             "per rank"
         )
     return SCHEDULES[name](num_ranks, micro_batches)
+
+
+def own_placement(name: str, num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
+    """The placement `make_schedule(name, ...)` gives its stages, without building its rows:
+    the planner screens thousands of layouts by their placement and counts alone."""
+    kind = "v" if name in V_SCHEDULES else "loop"
+    return placement_of(kind, num_ranks, stages_per_rank)
 
 
 def placed(schedule: Schedule, placement: str) -> Schedule:

@@ -695,8 +695,8 @@ def test_zero_shards_the_update_over_the_data_parallel_replicas() -> None:
 
 def _tie_sums_of(request: PlanRequest, c: Candidate) -> list[float]:
     context = SearchContext(request)
-    schedule = context.pipeline(c).shape
-    return _tie_sums(context, c, schedule, context.boundaries(schedule.num_stages))
+    pipeline = context.pipeline(c)
+    return _tie_sums(context, c, pipeline, context.boundaries(pipeline.num_stages))
 
 
 def _layout(pp: int, schedule: str = "1f1b", v: int = 1) -> Candidate:

@@ -1,0 +1,98 @@
+"""A schedule's in-flight counts kept on disk beside the traces (`SearchContext.counts`):
+read back as counted, found by a later search without building the schedule, checked."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.plan.context import SearchContext
+from engine.plan.counts import counts_from_payload, counts_payload, stage_counts
+from engine.plan.request import PlanRequest
+from engine.schedule import (
+    SCHEDULES,
+    V_SCHEDULES,
+    VIRTUAL_SCHEDULES,
+    Schedule,
+    make_schedule,
+    own_placement,
+)
+
+_REQUEST = PlanRequest(model="gpt-tiny", devices=4, device_memory=2**30, global_batch=8, seq_len=32)
+_context = sys.modules[SearchContext.__module__]
+
+
+def _per_rank(name: str) -> int:
+    return 2 if name in VIRTUAL_SCHEDULES or name in V_SCHEDULES else 1
+
+
+@pytest.fixture
+def on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str, int, int, int]]:
+    """The cache in a folder of its own, and every schedule the test builds recorded."""
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(tmp_path))
+    made: list[tuple[str, int, int, int]] = []
+    real = _context.make_schedule
+
+    def recording(name: str, **sizes: int) -> Schedule:
+        made.append((name, sizes["num_ranks"], sizes["micro_batches"], sizes["stages_per_rank"]))
+        return real(name, **sizes)
+
+    monkeypatch.setattr(_context, "make_schedule", recording)
+    return made
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_counts_read_back_as_counted(name: str) -> None:
+    for pp in (2, 3, 4):
+        m = 3 * pp
+        schedule = make_schedule(
+            name, num_ranks=pp, micro_batches=m, stages_per_rank=_per_rank(name)
+        )
+        counts = stage_counts(schedule)
+        payload = json.loads(json.dumps(counts_payload(counts)))
+        assert counts_from_payload(payload) == counts, (pp, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_schedules_own_placement_is_known_without_building_it(name: str) -> None:
+    v = _per_rank(name)
+    for pp in (1, 2, 3, 4):
+        built = make_schedule(name, num_ranks=pp, micro_batches=2 * pp, stages_per_rank=v)
+        assert own_placement(name, pp, v) == built.placement
+
+
+def test_a_later_search_reads_the_counts_without_building_the_schedule(
+    on_disk: list[tuple[str, int, int, int]],
+) -> None:
+    first = SearchContext(_REQUEST).schedule("zb_v", 2, 16, 2)
+    assert on_disk == [("zb_v", 2, 6, 2), ("zb_v", 2, 8, 2)]  # the two samples (3 and 4 a rank)
+    later = SearchContext(_REQUEST).schedule("zb_v", 2, 16, 2)
+    assert later == first and len(on_disk) == 2
+
+
+def test_a_counts_file_that_fails_its_checksum_is_counted_again_and_rewritten(
+    on_disk: list[tuple[str, int, int, int]], tmp_path: Path
+) -> None:
+    first = SearchContext(_REQUEST).counts("1f1b", 2, 4, 1)
+    (stored,) = tmp_path.glob("*.json")
+    body = json.loads(stored.read_text())
+    body["counts"]["before"][0] += 1
+    stored.write_text(json.dumps(body))
+    assert SearchContext(_REQUEST).counts("1f1b", 2, 4, 1) == first
+    assert len(on_disk) == 2
+    assert json.loads(stored.read_text())["counts"]["before"] == list(first.before)
+
+
+def test_a_simulation_builds_only_the_schedules_it_runs(
+    on_disk: list[tuple[str, int, int, int]],
+) -> None:
+    SearchContext(_REQUEST).schedule("1f1b", 2, 4, 1)
+    later = SearchContext(_REQUEST)
+    pipeline = later.schedule("1f1b", 2, 4, 1)
+    assert len(on_disk) == 1
+    (schedule,) = later.samples(pipeline)
+    assert schedule == make_schedule("1f1b", num_ranks=2, micro_batches=4)
+    assert len(on_disk) == 2
