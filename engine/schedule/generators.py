@@ -6,6 +6,7 @@ the name a config or the CLI uses, the V-placed ones (`engine.schedule.v_schedul
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from engine.schedule.actions import Action, ActionKind
@@ -291,7 +292,10 @@ def make_schedule(
     return schedule if placement is None else placed(schedule, placement)
 
 
+@functools.lru_cache(maxsize=4)
 def _generate(name: str, num_ranks: int, micro_batches: int, stages_per_rank: int) -> Schedule:
+    """The generator's schedule; the last few are kept (a schedule is immutable): a planned
+    layout's config checks and its replay build the same one in turn, at 100k actions."""
     if name in V_SCHEDULES:
         if stages_per_rank != 2:
             raise ValueError(
