@@ -44,9 +44,7 @@ def _hand_choice(request: PlanRequest, mesh: ParallelConfig) -> tuple[Prediction
                 recompute=recompute,
             )
             plan = predict(request, layout)
-            if max(plan.rank_peaks) > request.device_memory:
-                continue
-            peak = _replayed_peak(request, plan)
+            peak = _replayed_peak(request, plan)  # the exact peak, not the screen's
             if peak <= request.device_memory:
                 return plan, peak
     return None
