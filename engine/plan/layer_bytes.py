@@ -34,7 +34,12 @@ class LayerBytes:
     """What one forward keeps until its backward, less the input the stage received."""
     transient: tuple[int, ...]
     received: int
-    """The input a stage receives per sequence (what full recompute keeps)."""
+    """The input a stage receives per sequence, in the compute dtype it is sent in (what full
+    recompute keeps)."""
+    residual: int
+    """A hidden state per sequence as it passes between two layers of one stage: fp32 (the
+    stage widens what it receives, `Stage._widened_run`), where `received` is in the compute
+    dtype; two layers traced alone count it twice (`budget._shared_per_stage`)."""
     weights: tuple[int, ...]
     """Kept across steps, with the optimizer's states."""
     gradients: tuple[int, ...]
@@ -137,6 +142,7 @@ def layer_bytes(
         kept=sums.kept,
         transient=sums.transient,
         received=round_up(seq_len * shape.hidden * size, block),
+        residual=round_up(seq_len * shape.hidden * 4, block),
         weights=tuple(w for w, _, _ in own),
         gradients=tuple(g for _, g, _ in own),
         during=(0,) * len(specs) if turns else copies,
