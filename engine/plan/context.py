@@ -29,6 +29,7 @@ from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
 from engine.schedule.passes import as_lowered
+from engine.schedule.schedule import stages_by_rank
 from models import LayerSpec, get_config, layer_specs
 from partitioners import Partition, partition_model
 
@@ -113,10 +114,7 @@ class Pipeline:
 
     @functools.cached_property
     def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
-        mine: list[list[int]] = [[] for _ in range(self.num_ranks)]
-        for stage, rank in enumerate(self.placement):
-            mine[rank].append(stage)
-        return tuple(map(tuple, mine))
+        return stages_by_rank(self.placement, self.num_ranks)
 
 
 class SearchContext:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.schedule.actions import ActionKind
-from engine.schedule.schedule import Schedule
+from engine.schedule.schedule import Schedule, stages_by_rank
 
 __all__ = [
     "B",
@@ -111,8 +111,7 @@ def running_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
 def rank_stages(placement: tuple[int, ...]) -> np.ndarray:
     """Each rank's stages in order, one row per rank. Every rank must hold as many, as the
     generators' placements do: the planner counts and composes only those."""
-    ranks = 1 + max(placement)
-    rows = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
+    rows = stages_by_rank(placement, 1 + max(placement))
     if len({len(row) for row in rows}) != 1:
         raise ValueError(
             f"placement {placement} gives its ranks different numbers of stages: the planner "

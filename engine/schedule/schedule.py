@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.schedule.actions import Action
 
-__all__ = ["Schedule", "format_schedule"]
+__all__ = ["Schedule", "format_schedule", "stages_by_rank"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,13 +82,19 @@ class Schedule:
     @functools.cached_property
     def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
         """Each rank's stages, once: the planner asks for them hundreds of thousands of times."""
-        return tuple(
-            tuple(s for s, r in enumerate(self.placement) if r == rank)
-            for rank in range(self.num_ranks)
-        )
+        return stages_by_rank(self.placement, self.num_ranks)
 
     def __str__(self) -> str:
         return format_schedule(self)
+
+
+def stages_by_rank(placement: tuple[int, ...], num_ranks: int) -> tuple[tuple[int, ...], ...]:
+    """Each rank's stages in order (`Schedule.stages_of`; the planner's placements without
+    rows, `engine.plan.context.Pipeline`, and `arrays.rank_stages`)."""
+    mine: list[list[int]] = [[] for _ in range(num_ranks)]
+    for stage, rank in enumerate(placement):
+        mine[rank].append(stage)
+    return tuple(map(tuple, mine))
 
 
 def _window_tokens(row: Sequence[Action], lo: int, hi: int, marked: int | None) -> list[str]:
