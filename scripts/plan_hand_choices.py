@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 
 from engine.config import ParallelConfig, parse_size
-from engine.memory.estimate import MemoryConfig, estimate_memory
 from engine.plan import Hardware, PlanRequest, Prediction, predict, search
 from engine.plan.candidates import Candidate
-from engine.plan.request import layout_fields
+from engine.plan.search import _replayed
 
 
 def _replayed_peak(request: PlanRequest, plan: Prediction) -> int:
-    fields = layout_fields(request, plan.candidate, plan.boundaries)
-    return max(estimate_memory(MemoryConfig.of(device=request.device, **fields)).rank_peaks)
+    return max(_replayed(request, plan).rank_peaks)
 
 
 def _hand_choice(request: PlanRequest, mesh: ParallelConfig) -> tuple[Prediction, int] | None:
