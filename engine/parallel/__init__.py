@@ -30,6 +30,7 @@ from engine.parallel.tensor_parallel import (
     sharded_loss_scope,
     split_gradient_norms,
     split_over_tp,
+    stage_layers,
 )
 from engine.parallel.zero import OptimizerBuilder, ShardedOptimizer
 
@@ -58,4 +59,5 @@ __all__ = [
     "sharded_loss_scope",
     "split_gradient_norms",
     "split_over_tp",
+    "stage_layers",
 ]

@@ -54,6 +54,7 @@ __all__ = [
     "sharded_loss_scope",
     "split_gradient_norms",
     "split_over_tp",
+    "stage_layers",
 ]
 
 ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
@@ -151,6 +152,39 @@ def build_sharded_layers(
     stack.to_empty(device=device)
     for i, layer in zip(stack.indices, stack.layers.values(), strict=True):
         init_layer(layer, specs[i], seed=seed, index=i, write=_write_slice)
+    return stack
+
+
+def stage_layers(
+    specs: Sequence[LayerSpec],
+    indices: range,
+    *,
+    seed: int,
+    device: torch.device | str,
+    built: LayerStack | None,
+    tp_mesh: DeviceMesh | None,
+    sequence_parallel: bool,
+) -> LayerStack:
+    """A stage's layers `indices` as its ranks hold them: `built` ones (split over `tp_mesh`
+    here), or built and initialised on `device`, split before they get memory where there is
+    a `tp_mesh`; either way gradients arriving at a split stage are sharded as its input."""
+    if tp_mesh is None:
+        return build_layers(specs, indices, seed=seed, device=device) if built is None else built
+    if built is None:
+        stack = build_sharded_layers(
+            specs,
+            indices,
+            seed=seed,
+            device=device,
+            tp_mesh=tp_mesh,
+            sequence_parallel=sequence_parallel,
+        )
+    else:
+        parallelize_layers(
+            list(built.layers.values()), tp_mesh, sequence_parallel=sequence_parallel
+        )
+        stack = built
+    shard_arriving_gradients(stack)
     return stack
 
 

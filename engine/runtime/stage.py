@@ -21,25 +21,15 @@ from torch.utils.checkpoint import checkpoint
 
 from engine.comm.dtensor import is_dtensor
 from engine.config import recompute_groups
-from engine.parallel import (
-    as_gradient_of,
-    build_sharded_layers,
-    local_gradient,
-    local_tensor,
-    parallelize_layers,
-    shard_arriving_gradients,
-    sharded_loss_scope,
-)
+from engine.parallel import local_tensor, sharded_loss_scope, stage_layers
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
+from engine.runtime.stage_errors import StageError, input_message
 from engine.runtime.weight_copies import WeightCopies
-from models import LayerSpec, LayerStack, build_layers, document_scope, lm_loss
+from engine.runtime.weight_grads import PendingWeightGrad, accumulate, run_weight_grads
+from models import LayerSpec, LayerStack, document_scope, lm_loss
 
 __all__ = ["PipelineStage", "StageError"]
-
-
-class StageError(RuntimeError):
-    """A stage could not compute a micro-batch (for example a shape mismatch at its input)."""
 
 
 @dataclass
@@ -51,13 +41,6 @@ class _InFlight:
     gradient edge instead of the output itself (see `_record_output`)."""
     documents: torch.Tensor | None = None
     """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
-
-
-@dataclass
-class _PendingWeightGrad:
-    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
-    """(Linear, input, output, gradient at the output) waiting for their W; the output only
-    when W goes through autograd (it keeps the graph alive)."""
 
 
 class PipelineStage:
@@ -94,25 +77,15 @@ class PipelineStage:
             )
         self.sequence_parallel = sequence_parallel
         self._tp = tp_mesh.size() if tp_mesh is not None else 1
-        if built is not None:
-            self.module = built
-            if tp_mesh is not None:
-                parallelize_layers(
-                    list(built.layers.values()), tp_mesh, sequence_parallel=sequence_parallel
-                )
-        elif tp_mesh is not None:
-            self.module = build_sharded_layers(
-                specs,
-                layers,
-                seed=seed,
-                device=device,
-                tp_mesh=tp_mesh,
-                sequence_parallel=sequence_parallel,
-            )
-        else:
-            self.module = build_layers(specs, layers, seed=seed, device=device)
-        if tp_mesh is not None:
-            shard_arriving_gradients(self.module)
+        self.module = stage_layers(
+            specs,
+            layers,
+            seed=seed,
+            device=device,
+            built=built,
+            tp_mesh=tp_mesh,
+            sequence_parallel=sequence_parallel,
+        )
         self.loss_fn = loss_fn
         self.precision, self.device = precision, torch.device(device)
         modules = list(self.module.layers.values())
@@ -126,7 +99,7 @@ class PipelineStage:
             for run, again in recompute_groups(len(modules), recompute)
         ]
         self._in_flight: dict[int, _InFlight] = {}
-        self._pending_w: dict[int, _PendingWeightGrad] = {}
+        self._pending_w: dict[int, PendingWeightGrad] = {}
         self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] | None = (
             None
         )
@@ -268,7 +241,16 @@ class PipelineStage:
             try:
                 out = self._run_layers(inputs[0], training)
             except (RuntimeError, ValueError, IndexError) as error:
-                raise StageError(self._input_message(micro_batch, inputs, error)) from error
+                message = input_message(
+                    stage=self.stage,
+                    layers=self.layers,
+                    first_kind=self.specs[0].kind,
+                    module=self.module,
+                    micro_batch=micro_batch,
+                    inputs=inputs,
+                    error=error,
+                )
+                raise StageError(message) from error
             finally:
                 self._capture = None
             if self.is_last:
@@ -361,7 +343,7 @@ class PipelineStage:
         """
         if self._fused_weight_grads:
             input_grads = self.backward(micro_batch, output_grads)
-            self._pending_w[micro_batch] = _PendingWeightGrad([])
+            self._pending_w[micro_batch] = PendingWeightGrad([])
             self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
             return input_grads
         state = self._pop(micro_batch)
@@ -386,9 +368,9 @@ class PipelineStage:
             )
         cut = len(wanted) + len(nodes)
         input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
-        _accumulate(eager, found[cut:])
+        accumulate(eager, found[cut:])
         self._fold_gradients()
-        self._pending_w[micro_batch] = _PendingWeightGrad(
+        self._pending_w[micro_batch] = PendingWeightGrad(
             [
                 (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
                 for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
@@ -399,98 +381,18 @@ class PipelineStage:
         return tuple(g for g in input_grads if g is not None)
 
     def backward_weight(self, micro_batch: int) -> None:
-        """The W half: each Linear's parameter gradients from its output's gradient.
-
-        Modules go last-to-first, the order a fused backward reaches them; in fp32 each is the
-        very GEMM autograd would run (same operands, same bits), otherwise one autograd call
-        that stops at the module's own parameters, so no gradient flows twice.
-        """
+        """The W half: each Linear's parameter gradients from its output's gradient
+        (`run_weight_grads`)."""
         pending = self._pending_w.pop(micro_batch, None)
         if pending is None:
             raise StageError(
                 f"stage {self.stage} has no input-gradient state for micro-batch {micro_batch}: "
                 "the schedule runs its W before its I or twice"
             )
-        for module, x, out, grad in reversed(pending.nodes):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if out is None:
-                assert isinstance(module, nn.Linear), "only Linears defer their W without graph"
-                values = _linear_weight_grads(module, x, grad)
-            else:
-                values = list(torch.autograd.grad(out, params, grad))
-            masters = params if self._copies is None else [self._copies.master(p) for p in params]
-            _accumulate(masters, values)
+        run_weight_grads(pending, None if self._copies is None else self._copies.master)
         self._fold_gradients()
-
-    def _input_message(
-        self, micro_batch: int, inputs: tuple[torch.Tensor, ...], error: Exception
-    ) -> str:
-        """What failed, on what input, and the likely cause: the batch on the first stage, the
-        layer list's boundary shapes on the others."""
-        first = self.layers.start
-        shapes = [tuple(t.shape) for t in inputs]
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in inputs]
-        failed = (
-            f"stage {self.stage} (layers [{first}, {self.layers.stop}), first layer "
-            f"{self.specs[0].kind}) failed on micro-batch {micro_batch} with inputs of shapes "
-            f"{shapes} and dtypes {dtypes}: {error}."
-        )
-        if not self.is_first:
-            return (
-                f"{failed} If the shapes disagree with what layer {first} expects, the layer "
-                "list's stages disagree on the activation shape at this boundary"
-            )
-        tokens = inputs[0]
-        vocab = [m.num_embeddings for m in self.module.modules() if isinstance(m, nn.Embedding)]
-        if vocab and not tokens.is_floating_point() and tokens.numel():
-            low, high = int(tokens.min()), int(tokens.max())
-            if low < 0 or high >= vocab[0]:
-                return (
-                    f"{failed} The batch holds token ids in [{low}, {high}] but the model's "
-                    f"vocabulary has {vocab[0]}: ids must lie in [0, {vocab[0] - 1}] (tokenize "
-                    "with the model's tokenizer, or pick a model with a larger vocabulary)"
-                )
-        return (
-            f"{failed} This stage's input is the batch itself: check its dtype (integer token "
-            "ids for an embedding), its shape (batch, sequence) and its sequence length"
-        )
 
 
 def _tensor(out: torch.Tensor | GradientEdge) -> torch.Tensor:
     assert isinstance(out, torch.Tensor), "only fp32 records a Linear output by its edge"
     return out
-
-
-def _accumulate(params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
-    """Add each value to its parameter's `.grad` as autograd's AccumulateGrad would (a
-    low-precision copy's gradient widened by the add, as `WeightCopies` does), or into its
-    fp32 `main_grad` under ZeRO (`engine.parallel`)."""
-    for param, value in zip(params, values, strict=True):
-        if value is None:
-            continue
-        main = getattr(param, "main_grad", None)  # ZeRO's fp32 accumulation buffer
-        if main is not None:
-            main.add_(local_gradient(param, value))
-            continue
-        value = as_gradient_of(param, value)
-        if param.grad is None:
-            param.grad = value.to(param.dtype)
-        else:
-            param.grad += value
-
-
-def _linear_weight_grads(
-    module: nn.Linear, x: torch.Tensor, grad: torch.Tensor
-) -> list[torch.Tensor]:
-    """A Linear's weight (and bias) gradient as the GEMM autograd runs: gᵀ·x (and Σ g).
-
-    The same kernels on the same operands as autograd's AddmmBackward, so the same bits,
-    without an autograd call per module (the W pass's main overhead).
-    """
-    weight = local_tensor(module.weight)  # a tp shard's GEMM is on local tensors
-    out_features, in_features = weight.shape
-    g2d = local_tensor(grad).reshape(-1, out_features)
-    values = [g2d.t().mm(local_tensor(x.detach()).reshape(-1, in_features))]
-    if module.bias is not None and module.bias.requires_grad:
-        values.append(g2d.sum(0))
-    return values

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import engine.plan.profile
-import engine.runtime.stage
+import engine.runtime.weight_grads
 from engine.cli.main import main
 from engine.plan.profile import measured_split_forward, profile_stage_costs, stage_profile_bytes
 from engine.runtime.stage import PipelineStage
@@ -100,14 +100,14 @@ def test_each_stage_is_built_once_and_its_w_runs_the_deferred_gemms(
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             built.append(self.stage)
 
-    linear_grads = engine.runtime.stage._linear_weight_grads
+    linear_grads = engine.runtime.weight_grads.linear_weight_grads
 
     def counted(*args: object) -> list[torch.Tensor]:
         gemms.append(1)
         return linear_grads(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine.plan.profile, "PipelineStage", Counted)
-    monkeypatch.setattr(engine.runtime.stage, "_linear_weight_grads", counted)
+    monkeypatch.setattr(engine.runtime.weight_grads, "linear_weight_grads", counted)
     specs, partition = _partition("llama-tiny", 2, 32)
     profile_stage_costs(specs, partition, seq_len=32, repeats=2)
     assert built == [0, 1]
