@@ -29,7 +29,7 @@ from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import LossScaler, step_casts
 from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
-from engine.runtime.step_stats import StepStats, pipeline_bubble
+from engine.runtime.step_stats import StepStats, published_figures
 from engine.runtime.wiring import (
     OptimizerFactory,
     build_exchange,
@@ -40,6 +40,7 @@ from engine.runtime.wiring import (
     build_reports,
     build_stages,
     build_ties,
+    check_layout,
 )
 from engine.schedule.actions import split_units
 from engine.schedule.delivery import released_at
@@ -77,7 +78,7 @@ class PipelineEngine:
         (the mesh is then this replica's alone, dp = 1)."""
         self.replica_sync = replica_sync or ReplicaSync()
         """How this stage's replicas stay together: every step, or every H steps."""
-        _check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options)
+        check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
         self.schedule, self.eval_schedule = lowered_schedules(
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
@@ -184,7 +185,13 @@ class PipelineEngine:
         norm, skipped = self._check_gradients(loss)
         if self.replicas is not None and not self.replicas.commit():
             skipped = True  # torchft refused the step (a peer failed): nobody steps
-        figures = self._publish(busy, step_s, norm=norm)
+        figures = published_figures(
+            busy,
+            step_s,
+            norm=norm,
+            local_norms=self.gradients.local_norms,
+            publish=self.reports.publish if self.mesh.pp > 1 else None,
+        )
         scale = self._optimizer_step(skipped)
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
         phases += self._meet(origin)
@@ -263,28 +270,6 @@ class PipelineEngine:
         if not self.ties.sum_gradients():
             return []
         return [("tied sum", start - origin, time.perf_counter() - origin)]
-
-    def _publish(
-        self, busy: float, step_s: float, *, norm: float | None
-    ) -> Callable[[], tuple[float, float]]:
-        """Send (busy, step seconds, per-parameter gradient norms unless `norm` is known) to
-        the pipeline peers; the result resolves (bubble, global norm) once theirs arrived."""
-        mine = torch.tensor([busy, step_s], dtype=torch.float64)
-        if norm is None:
-            norms = self.gradients.local_norms()
-            mine = torch.cat([mine, norms.cpu().to(torch.float64)])
-        gather = self.reports.publish(mine) if self.mesh.pp > 1 else lambda: mine[None]
-
-        @functools.cache
-        def figures() -> tuple[float, float]:
-            every = gather()
-            bubble = pipeline_bubble(every[:, 0].tolist(), every[:, 1].tolist())
-            if norm is not None:
-                return bubble, norm
-            total = every[:, 2:].sum(0).to(torch.float32)
-            return bubble, float(torch.linalg.vector_norm(total, 2.0))
-
-        return figures
 
     def eval_step(
         self,
@@ -430,31 +415,3 @@ class PipelineEngine:
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.close(wait_for_peers=kind is None)  # after a failure a peer may never arrive
-
-
-def _check_layout(
-    specs: Sequence[LayerSpec],
-    mesh: Mesh,
-    partition: Partition,
-    micro_batches: int,
-    stages_per_rank: int,
-    options: EngineOptions,
-) -> None:
-    if options.sequence_parallel and mesh.tp == 1:
-        raise ValueError(
-            "sequence_parallel=True splits the sequence over the tensor-parallel ranks of each "
-            "stage, but the mesh has tp=1: use a mesh with tp > 1, or sequence_parallel=False"
-        )
-    if partition.num_layers != len(specs):
-        raise ValueError(
-            f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
-            "partition this model's layer list"
-        )
-    if partition.num_stages != mesh.pp * stages_per_rank:
-        raise ValueError(
-            f"the partition has {partition.num_stages} stages but the mesh has pp={mesh.pp} "
-            f"pipeline ranks × {stages_per_rank} stages per rank: partition into "
-            f"{mesh.pp * stages_per_rank} stages"
-        )
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches} must be at least 1")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.runtime.interpreter import ActionTiming
 
-__all__ = ["StepStats", "pipeline_bubble"]
+__all__ = ["StepStats", "pipeline_bubble", "published_figures"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,3 +72,31 @@ def pipeline_bubble(busy: Sequence[float], step_s: Sequence[float]) -> float:
     """1 - sum(busy) / (ranks · slowest step): the idle share of the pipeline's ranks."""
     slowest = max(step_s)
     return 1.0 - sum(busy) / (len(busy) * slowest) if slowest > 0 else 0.0
+
+
+def published_figures(
+    busy: float,
+    step_s: float,
+    *,
+    norm: float | None,
+    local_norms: Callable[[], torch.Tensor],
+    publish: Callable[[torch.Tensor], Callable[[], torch.Tensor]] | None,
+) -> Callable[[], tuple[float, float]]:
+    """Send (busy, step seconds, per-parameter gradient norms unless `norm` is known) to the
+    pipeline peers (`publish`; None without any); the result resolves (bubble, global norm)
+    once theirs arrived, so no step waits for its peers' figures."""
+    mine = torch.tensor([busy, step_s], dtype=torch.float64)
+    if norm is None:
+        mine = torch.cat([mine, local_norms().cpu().to(torch.float64)])
+    gather = publish(mine) if publish is not None else lambda: mine[None]
+
+    @functools.cache
+    def figures() -> tuple[float, float]:
+        every = gather()
+        bubble = pipeline_bubble(every[:, 0].tolist(), every[:, 1].tolist())
+        if norm is not None:
+            return bubble, norm
+        total = every[:, 2:].sum(0).to(torch.float32)
+        return bubble, float(torch.linalg.vector_norm(total, 2.0))
+
+    return figures

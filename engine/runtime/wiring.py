@@ -43,6 +43,7 @@ __all__ = [
     "build_reports",
     "build_stages",
     "build_ties",
+    "check_layout",
 ]
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -269,3 +270,32 @@ def build_optimizer(
             "optimizer=OptimizerSpec(...), or zero=0 with the factory"
         )
     return optimizer(module), None
+
+
+def check_layout(
+    specs: Sequence[LayerSpec],
+    mesh: Mesh,
+    partition: Partition,
+    micro_batches: int,
+    stages_per_rank: int,
+    options: EngineOptions,
+) -> None:
+    """A layout the engine cannot run, refused by name before any group is made."""
+    if options.sequence_parallel and mesh.tp == 1:
+        raise ValueError(
+            "sequence_parallel=True splits the sequence over the tensor-parallel ranks of each "
+            "stage, but the mesh has tp=1: use a mesh with tp > 1, or sequence_parallel=False"
+        )
+    if partition.num_layers != len(specs):
+        raise ValueError(
+            f"the partition covers {partition.num_layers} layers but the model has {len(specs)}: "
+            "partition this model's layer list"
+        )
+    if partition.num_stages != mesh.pp * stages_per_rank:
+        raise ValueError(
+            f"the partition has {partition.num_stages} stages but the mesh has pp={mesh.pp} "
+            f"pipeline ranks × {stages_per_rank} stages per rank: partition into "
+            f"{mesh.pp * stages_per_rank} stages"
+        )
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be at least 1")
