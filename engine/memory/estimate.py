@@ -16,9 +16,9 @@ import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from engine.config import format_size, replace_flat, require
-from engine.memory.fitting import fitting_partition, least_memory_partition, stage_needs
+from engine.config import require
 from engine.memory.memory_config import DEVICE_MODELS, MemoryConfig
+from engine.memory.memory_partition import replayed_fitting_partition
 from engine.memory.replay import (
     StageShape,
     backward_styles,
@@ -59,9 +59,6 @@ __all__ = [
     "stage_trace_request",
     "trace_requests",
 ]
-
-_FITTING_ROUNDS = 4
-"""`--partition memory`: splits tried, each corrected by the replay of the one before."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,53 +192,13 @@ def _partition(config: MemoryConfig, specs: Sequence[LayerSpec], schedule: Sched
             batch_size=config.micro_batch_size,
             seq_len=config.batch.seq_len,
         )
-    require(
-        config.engine.recompute_stages is None,
-        "--partition memory with --recompute-stages: the split is chosen for one recompute "
-        "policy on every stage; give --recompute alone",
-    )
-    require(
-        config.engine.zero_reshard_stages is None,
-        "--partition memory with --zero-reshard-stages: the split is chosen for one reshard "
-        "mode on every stage; give --zero-reshard alone",
-    )
-    budget = config.partition.budget
-    assert budget is not None  # PartitionConfig requires it with `memory`
-    shape = stage_shape(config, 0)
-    needs = stage_needs(
+    return replayed_fitting_partition(
+        config,
         specs,
         schedule,
-        shape,
-        device=config.device,
-        dp=config.parallel.dp,
-        zero=config.engine.zero,
+        shape=stage_shape(config, 0),
+        rank_peaks=lambda chosen: estimate_memory(chosen).rank_peaks,
     )
-    extra = [0] * schedule.num_stages
-    for _ in range(_FITTING_ROUNDS):
-        try:
-            partition = fitting_partition(
-                specs, needs, schedule.num_stages, budget=budget, shape=shape, extra=extra
-            )
-        except ValueError:  # by the sums; the replay of the leanest split may disagree
-            partition = least_memory_partition(
-                specs, needs, schedule.num_stages, shape=shape, extra=extra
-            )
-        chosen = replace_flat(config, partition=_boundaries(partition), device_memory=None)
-        exact = estimate_memory(chosen)
-        if exact.peak <= budget:
-            return partition
-        for stage, peak in enumerate(exact.rank_peaks):
-            layers = partition.layers_of(stage)
-            extra[stage] = peak - needs(stage, layers.start, layers.stop)
-    raise ValueError(
-        f"--partition memory: no split fits {format_size(budget)} per device (the leanest found "
-        f"peaks at {format_size(exact.peak)} in the replay): add pipeline stages, recompute or "
-        "shard, or give a larger --device-memory"
-    )
-
-
-def _boundaries(partition: Partition) -> str:
-    return "boundaries:" + ",".join(map(str, partition.boundaries))
 
 
 @functools.lru_cache(maxsize=8)
