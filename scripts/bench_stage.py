@@ -20,7 +20,6 @@ import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -174,30 +173,18 @@ def measure_stage(
     else:
         shape = (micro_batch_size, seq_len, first.config.d_model)
         sample = torch.randn(shape, device=target, dtype=compute_dtype(precision))
-    clock = step_clock(target)
-    marks = []
     if target.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target)
-    for step in range(warmup + steps):
-        shared = {
-            "step": stage.step_scope,
-            "autocast-step": partial(step_casts, precision, target),
-        }.get(casts, contextlib.nullcontext)
-        with shared():
-            for k in range(micro_batches):
-                x = sample if first.input_kind == "tokens" else sample.detach().requires_grad_()
-                start = clock.mark()
-                out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
-                middle = clock.mark()
-                grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
-                if split:
-                    stage.backward_input(k, grads)
-                    stage.backward_weight(k)
-                else:
-                    stage.backward(k, grads)
-                if step >= warmup:
-                    marks.append((start, middle, clock.mark()))
-    forward, backward = _medians(clock, marks, micro_batches)
+    forward, backward = _time_stage(
+        stage,
+        sample,
+        tokens,
+        casts=casts,
+        split=split,
+        steps=steps,
+        warmup=warmup,
+        micro_batches=micro_batches,
+    )
     flops = 3 * sum(specs[i].forward_flops(micro_batch_size, seq_len) for i in chosen)
     achieved = flops / (forward + backward)
     peak = peak or peak_tflops(target, precision)
@@ -223,6 +210,50 @@ def measure_stage(
             torch.cuda.max_memory_allocated(target) / 2**30 if target.type == "cuda" else None
         ),
     )
+
+
+def _time_stage(
+    stage: PipelineStage,
+    sample: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    casts: str,
+    split: bool,
+    steps: int,
+    warmup: int,
+    micro_batches: int,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of one micro-batch (`_medians`), the step's
+    micro-batches sharing its weight casts as `casts` says."""
+    tokens_in = not sample.is_floating_point()
+    clock = step_clock(stage.device)
+    marks = []
+    for step in range(warmup + steps):
+        with _cast_scope(stage, casts):
+            for k in range(micro_batches):
+                x = sample if tokens_in else sample.detach().requires_grad_()
+                start = clock.mark()
+                out = stage.forward(k, (x,), targets=tokens if stage.is_last else None)
+                middle = clock.mark()
+                grads = () if stage.is_last else tuple(torch.ones_like(o) for o in out)
+                if split:
+                    stage.backward_input(k, grads)
+                    stage.backward_weight(k)
+                else:
+                    stage.backward(k, grads)
+                if step >= warmup:
+                    marks.append((start, middle, clock.mark()))
+    return _medians(clock, marks, micro_batches)
+
+
+def _cast_scope(stage: PipelineStage, casts: str) -> contextlib.AbstractContextManager[None]:
+    """One step's weight casts: the engine's copies, autocast's cache kept over the step, or
+    (micro-batch) autocast's own per forward."""
+    if casts == "step":
+        return stage.step_scope()
+    if casts == "autocast-step":
+        return step_casts(stage.precision, stage.device)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -296,7 +327,7 @@ def measure_runtime_overhead(
     )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-bench", choices=sorted(MODEL_CONFIGS))
     parser.add_argument(
@@ -344,6 +375,11 @@ def main() -> None:
         "bare stage: what the runtime adds per micro-batch",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.compile and args.split:
         parser.error("--compile hides the Linears whose weight gradients --split defers: drop one")
@@ -385,6 +421,11 @@ def main() -> None:
         extra = {} if overhead is None else {"runtime": asdict(overhead)}
         print(json.dumps({**asdict(result), **extra}))
         return
+    _print_table(result, overhead)
+
+
+def _print_table(result: StageResult, overhead: RuntimeOverhead | None) -> None:
+    """The result as one row of the BENCHMARKS.md table, then the runtime's overhead."""
     mfu = "–" if result.mfu is None else f"{result.mfu:.1%}"
     memory = "–" if result.peak_memory_gib is None else f"{result.peak_memory_gib:.1f}"
     mode = ("compiled" if result.compiled else "eager") + (", I + W" if result.split else "")
