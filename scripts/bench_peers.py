@@ -89,7 +89,9 @@ def _census(step: Any) -> dict[str, list[int]]:
     counts: dict[str, list[int]] = {}
 
     class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             out = func(*args, **(kwargs or {}))
             row = counts.setdefault(str(func), [0, 0])
             row[0] += 1
@@ -403,7 +405,7 @@ def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
     )
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
@@ -426,17 +428,13 @@ def main() -> None:
     parser.add_argument("--schedule", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.worker:
-        work = Path(args.work)
-        workers = {
-            "meshpipe": lambda: _meshpipe(work, args.model, args.schedule),
-            "torch": lambda: _torch_pipelining(work, args.model, args.schedule),
-            "deepspeed": lambda: _deepspeed(work, args.model),
-            "fairscale": lambda: _fairscale(work, args.model),
-            "single": lambda: _single(work, args.model, args.threads),
-        }
-        workers[args.worker]()
+        _work_as(args)
         return
     work = Path(args.work or ROOT / "runs" / "bench_peers" / args.model)
     shutil.rmtree(work, ignore_errors=True)
@@ -452,6 +450,26 @@ def main() -> None:
                 print(f"{name}: failed: {why}", file=sys.stderr)
             elif result:
                 rounds[name].append(result)
+    _print_tables(args, rounds, wanted)
+
+
+def _work_as(args: argparse.Namespace) -> None:
+    """One rank of one system (the command `_commands` launched it with)."""
+    work = Path(args.work)
+    workers = {
+        "meshpipe": lambda: _meshpipe(work, args.model, args.schedule),
+        "torch": lambda: _torch_pipelining(work, args.model, args.schedule),
+        "deepspeed": lambda: _deepspeed(work, args.model),
+        "fairscale": lambda: _fairscale(work, args.model),
+        "single": lambda: _single(work, args.model, args.threads),
+    }
+    workers[args.worker]()
+
+
+def _print_tables(
+    args: argparse.Namespace, rounds: dict[str, list[list[dict[str, Any]]]], wanted: list[str]
+) -> None:
+    """The table of every system's median round, the targets, each round and the census."""
     tokens = GLOBAL_BATCH * SEQ_LEN
     ok = {n: _median_round(r) for n, r in rounds.items() if r}
     fastest = _fastest(ok, "meshpipe")
