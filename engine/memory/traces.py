@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
-import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,6 +25,7 @@ from engine.memory.rank_states import fsdp_resizes, gathered_bytes
 from engine.memory.replay import StageRun, StageShape, build_stage, fake_parameters
 from engine.memory.trace_cache import load_trace, store_trace, trace_key
 from engine.memory.tracker import CUDA_BLOCK, MemoryTracker, Span, fake_device
+from engine.memory.workers import in_workers
 from engine.parallel import FullyShardedLayers
 from engine.runtime.sharded_stages import fully_shard_stages
 from engine.schedule.actions import Action, ActionKind, split_units
@@ -334,13 +331,11 @@ def trace_ahead(
     next free worker; else here, in turn. `progress(done, total)` after each.
 
     A search knows every trace it will ask for before it asks, each is independent of the
-    others, and a first search spends most of its time in them. Workers are forked, so not
-    off Linux, nor from a process in a process group (a child would share its sockets).
+    others, and a first search spends most of its time in them (`engine.memory.workers`).
     """
     missing = [request for request in dict.fromkeys(requests) if _held(request) is None]
     missing.sort(key=lambda r: len(r.specs), reverse=True)
-    workers = min(len(missing), _trace_workers())
-    made = _in_workers(missing, workers) if workers > 1 else map(_traced, missing)
+    made = in_workers(_traced, missing)
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
             _keep(request, trace)
@@ -348,35 +343,3 @@ def trace_ahead(
                 progress(done, len(missing))
     except BrokenProcessPool:
         return  # a worker died (out of memory?): `cached_trace` traces the rest here, when asked
-
-
-def _in_workers(requests: list[TraceRequest], workers: int) -> Iterator[StageTrace]:
-    """Each request's trace, in order, from a pool of forked workers; the ones not started are
-    cancelled if the caller stops (an error, Ctrl-C) instead of run to the end."""
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-    try:
-        yield from pool.map(_traced, requests)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-_MOST_WORKERS = 8
-"""Workers `trace_ahead` starts unless told otherwise: each forked worker comes to own a
-copy of the pages of the search it touches, and a search rarely has more long traces."""
-
-
-def _trace_workers() -> int:
-    """Worker processes for `trace_ahead`: `MESHPIPE_TRACE_WORKERS`, else the cores this
-    process may run on, at most `_MOST_WORKERS`; 1 (none) off Linux or inside a process
-    group."""
-    if sys.platform != "linux" or dist.is_initialized():
-        return 1
-    chosen = os.environ.get("MESHPIPE_TRACE_WORKERS")
-    if chosen:
-        require(
-            chosen.isdigit() and int(chosen) >= 1,
-            f"MESHPIPE_TRACE_WORKERS={chosen!r} is not a whole number of processes (1 or more; "
-            "1 traces in this process only)",
-        )
-        return int(chosen)
-    return min(len(os.sched_getaffinity(0)), _MOST_WORKERS)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
@@ -15,6 +16,7 @@ from engine.memory.states import StateLayout
 from engine.memory.trace_cache import load_payload, store_payload, trace_key
 from engine.memory.traces import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
+from engine.memory.workers import in_workers
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
 from engine.plan.counts import (
@@ -33,7 +35,7 @@ from engine.schedule.schedule import stages_by_rank
 from models import LayerSpec, get_config, layer_specs
 from partitioners import Partition, partition_model
 
-__all__ = ["FLOOR_ROUNDS", "SAMPLED", "Pipeline", "SearchContext"]
+__all__ = ["FLOOR_ROUNDS", "SAMPLED", "CountKey", "Pipeline", "SearchContext"]
 
 SAMPLED = (3, 4)
 """Beyond 4 micro-batches per pipeline rank, a schedule is built and simulated with 3 and 4
@@ -45,6 +47,28 @@ FLOOR_ROUNDS = {"interleaved_1f1b": 2, "dualpipe_v": 2}
 """Micro-batches per rank from which a schedule's in-flight counts only grow with more (1
 elsewhere): interleaved 1F1B at one per rank runs as GPipe, DualPipeV needs two. Tested for
 every schedule (`test_counts_grow_with_the_micro_batches_from_the_floor_rounds`)."""
+
+
+CountKey = tuple[str, int, int, int]
+"""A schedule whose in-flight counts the search reads: (name, pp, micro-batches, v)."""
+
+
+def _lengths(pp: int, m: int) -> tuple[int, ...]:
+    """The lengths a pipeline of `m` micro-batches is counted and simulated at: its own, or
+    the two `SAMPLED` ones it is extended from."""
+    return (m,) if m <= SAMPLED[1] * pp else tuple(k * pp for k in SAMPLED)
+
+
+def _fewest(c: Candidate) -> int:
+    """The candidate's fewest micro-batches (`FLOOR_ROUNDS` per rank), whose counts bound its
+    own from below."""
+    return FLOOR_ROUNDS.get(c.schedule, 1) * c.mesh.pp
+
+
+def _count_in_worker(key: CountKey) -> StageCounts:
+    """One schedule's counts, in a worker (`SearchContext.count_ahead`)."""
+    name, pp, m, v = key
+    return stage_counts(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
 
 
 def _extend(low: Sequence[int], high: Sequence[int], m: int, pp: int) -> tuple[int, ...]:
@@ -129,11 +153,12 @@ class SearchContext:
         self.params = tuple(spec.num_parameters() for spec in self.specs)
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
+        self._counted: dict[CountKey, StageCounts] = {}
 
     @functools.cache  # noqa: B019 (one search, then dropped)
     def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:
         placement = own_placement(name, pp, v)
-        if m <= SAMPLED[1] * pp:
+        if _lengths(pp, m) == (m,):
             counts = self.counts(name, pp, m, v)
             return Pipeline(
                 name=name, micro_batches=m, placement=placement, lengths=(m,), counts=counts
@@ -154,19 +179,56 @@ class SearchContext:
             ),
         )
 
-    @functools.cache  # noqa: B019
     def counts(self, name: str, pp: int, m: int, v: int) -> StageCounts:
         """A schedule's in-flight counts, kept on disk beside the traces (`store_payload`):
         they follow from the code alone, and counting a 405b search's schedules takes
         seconds. A stored payload that does not read back is counted again."""
-        key = trace_key("stage_counts", name, pp, m, v)
-        stored = load_payload(key, "counts")
+        key = (name, pp, m, v)
+        known = self._counted.get(key) or self._stored(key)
+        if known is None:
+            known = stage_counts(self.built(name, pp, m, v))
+            store_payload(trace_key("stage_counts", *key), "counts", counts_payload(known))
+        self._counted[key] = known
+        return known
+
+    def _stored(self, key: CountKey) -> StageCounts | None:
+        stored = load_payload(trace_key("stage_counts", *key), "counts")
         if stored is not None:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 return counts_from_payload(stored)
-        counts = stage_counts(self.built(name, pp, m, v))
-        store_payload(key, "counts", counts_payload(counts))
-        return counts
+        return None
+
+    def count_ahead(
+        self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None
+    ) -> None:
+        """Count the schedules of `keys` neither held nor on disk at once, in worker processes
+        where the machine has the cores (`engine.memory.workers`), longest first: a first
+        405b search counts hundreds of schedules of up to 100k actions, each on its own."""
+        missing = []
+        for key in dict.fromkeys(k for k in keys if k not in self._counted):
+            stored = self._stored(key)
+            if stored is None:
+                missing.append(key)
+            else:
+                self._counted[key] = stored
+        missing.sort(key=lambda k: k[1] * k[2] * k[3], reverse=True)
+        try:
+            made = zip(missing, in_workers(_count_in_worker, missing), strict=True)
+            for done, (key, counts) in enumerate(made, start=1):
+                self._counted[key] = counts
+                store_payload(trace_key("stage_counts", *key), "counts", counts_payload(counts))
+                if progress is not None:
+                    progress(done, len(missing))
+        except BrokenProcessPool:
+            return  # a worker died (out of memory?): `counts` counts the rest here, when asked
+
+    def count_keys(self, c: Candidate) -> list[CountKey]:
+        """The schedules whose counts `pipeline` and `floor_pipeline` read for `c`."""
+        name, pp, v = c.schedule, c.mesh.pp, c.stages_per_rank
+        lengths = list(_lengths(pp, c.micro_batches))
+        if c.micro_batches > _fewest(c):
+            lengths += _lengths(pp, _fewest(c))
+        return [(name, pp, m, v) for m in lengths]
 
     @functools.cache  # noqa: B019
     def built(self, name: str, pp: int, m: int, v: int) -> Schedule:
@@ -201,10 +263,9 @@ class SearchContext:
     def floor_pipeline(self, c: Candidate) -> Pipeline | None:
         """The candidate's schedule at its fewest micro-batches (`FLOOR_ROUNDS` per rank),
         whose in-flight counts are at most its own; None where that is not fewer."""
-        fewest = FLOOR_ROUNDS.get(c.schedule, 1) * c.mesh.pp
-        if c.micro_batches <= fewest:
+        if c.micro_batches <= _fewest(c):
             return None
-        return self.schedule(c.schedule, c.mesh.pp, fewest, c.stages_per_rank)
+        return self.schedule(c.schedule, c.mesh.pp, _fewest(c), c.stages_per_rank)
 
     def layout(self, c: Candidate) -> StateLayout:
         """How the candidate's replica holds its model states."""

@@ -196,6 +196,10 @@ def screen_memory(state: SearchContext, progress: Progress | None = None) -> Mem
     candidates = all_candidates(state)
     _trace_ahead(state, candidates, progress)
     floored = sorted(((floor(state, c), c) for c in candidates), key=lambda x: x[0])
+    state.count_ahead(
+        (key for low, c in floored if low <= budget for key in state.count_keys(c)),
+        reporting(progress, "counting schedules"),
+    )
     fitted: list[Fitted] = []
     deferred: list[tuple[int, Candidate]] = []
     over, least = 0, math.inf

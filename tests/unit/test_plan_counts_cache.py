@@ -1,5 +1,6 @@
 """A schedule's in-flight counts kept on disk beside the traces (`SearchContext.counts`):
-read back as counted, found by a later search without building the schedule, checked."""
+read back as counted, found by a later search without building the schedule, checked; and
+counted ahead in worker processes (`SearchContext.count_ahead`), as a first search does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import engine.memory.workers
+from engine.config import ParallelConfig
+from engine.plan.candidates import Candidate
 from engine.plan.context import SearchContext
 from engine.plan.counts import counts_from_payload, counts_payload, stage_counts
 from engine.plan.request import PlanRequest
@@ -96,3 +100,71 @@ def test_a_simulation_builds_only_the_schedules_it_runs(
     (schedule,) = later.samples(pipeline)
     assert schedule == make_schedule("1f1b", num_ranks=2, micro_batches=4)
     assert len(on_disk) == 2
+
+
+def _refuse_building(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a schedule built in the asking process")
+
+    monkeypatch.setattr(_context, "make_schedule", refused)
+
+
+_KEYS = [("1f1b", 2, 4, 1), ("zb_v", 2, 6, 2), ("dualpipe_v", 4, 8, 2), ("v_min", 3, 9, 2)]
+
+
+def test_counts_made_ahead_in_workers_equal_those_counted_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
+    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "2")
+    here = SearchContext(_REQUEST)
+    expected = [here.counts(*key) for key in _KEYS]
+    ahead = SearchContext(_REQUEST)
+    reports: list[tuple[int, int]] = []
+    ahead.count_ahead(_KEYS, progress=lambda done, total: reports.append((done, total)))
+    assert reports == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    _refuse_building(monkeypatch)
+    assert [ahead.counts(*key) for key in _KEYS] == expected
+
+
+def test_counts_held_or_on_disk_are_not_counted_ahead(
+    on_disk: list[tuple[str, int, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "2")
+    first = SearchContext(_REQUEST)
+    first.count_ahead(_KEYS)
+    expected = [first.counts(*key) for key in _KEYS]
+
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a worker pool for counts already made")
+
+    monkeypatch.setattr(engine.memory.workers, "ProcessPoolExecutor", no_pool)
+    _refuse_building(monkeypatch)
+    first.count_ahead(_KEYS)  # held by this search
+    later = SearchContext(_REQUEST)
+    later.count_ahead(_KEYS + _KEYS)  # on disk
+    assert [later.counts(*key) for key in _KEYS] == expected
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "m"),
+    [("1f1b", 1, 2), ("1f1b", 1, 12), ("interleaved_1f1b", 2, 6), ("dualpipe_v", 2, 16)],
+)
+def test_a_candidates_count_keys_are_every_count_its_screen_reads(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, v: int, m: int
+) -> None:
+    """Its own length or its two samples, and its fewest micro-batches where fewer."""
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
+    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "1")
+    c = Candidate(
+        mesh=ParallelConfig(pp=2, dp=1, tp=1),
+        schedule=schedule,
+        stages_per_rank=v,
+        micro_batches=m,
+        micro_batch_size=1,
+    )
+    state = SearchContext(_REQUEST)
+    state.count_ahead(state.count_keys(c))
+    _refuse_building(monkeypatch)
+    state.pipeline(c)
+    state.floor_pipeline(c)

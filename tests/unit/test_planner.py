@@ -646,13 +646,14 @@ def test_a_search_reports_its_traces_and_simulations_as_it_goes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each kind of work counted up to its total: the screen's layer traces first (none held
-    yet), the simulations, the stage traces of the plans replayed."""
+    yet), its schedules' counts, the simulations, the stage traces of the plans replayed."""
     monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
     forget_traces()
     reports: list[tuple[str, int, int]] = []
     search(SMALL, progress=lambda what, done, total: reports.append((what, done, total)))
     kinds = list(dict.fromkeys(what for what, _, _ in reports))
-    assert kinds[:2] == ["tracing layers", "timing layouts"] and "tracing stages" in kinds
+    assert kinds[:3] == ["tracing layers", "counting schedules", "timing layouts"]
+    assert "tracing stages" in kinds
     for kind in kinds:
         counts = [(done, total) for what, done, total in reports if what == kind]
         assert counts[-1][0] == counts[-1][1] and all(d <= t for d, t in counts)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+import engine.memory.workers
 from engine.memory.fitting import layer_requests
 from engine.memory.replay import StageShape
 from engine.memory.traces import TraceRequest, cached_trace, forget_traces, trace_ahead
@@ -71,7 +72,7 @@ def test_traces_held_already_fork_no_workers(fresh: None, monkeypatch: pytest.Mo
     def no_pool(*args: object, **kwargs: object) -> None:
         raise AssertionError("a worker pool for traces already held")
 
-    monkeypatch.setattr(_traces, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(engine.memory.workers, "ProcessPoolExecutor", no_pool)
     trace_ahead(requests + requests)
 
 

@@ -1,0 +1,59 @@
+"""Independent pure work spread over forked worker processes: a first search's traces
+(`engine.memory.traces.trace_ahead`) and schedule counts (`engine.plan.context`).
+
+Workers are forked, so they start with the caller's imports and state; not off Linux, nor
+from a process in a process group (a child would share its sockets).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from engine.config import require
+
+__all__ = ["in_workers", "worker_count"]
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
+
+_MOST_WORKERS = 8
+"""Workers started unless told otherwise: each forked worker comes to own a copy of the
+pages of the search it touches, and a search rarely has more long pieces of work."""
+
+
+def worker_count() -> int:
+    """Worker processes to use: `MESHPIPE_TRACE_WORKERS`, else the cores this process may run
+    on, at most `_MOST_WORKERS`; 1 (none) off Linux or inside a process group."""
+    if sys.platform != "linux" or dist.is_initialized():
+        return 1
+    chosen = os.environ.get("MESHPIPE_TRACE_WORKERS")
+    if chosen:
+        require(
+            chosen.isdigit() and int(chosen) >= 1,
+            f"MESHPIPE_TRACE_WORKERS={chosen!r} is not a whole number of processes (1 or more; "
+            "1 works in this process only)",
+        )
+        return int(chosen)
+    return min(len(os.sched_getaffinity(0)), _MOST_WORKERS)
+
+
+def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Iterator[_Out]:
+    """`work` of each item, in order: in forked workers where there are cores and more than
+    one item, else here in turn. Items not started are cancelled if the caller stops (an
+    error, Ctrl-C) instead of run to the end. A worker that dies raises `BrokenProcessPool`."""
+    workers = min(len(items), worker_count())
+    if workers <= 1:
+        yield from map(work, items)
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    try:
+        yield from pool.map(work, items)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
