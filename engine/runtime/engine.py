@@ -84,6 +84,18 @@ class PipelineEngine:
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
         self.split_units = split_units(self.schedule.rows[mesh.pp_rank])
+        self.closed = False
+        self._wire_pipeline(specs, partition, seed=seed, loss_fn=loss_fn)
+        self._wire_replicas(specs, partition, optimizer)
+        self.scaler = LossScaler.of(self.options)
+        self.skipped_steps = 0
+        self._previous_figures: Callable[[], tuple[float, float]] | None = None
+
+    def _wire_pipeline(
+        self, specs: Sequence[LayerSpec], partition: Partition, *, seed: int, loss_fn: LossFn
+    ) -> None:
+        """This rank's stages and what they exchange over the pipeline."""
+        mesh, timeout_s = self.mesh, self.timeout_s
         self.stages, self.fsdp = build_stages(
             specs,
             partition,
@@ -97,7 +109,6 @@ class PipelineEngine:
         """This rank's stages; `fsdp`: under ZeRO-3 their layers, each fully sharded over
         the stage's replicas."""
         self.module = nn.ModuleList(stage.module for stage in self.stages.values())
-        self.closed = False
         self.channels = new_pipeline_channels(self.schedule, mesh, timeout_s=timeout_s)
         """The process groups this rank's pipeline traffic travels over (one per edge)."""
         self.exchange = build_exchange(self.channels, self.schedule, mesh, timeout_s=timeout_s)
@@ -109,6 +120,15 @@ class PipelineEngine:
         """Each tp rank exchanges 1/tp of every boundary tensor (None without tp, and under
         sequence parallelism, where each rank's stage output is its sequence shard already)."""
         self.reports = build_reports(self.channels, self.schedule, mesh, timeout_s=timeout_s)
+
+    def _wire_replicas(
+        self,
+        specs: Sequence[LayerSpec],
+        partition: Partition,
+        optimizer: OptimizerFactory | OptimizerSpec | None,
+    ) -> None:
+        """What keeps the stages' replicas and tied weights together, and the optimizer."""
+        mesh, replicas = self.mesh, self.replicas
         self._dp_reduce = BucketedAllReduce(
             list(self.module.parameters()),
             mesh.dp_group,
@@ -117,7 +137,12 @@ class PipelineEngine:
         self.meetings = build_meetings(self.module, mesh, self.replica_sync, self.options)
         """Semi-synchronous replicas (local SGD, DiLoCo): their meetings (None every step)."""
         self.ties = build_ties(
-            self.stages, specs, partition, schedule=self.schedule, mesh=mesh, timeout_s=timeout_s
+            self.stages,
+            specs,
+            partition,
+            schedule=self.schedule,
+            mesh=mesh,
+            timeout_s=self.timeout_s,
         )
         self.optimizer, self.sharded = build_optimizer(optimizer, self.module, mesh, self.options)
         """`sharded`: ZeRO-1/2's flat buffers, sharded masters and their optimizer."""
@@ -127,16 +152,13 @@ class PipelineEngine:
             mesh,
             self.replica_sync,
             options=self.options,
-            timeout_s=timeout_s,
+            timeout_s=self.timeout_s,
         )
         """--dp-sync parameter-server: this rank's side of its stage's server (else None)."""
-        self._previous_figures: Callable[[], tuple[float, float]] | None = None
         self.gradients = build_gradients(
             self.module, specs, mesh, options=self.options, sharded=self.sharded,
             fsdp=self.fsdp is not None,
         )  # fmt: skip
-        self.scaler = LossScaler.of(self.options)
-        self.skipped_steps = 0
 
     @property
     def is_first(self) -> bool:
