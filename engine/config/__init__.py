@@ -11,6 +11,7 @@ from engine.config.engine_options import (
     ZERO_LEVELS,
     ZERO_RESHARDS,
     EngineOptions,
+    check_tp_optimizer,
     check_zero_optimizer,
     recompute_groups,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "check_fault_tolerance",
     "check_layout",
     "check_replica_sync",
+    "check_tp_optimizer",
     "check_zero_optimizer",
     "flat_fields",
     "format_size",

@@ -86,6 +86,25 @@ def check_zero_optimizer(zero: int, impl: str, world_size: int | None = None) ->
     )
 
 
+def check_tp_optimizer(tp: int, zero: int, name: str, impl: str) -> None:
+    """What a tensor-parallel stage's optimizer can step (a ValueError naming the fix): its
+    parameters are DTensor shards, except under ZeRO-1/2, whose flat buffers are plain."""
+    if tp == 1 or zero in (1, 2):
+        return
+    require(
+        impl != "deepspeed_cpu",
+        f"--tp {tp} with --optimizer-impl deepspeed_cpu: DeepSpeed's CPU Adam "
+        "updates plain tensors, not the DTensor shards of a tensor-parallel stage; use "
+        "--optimizer-impl fused or per_tensor, --zero 1 or 2 (flat buffers), or --tp 1",
+    )
+    require(
+        not (name == "sgd" and impl == "fused"),
+        f"--tp {tp} with --optimizer sgd --optimizer-impl fused: torch's fused "
+        "SGD kernel cannot update DTensor shards; use --optimizer-impl per_tensor (or "
+        "adamw, whose fused kernel can), --zero 1 or 2 (flat buffers), or --tp 1",
+    )
+
+
 def _stages_text(stages: tuple[int, ...]) -> str:
     return ",".join(map(str, stages))
 

@@ -31,6 +31,7 @@ from engine.config import (
     check_fault_tolerance,
     check_layout,
     check_replica_sync,
+    check_tp_optimizer,
     check_zero_optimizer,
     flat_fields,
     from_flat,
@@ -82,20 +83,8 @@ class TrainConfig:
         check_budget(self.partition, self.engine)
         world = self.parallel.pp * self.parallel.dp
         check_zero_optimizer(self.engine.zero, self.optimizer.impl, world)
-        flat = self.engine.zero in (1, 2)  # ZeRO-1/2 step plain flat shards, not DTensors
-        require(
-            self.parallel.tp == 1 or flat or self.optimizer.impl != "deepspeed_cpu",
-            f"--tp {self.parallel.tp} with --optimizer-impl deepspeed_cpu: DeepSpeed's CPU Adam "
-            "updates plain tensors, not the DTensor shards of a tensor-parallel stage; use "
-            "--optimizer-impl fused or per_tensor, --zero 1 or 2 (flat buffers), or --tp 1",
-        )
-        require(
-            self.parallel.tp == 1
-            or flat
-            or not (self.optimizer.name == "sgd" and self.optimizer.impl == "fused"),
-            f"--tp {self.parallel.tp} with --optimizer sgd --optimizer-impl fused: torch's fused "
-            "SGD kernel cannot update DTensor shards; use --optimizer-impl per_tensor (or "
-            "adamw, whose fused kernel can), --zero 1 or 2 (flat buffers), or --tp 1",
+        check_tp_optimizer(
+            self.parallel.tp, self.engine.zero, self.optimizer.name, self.optimizer.impl
         )
         require(
             self.monitor.flops_profile_step <= self.run.steps,
