@@ -197,7 +197,6 @@ def _launch_replicas(config: TrainConfig, *, progress: bool) -> TrainResult:
 
 def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     from engine.comm.launch import is_launched
-    from engine.comm.mesh import launcher_world_size
     from engine.training.preflight import preflight, reshard_choice, with_reshard_choice
     from engine.training.workers import train_worker
 
@@ -219,22 +218,39 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
     elif ranks > 1 and not is_launched():
         result = _launch(config, progress=not args.no_progress)
     else:
-        if is_launched() and launcher_world_size() != ranks:
-            raise ValueError(
-                f"--pp {config.parallel.pp} × --dp {config.parallel.dp} × --tp "
-                f"{config.parallel.tp} = {ranks} ranks, but "
-                f"the launcher started {launcher_world_size()}: make them equal"
-            )
-        if is_launched() and config.run.max_restarts and int(os.environ.get("RANK", "0")) == 0:
-            print(
-                f"meshpipe: --max-restarts {config.run.max_restarts} is for meshpipe's own "
-                "launcher; under torchrun or deepspeed give the launcher's own (torchrun "
-                "--max-restarts)",
-                file=sys.stderr,
-            )
+        if is_launched():
+            _check_launcher(config)
         result = train_worker(config, not args.no_progress)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
+    _print_result(config, result)
+    return 0
+
+
+def _check_launcher(config: TrainConfig) -> None:
+    """Under torchrun or deepspeed: the launcher's world must be the mesh's, and restarts are
+    the launcher's to make."""
+    from engine.comm.mesh import launcher_world_size
+
+    ranks = config.parallel.world_size
+    if launcher_world_size() != ranks:
+        raise ValueError(
+            f"--pp {config.parallel.pp} × --dp {config.parallel.dp} × --tp "
+            f"{config.parallel.tp} = {ranks} ranks, but "
+            f"the launcher started {launcher_world_size()}: make them equal"
+        )
+    if config.run.max_restarts and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"meshpipe: --max-restarts {config.run.max_restarts} is for meshpipe's own "
+            "launcher; under torchrun or deepspeed give the launcher's own (torchrun "
+            "--max-restarts)",
+            file=sys.stderr,
+        )
+
+
+def _print_result(config: TrainConfig, result: TrainResult) -> None:
+    """The run's last line: its loss (and validation loss), speed and bubble; or why there
+    was nothing to train."""
     if not result.losses:
         more = (
             " with --resume-with-new-hparams (the learning rate schedule decays over --steps)"
@@ -245,10 +261,9 @@ def _train(config: TrainConfig, args: argparse.Namespace) -> int:
             f"nothing to train: the checkpoint is at step {result.first_step} and --steps is "
             f"{config.run.steps} (give a larger --steps{more} to train on)"
         )
-        return 0
+        return
     val = "" if result.val_loss is None else f", validation loss {result.val_loss:.4f}"
     print(
         f"final loss {result.final_loss:.4f}{val} after {config.run.steps} steps "
         f"({result.tokens_per_s:,.0f} tokens/s, bubble {result.mean_bubble:.1%})"
     )
-    return 0
