@@ -238,39 +238,53 @@ class PipelineStage:
             autocast(self.precision, self.device),
             document_scope(documents),
         ):
-            try:
-                out = self._run_layers(inputs[0], training)
-            except (RuntimeError, ValueError, IndexError) as error:
-                message = input_message(
-                    stage=self.stage,
-                    layers=self.layers,
-                    first_kind=self.specs[0].kind,
-                    module=self.module,
-                    micro_batch=micro_batch,
-                    inputs=inputs,
-                    error=error,
-                )
-                raise StageError(message) from error
-            finally:
-                self._capture = None
-            if self.is_last:
-                if targets is None:
-                    raise StageError(f"stage {self.stage} is last but got no targets")
-                with sharded_loss_scope(self.tensor_parallel):
-                    loss = self.loss_fn(out, targets)
-                root = (
-                    loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
-                )
-                outputs: tuple[torch.Tensor, ...] = (root,) if training else ()
-                result: tuple[torch.Tensor, ...] = (local_tensor(loss.detach()),)
-            else:
-                dtype = compute_dtype(self.precision)
-                out = out.to(dtype) if out.is_floating_point() else out
-                outputs = result = (out,)
+            out = self._run_checked(micro_batch, inputs, training)
+            outputs, result = self._outputs(out, targets, loss_divisor, loss_scale, training)
         if training:
             self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture, documents)
             self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
         return result
+
+    def _run_checked(
+        self, micro_batch: int, inputs: tuple[torch.Tensor, ...], training: bool
+    ) -> torch.Tensor:
+        """The stage's layers on the micro-batch; a failure says what the input was."""
+        try:
+            return self._run_layers(inputs[0], training)
+        except (RuntimeError, ValueError, IndexError) as error:
+            message = input_message(
+                stage=self.stage,
+                layers=self.layers,
+                first_kind=self.specs[0].kind,
+                module=self.module,
+                micro_batch=micro_batch,
+                inputs=inputs,
+                error=error,
+            )
+            raise StageError(message) from error
+        finally:
+            self._capture = None
+
+    def _outputs(
+        self,
+        out: torch.Tensor,
+        targets: torch.Tensor | None,
+        loss_divisor: int,
+        loss_scale: float,
+        training: bool,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(what the backward starts from, what the caller gets): the last stage's scaled loss
+        and its loss, the others' output in the compute dtype, twice."""
+        if not self.is_last:
+            dtype = compute_dtype(self.precision)
+            out = out.to(dtype) if out.is_floating_point() else out
+            return (out,), (out,)
+        if targets is None:
+            raise StageError(f"stage {self.stage} is last but got no targets")
+        with sharded_loss_scope(self.tensor_parallel):
+            loss = self.loss_fn(out, targets)
+        root = loss / loss_divisor if loss_scale == 1.0 else loss / loss_divisor * loss_scale
+        return ((root,) if training else ()), (local_tensor(loss.detach()),)
 
     def _check_sequence(self, micro_batch: int, tokens: torch.Tensor) -> None:
         """Sequence parallelism cuts the first stage's sequence into tp equal shards."""
