@@ -168,6 +168,11 @@ def stage_layers(
     """A stage's layers `indices` as its ranks hold them: `built` ones (split over `tp_mesh`
     here), or built and initialised on `device`, split before they get memory where there is
     a `tp_mesh`; either way gradients arriving at a split stage are sharded as its input."""
+    if sequence_parallel and tp_mesh is None:
+        raise ValueError(
+            "sequence_parallel=True splits the sequence over tensor-parallel ranks, but "
+            "the stage has none: use a mesh with tp > 1, or sequence_parallel=False"
+        )
     if tp_mesh is None:
         return build_layers(specs, indices, seed=seed, device=device) if built is None else built
     if built is None:

@@ -32,11 +32,16 @@ from models import LayerSpec, LayerStack, document_scope, lm_loss
 __all__ = ["PipelineStage", "StageError"]
 
 
+_Recorded = tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]
+"""A Linear recorded for its W: the module, its input, its output (or in fp32 its output's
+gradient edge, `PipelineStage._record_output`)."""
+
+
 @dataclass
 class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
-    weight_nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]]
+    weight_nodes: list[_Recorded]
     """(Linear, its input, its output) of every Linear, in forward order; in fp32 the output's
     gradient edge instead of the output itself (see `_record_output`)."""
     documents: torch.Tensor | None = None
@@ -70,11 +75,6 @@ class PipelineStage:
         stage's input and output are this rank's 1/tp of the sequence)."""
         self.stage, self.num_stages, self.layers = stage, num_stages, layers
         self.specs = [specs[i] for i in layers]
-        if sequence_parallel and tp_mesh is None:
-            raise ValueError(
-                "sequence_parallel=True splits the sequence over tensor-parallel ranks, but "
-                "the stage has none: use a mesh with tp > 1, or sequence_parallel=False"
-            )
         self.sequence_parallel = sequence_parallel
         self._tp = tp_mesh.size() if tp_mesh is not None else 1
         self.module = stage_layers(
@@ -100,9 +100,7 @@ class PipelineStage:
         ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, PendingWeightGrad] = {}
-        self._capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] | None = (
-            None
-        )
+        self._capture: list[_Recorded] | None = None
         self._hooks_on = False
         self._fused_weight_grads = False
         self._eager_modules: list[nn.Module] = []
@@ -229,7 +227,7 @@ class PipelineStage:
         document ids when documents are packed (`models.documents`).
         """
         self._check_sequence(micro_batch, inputs[0])
-        capture: list[tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]] = []
+        capture: list[_Recorded] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()

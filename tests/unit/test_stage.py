@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,3 +84,8 @@ def test_a_split_forward_keeps_what_a_fused_one_keeps_in_fp32() -> None:
         grads[split] = [p.grad for p in stage.module.parameters()]
     assert kept[True] == kept[False] > 0
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+
+
+def test_sequence_parallelism_without_tensor_parallel_ranks_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="sequence_parallel=True .* use a mesh with tp > 1"):
+        PipelineStage(SPECS, stage=1, layers=LAST, num_stages=2, seed=0, sequence_parallel=True)
