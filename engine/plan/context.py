@@ -184,19 +184,27 @@ class SearchContext:
         they follow from the code alone, and counting a 405b search's schedules takes
         seconds. A stored payload that does not read back is counted again."""
         key = (name, pp, m, v)
-        known = self._counted.get(key) or self._stored(key)
+        known = self._known(key)
         if known is None:
             known = stage_counts(self.built(name, pp, m, v))
-            store_payload(trace_key("stage_counts", *key), "counts", counts_payload(known))
-        self._counted[key] = known
+            self._keep(key, known)
         return known
 
-    def _stored(self, key: CountKey) -> StageCounts | None:
-        stored = load_payload(trace_key("stage_counts", *key), "counts")
-        if stored is not None:
+    def _known(self, key: CountKey) -> StageCounts | None:
+        """The counts this search holds, or the disk has (then held from now on), else None."""
+        known = self._counted.get(key)
+        if known is None:
+            stored = load_payload(trace_key("stage_counts", *key), "counts")
             with contextlib.suppress(KeyError, TypeError, ValueError):
-                return counts_from_payload(stored)
-        return None
+                known = None if stored is None else counts_from_payload(stored)
+            if known is not None:
+                self._counted[key] = known
+        return known
+
+    def _keep(self, key: CountKey, counts: StageCounts) -> None:
+        """Counts just made: held by this search and written to the disk cache."""
+        self._counted[key] = counts
+        store_payload(trace_key("stage_counts", *key), "counts", counts_payload(counts))
 
     def count_ahead(
         self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None
@@ -204,19 +212,12 @@ class SearchContext:
         """Count the schedules of `keys` neither held nor on disk at once, in worker processes
         where the machine has the cores (`engine.memory.workers`), longest first: a first
         405b search counts hundreds of schedules of up to 100k actions, each on its own."""
-        missing = []
-        for key in dict.fromkeys(k for k in keys if k not in self._counted):
-            stored = self._stored(key)
-            if stored is None:
-                missing.append(key)
-            else:
-                self._counted[key] = stored
+        missing = [key for key in dict.fromkeys(keys) if self._known(key) is None]
         missing.sort(key=lambda k: k[1] * k[2] * k[3], reverse=True)
         try:
             made = zip(missing, in_workers(_count_in_worker, missing), strict=True)
             for done, (key, counts) in enumerate(made, start=1):
-                self._counted[key] = counts
-                store_payload(trace_key("stage_counts", *key), "counts", counts_payload(counts))
+                self._keep(key, counts)
                 if progress is not None:
                     progress(done, len(missing))
         except BrokenProcessPool:
