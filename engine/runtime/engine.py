@@ -2,8 +2,8 @@
 
 The stage computes, the runtime interprets the schedule, the exchange moves tensors, the
 reducers sum gradients; the engine wires them together for one step (each part built by
-`engine.runtime.wiring`) and reports what it saw (loss on every rank, busy time, measured
-bubble, in-flight peak).
+`engine.runtime.wiring`, what follows the schedule run by `engine.runtime.step_end`) and
+reports what it saw (loss on every rank, busy time, measured bubble, in-flight peak).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import LossScaler, step_casts
 from engine.runtime.step import StepContext, StepRun
 from engine.runtime.step_clock import step_clock
+from engine.runtime.step_end import StepEnd
 from engine.runtime.step_stats import StepStats, published_figures
 from engine.runtime.wiring import (
     OptimizerFactory,
@@ -89,6 +90,21 @@ class PipelineEngine:
         self._wire_replicas(specs, partition, optimizer)
         self.scaler = LossScaler.of(self.options)
         self.skipped_steps = 0
+        self._end = StepEnd(
+            mesh=self.mesh,
+            options=self.options,
+            timeout_s=timeout_s,
+            dp_reduce=self._dp_reduce,
+            sharded=self.sharded,
+            ties=self.ties,
+            gradients=self.gradients,
+            optimizer=self.optimizer,
+            param_server=self.param_server,
+            meetings=self.meetings,
+            replicas=replicas,
+            replica_sync=self.replica_sync,
+            scaler=self.scaler,
+        )
         self._previous_figures: Callable[[], tuple[float, float]] | None = None
 
     def _wire_pipeline(
@@ -168,14 +184,6 @@ class PipelineEngine:
     def is_last(self) -> bool:
         return max(self.stages) == self.schedule.num_stages - 1
 
-    @property
-    def synchronises_steps(self) -> bool:
-        """Whether every step ends with a blocking all-reduce of the gradient norm over the
-        pipeline: clipping and fp16's loss scale need the norm, the non-finite guard needs
-        every rank's verdict. Without one, steps follow each other with no barrier."""
-        options = self.options
-        return options.clip_grad_norm > 0 or options.precision == "fp16" or options.nonfinite_guard
-
     def train_step(
         self,
         inputs: torch.Tensor | None,
@@ -202,9 +210,11 @@ class PipelineEngine:
         )
         step_s = time.perf_counter() - origin
         busy = sum(t.end - t.start for t in timings if t.action.is_compute)
-        phases = [*self._finish_dp_reduction(origin), *self._sum_tied_weights(origin)]
+        end = self._end
+        phases = [*end.finish_dp_reduction(origin), *end.sum_tied_weights(origin)]
         opt_start = time.perf_counter()
-        norm, skipped = self._check_gradients(loss)
+        norm, skipped = end.check_gradients(loss)
+        self.skipped_steps += skipped
         if self.replicas is not None and not self.replicas.commit():
             skipped = True  # torchft refused the step (a peer failed): nobody steps
         figures = published_figures(
@@ -214,9 +224,9 @@ class PipelineEngine:
             local_norms=self.gradients.local_norms,
             publish=self.reports.publish if self.mesh.pp > 1 else None,
         )
-        scale = self._optimizer_step(skipped)
+        scale = end.optimizer_step(skipped)
         phases.append(("optimizer", opt_start - origin, time.perf_counter() - origin))
-        phases += self._meet(origin)
+        phases += end.meet(origin)
         if self._previous_figures is not None:
             self._previous_figures()  # arrived during this step: frees its buffers, never waits
         self._previous_figures = figures
@@ -232,66 +242,6 @@ class PipelineEngine:
             loss_scale=scale,
             pipeline_figures=figures,
         )
-
-    def _check_gradients(self, loss: float) -> tuple[float | None, bool]:
-        """When steps synchronise: the global norm and whether every rank skips this step
-        (unscaled and clipped as the options ask). Otherwise no norm yet, and no skip."""
-        if not self.synchronises_steps:
-            return None, False
-        what = "the pipeline's gradient-norm all-reduce"
-        with naming_failures(what, timeout_s=self.timeout_s):
-            norm, skipped = self.gradients.finish(loss, self.scaler)
-        self.skipped_steps += skipped
-        return norm, skipped
-
-    def _optimizer_step(self, skipped: bool) -> float:
-        """Step (unless skipped) and update fp16's loss scale; returns the scale this step
-        used (1 without one)."""
-        if self.param_server is not None:
-            with naming_failures("the parameter server (--dp-sync)", timeout_s=self.timeout_s):
-                self.param_server.step(skipped)
-        elif self.sharded is not None and not skipped:
-            self.sharded.step()
-        elif self.optimizer is not None and not skipped:
-            self.optimizer.step()
-        if self.scaler is None:
-            return 1.0
-        scale = self.scaler.scale
-        self.scaler.update(not skipped)
-        return scale
-
-    def _meet(self, origin: float) -> list[tuple[str, float, float]]:
-        """Semi-synchronous replicas: count the step and, every H, meet (a phase then)."""
-        if self.meetings is None:
-            return []
-        with naming_failures("the replicas' meeting (--dp-sync)", timeout_s=self.timeout_s):
-            met = self.meetings.after_step()
-        return [] if met is None else [("replica meeting", met[0] - origin, met[1] - origin)]
-
-    def _finish_dp_reduction(self, origin: float) -> list[tuple[str, float, float]]:
-        """Wait for the data-parallel gradient sum the stage's last backward started; its window
-        as a phase of the step when there are replicas."""
-        if self._ties_before_reduction:
-            assert self.sharded is not None
-            self.ties.sum_gradients()
-            self.sharded.start_reduction()
-        with naming_failures("the data-parallel gradient reduction", timeout_s=self.timeout_s):
-            if self.sharded is not None:
-                self.sharded.finish_reduction()
-            else:
-                self._dp_reduce.finish()
-        window = self._dp_reduce.window if self.sharded is None else self.sharded.window
-        if window is None or not self._sums_over_replicas:
-            return []
-        return [("dp all-reduce", window[0] - origin, window[1] - origin)]
-
-    def _sum_tied_weights(self, origin: float) -> list[tuple[str, float, float]]:
-        start = time.perf_counter()
-        if self._ties_before_reduction:
-            return []  # summed before the dp reduction (`_finish_dp_reduction`)
-        if not self.ties.sum_gradients():
-            return []
-        return [("tied sum", start - origin, time.perf_counter() - origin)]
 
     def eval_step(
         self,
@@ -355,14 +305,8 @@ class PipelineEngine:
         self.exchange.wait_sends()
         return timings, self._global_loss()
 
-    @property
-    def _sums_over_replicas(self) -> bool:
-        """Whether each step's gradients are summed over the dp replicas (over the mesh's dp
-        group, or averaged over a fault-tolerant quorum)."""
-        return self.replicas is not None or (self.mesh.dp > 1 and not self.replica_sync.alone)
-
     def _step_context(self, schedule: Schedule) -> StepContext:
-        every_step = self._sums_over_replicas
+        every_step = self._end.sums_over_replicas
         dp_reduce = self._dp_reduce.start if every_step else lambda: None
         if self.mesh.tp > 1:
             dp_reduce = functools.partial(
@@ -372,7 +316,7 @@ class PipelineEngine:
             dp_reduce = self.fsdp.reduce_gradients
         if self.sharded is not None:
             dp_reduce = self.sharded.start_reduction
-            if self._ties_before_reduction:
+            if self._end.ties_before_reduction:
                 dp_reduce = lambda: None  # noqa: E731 - started after the tied sum
         return StepContext(
             stages=self.stages,
@@ -388,14 +332,6 @@ class PipelineEngine:
             releases=released_at(schedule, self.mesh.pp_rank),
             shards=self._shards,
         )
-
-    @property
-    def _ties_before_reduction(self) -> bool:
-        """ZeRO-2 keeps only a shard of each gradient after its reduce-scatter, so weights
-        tied across pipeline ranks are summed over their holders first (within a replica),
-        once the whole schedule ran (a holder's last backward may wait on a peer's), and only
-        then does the reduction start: such a stage does not overlap it with the drain."""
-        return self.sharded is not None and self.sharded.level == 2 and bool(self.ties.groups)
 
     def _global_loss(self) -> float:
         """The batch's mean loss; a replica's own when replicas step alone (semi-synchronous
