@@ -14,6 +14,7 @@ from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.plan import (
+    ACCELERATORS,
     DOUBLINGS,
     LOSSES,
     Hardware,
@@ -21,6 +22,7 @@ from engine.plan import (
     PlanResult,
     Prediction,
     Progress,
+    accelerator,
     fewest_devices,
     measured_forward,
     measured_memory_bandwidth,
@@ -39,7 +41,7 @@ COMMANDS = ("plan",)
 
 _SPLIT_ONLY = ("--pp", "--partition", "--cost-model", "--schedule", "--micro-batches")
 """Flags of a given split, which the planner chooses itself."""
-_PLANNER_ONLY = ("--global-batch", "--emit", "--plot", "--profile", "--top")
+_PLANNER_ONLY = ("--global-batch", "--emit", "--plot", "--profile", "--top", "--accelerator")
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -81,6 +83,12 @@ def _add_planner_flags(plan: argparse.ArgumentParser) -> None:
         "--devices", type=int, default=None, help="search every layout of this many devices"
     )
     planner.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    planner.add_argument(
+        "--accelerator",
+        default=None,
+        help=f"the devices' datasheet rates ({', '.join(ACCELERATORS)}): their dense bf16 "
+        "FLOP/s and memory bandwidth; --device-flops and --memory-bandwidth, given, win",
+    )
     add_config_flags(cast(argparse.ArgumentParser, planner), Hardware)
     planner.add_argument(
         "--profile",
@@ -160,11 +168,11 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
         "(or drop --devices to see a given split)",
     )
     require(args.global_batch is not None, "--devices plans a run: give --global-batch B")
-    require(args.device_memory is not None, "--devices plans a run: give --device-memory (80GB)")
+    require(
+        args.device_memory is not None, "--devices plans a run: " + _memory_hint(args.accelerator)
+    )
     sizes = _sizes(args.micro_batch_sizes)
-    hardware = Hardware(**flag_values(Hardware, args))
-    if args.profile and "memory_bandwidth" not in given_fields(Hardware, argv):
-        hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
+    hardware = _hardware(args, argv)
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
     measured, split = _profile(args, model, sizes, hardware) if args.profile else (None, None)
     return PlanRequest(
@@ -180,6 +188,39 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
         measured_split=split,
         micro_batch_sizes=sizes,
         top=args.top,
+    )
+
+
+def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
+    """The devices' rates: the flags given, over the named accelerator's (--accelerator), over
+    the defaults (an H100 SXM's); with --profile, the memory bandwidth measured here unless
+    given."""
+    require(
+        not (args.profile and args.accelerator is not None),
+        f"--accelerator {args.accelerator} with --profile: the profile times the layers on this "
+        "machine's CPU, so the accelerator's rates would not be used; give one of them",
+    )
+    rates = flag_values(Hardware, args)
+    given = given_fields(Hardware, argv)
+    if args.accelerator is not None:
+        chip = accelerator(args.accelerator)
+        named = {"device_flops": chip.device_flops, "memory_bandwidth": chip.memory_bandwidth}
+        rates |= {name: value for name, value in named.items() if name not in given}
+    hardware = Hardware(**rates)
+    if args.profile and "memory_bandwidth" not in given:
+        hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
+    return hardware
+
+
+def _memory_hint(name: str | None) -> str:
+    """What to give as --device-memory: the budget a rank may use, which is less than what
+    the device holds (the CUDA context, communication buffers, the allocator's cache)."""
+    if name is None:
+        return "give --device-memory (80GB)"
+    held = accelerator(name).memory_gb
+    return (
+        f"give --device-memory: an {name} holds {held} GB by its datasheet; give what a rank "
+        "may use of it (less: the CUDA context and communication buffers take some)"
     )
 
 

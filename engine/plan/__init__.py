@@ -2,7 +2,7 @@
 (`search`), its plan file (`write_plan`, `read_plan`), its picture, and measured costs."""
 
 from engine.plan.figure import plot_plan
-from engine.plan.hardware import Hardware
+from engine.plan.hardware import ACCELERATORS, Accelerator, Hardware, accelerator
 from engine.plan.plan_file import (
     PLAN_VERSION,
     apply_plan,
@@ -22,14 +22,17 @@ from engine.plan.screen import DOUBLINGS, fewest_devices
 from engine.plan.search import predict, search
 
 __all__ = [
+    "ACCELERATORS",
     "DOUBLINGS",
     "LOSSES",
     "PLAN_VERSION",
+    "Accelerator",
     "Hardware",
     "PlanRequest",
     "PlanResult",
     "Prediction",
     "Progress",
+    "accelerator",
     "apply_plan",
     "fewest_devices",
     "measured_forward",

@@ -12,8 +12,11 @@ from dataclasses import dataclass
 from engine.config import require
 
 __all__ = [
+    "ACCELERATORS",
     "ADAMW_BYTES_PER_PARAMETER",
+    "Accelerator",
     "Hardware",
+    "accelerator",
     "all_gather_time",
     "all_reduce_time",
     "reduce_scatter_time",
@@ -69,6 +72,42 @@ class Hardware:
         `gpus_per_node` of them; the bound assumes a group that fits may still straddle two
         nodes only when it is wider than one)."""
         return self.link_bandwidth if width <= self.gpus_per_node else self.inter_node_bandwidth
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """One accelerator's datasheet rates, what `meshpipe plan --accelerator NAME` sets: its
+    dense bf16 peak and its memory's bandwidth. Its links depend on the system it is in, and
+    how much of its memory a rank may use on the run, so those stay flags."""
+
+    device_flops: float
+    memory_bandwidth: float
+    memory_gb: int
+    """What it holds, as its maker counts (10^9 bytes; the budget is still --device-memory)."""
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "a100-40gb": Accelerator(device_flops=312e12, memory_bandwidth=1.555e12, memory_gb=40),
+    "a100-80gb": Accelerator(device_flops=312e12, memory_bandwidth=2.039e12, memory_gb=80),
+    "h100-pcie": Accelerator(device_flops=756e12, memory_bandwidth=2.0e12, memory_gb=80),
+    "h100-sxm": Accelerator(device_flops=989e12, memory_bandwidth=3.35e12, memory_gb=80),
+    "h200-sxm": Accelerator(device_flops=989e12, memory_bandwidth=4.8e12, memory_gb=141),
+    "mi300x": Accelerator(device_flops=1307e12, memory_bandwidth=5.3e12, memory_gb=192),
+}
+"""NVIDIA's A100 (SXM), H100 and H200 and AMD's MI300X datasheets: dense bf16 FLOP/s (no
+sparsity), HBM bandwidth."""
+
+
+def accelerator(name: str) -> Accelerator:
+    """The named accelerator's rates; an unknown name is refused with the known ones."""
+    key = name.strip().lower()
+    require(
+        key in ACCELERATORS,
+        f"--accelerator {name!r}: not an accelerator meshpipe knows; choose one of "
+        f"{', '.join(ACCELERATORS)}, or give its rates with --device-flops and "
+        "--memory-bandwidth",
+    )
+    return ACCELERATORS[key]
 
 
 def all_reduce_time(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
