@@ -83,7 +83,8 @@ class Accelerator:
     device_flops: float
     memory_bandwidth: float
     memory_gb: int
-    """What it holds, as its maker counts (10^9 bytes; the budget is still --device-memory)."""
+    """What it holds by its datasheet, in the datasheet's GB (the budget a rank may use is
+    still --device-memory)."""
 
 
 ACCELERATORS: dict[str, Accelerator] = {
