@@ -11,11 +11,10 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
@@ -26,22 +25,22 @@ from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.stage_errors import StageError, input_message
 from engine.runtime.weight_copies import WeightCopies
-from engine.runtime.weight_grads import PendingWeightGrad, accumulate, run_weight_grads
+from engine.runtime.weight_grads import (
+    PendingWeightGrad,
+    Recorded,
+    run_weight_grads,
+    split_input_grads,
+)
 from models import LayerSpec, LayerStack, document_scope, lm_loss
 
 __all__ = ["PipelineStage", "StageError"]
-
-
-_Recorded = tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]
-"""A Linear recorded for its W: the module, its input, its output (or in fp32 its output's
-gradient edge, `PipelineStage._record_output`)."""
 
 
 @dataclass
 class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
-    weight_nodes: list[_Recorded]
+    weight_nodes: list[Recorded]
     """(Linear, its input, its output) of every Linear, in forward order; in fp32 the output's
     gradient edge instead of the output itself (see `_record_output`)."""
     documents: torch.Tensor | None = None
@@ -100,7 +99,7 @@ class PipelineStage:
         ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, PendingWeightGrad] = {}
-        self._capture: list[_Recorded] | None = None
+        self._capture: list[Recorded] | None = None
         self._hooks_on = False
         self._fused_weight_grads = False
         self._eager_modules: list[nn.Module] = []
@@ -227,7 +226,7 @@ class PipelineStage:
         document ids when documents are packed (`models.documents`).
         """
         self._check_sequence(micro_batch, inputs[0])
-        capture: list[_Recorded] = []
+        capture: list[Recorded] = []
         self._capture = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()
@@ -360,37 +359,25 @@ class PipelineStage:
             return input_grads
         state = self._pop(micro_batch)
         roots, grads = self._roots(state, output_grads)
-        wanted = [x for x in state.inputs if x.requires_grad]
-        nodes = [out for _, _, out in state.weight_nodes]
         eager = [  # looked up now: FSDP (ZeRO-3) swaps a layer's parameters as it gathers
             p for m in self._eager_modules for p in m.parameters(recurse=False) if p.requires_grad
         ]
-        manual = self.precision == "fp32"
-        targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
         with (
             sharded_loss_scope(self.tensor_parallel and self.is_last),
             document_scope(state.documents),
         ):
-            found = torch.autograd.grad(
+            input_grads, pending = split_input_grads(
                 roots,
-                targets,
-                grad_outputs=grads,
-                retain_graph=not manual,
-                allow_unused=True,
+                grads,
+                state.inputs,
+                state.weight_nodes,
+                eager,
+                manual=self.precision == "fp32",
             )
-        cut = len(wanted) + len(nodes)
-        input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
-        accumulate(eager, found[cut:])
         self._fold_gradients()
-        self._pending_w[micro_batch] = PendingWeightGrad(
-            [
-                (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
-                for (m, x, out), g in zip(state.weight_nodes, node_grads, strict=True)
-                if g is not None
-            ]
-        )
+        self._pending_w[micro_batch] = pending
         self.peak_pending_w = max(self.peak_pending_w, len(self._pending_w))
-        return tuple(g for g in input_grads if g is not None)
+        return input_grads
 
     def backward_weight(self, micro_batch: int) -> None:
         """The W half: each Linear's parameter gradients from its output's gradient
@@ -403,8 +390,3 @@ class PipelineStage:
             )
         run_weight_grads(pending, None if self._copies is None else self._copies.master)
         self._fold_gradients()
-
-
-def _tensor(out: torch.Tensor | GradientEdge) -> torch.Tensor:
-    assert isinstance(out, torch.Tensor), "only fp32 records a Linear output by its edge"
-    return out

@@ -1,5 +1,6 @@
-"""The W half of a split backward: each deferred Linear's weight gradient, accumulated where
-autograd's fused backward would have put it.
+"""A split backward's two passes: the I pass's one autograd call (`split_input_grads`), and
+the W half, each deferred Linear's weight gradient accumulated where autograd's fused backward
+would have put it.
 
 `PipelineStage.backward_input` (the I half) records, per micro-batch, every Linear's input and
 its output's gradient; `run_weight_grads` takes them later, when the schedule runs the W.
@@ -9,13 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from engine.parallel import as_gradient_of, local_gradient, local_tensor
 
-__all__ = ["PendingWeightGrad", "accumulate", "linear_weight_grads", "run_weight_grads"]
+__all__ = [
+    "PendingWeightGrad",
+    "Recorded",
+    "accumulate",
+    "linear_weight_grads",
+    "run_weight_grads",
+    "split_input_grads",
+]
+
+Recorded = tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]
+"""A Linear recorded for its W: the module, its input, its output (or in fp32 its output's
+gradient edge, `PipelineStage._record_output`)."""
 
 
 @dataclass
@@ -23,6 +37,46 @@ class PendingWeightGrad:
     nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
     """(Linear, input, output, gradient at the output) waiting for their W; the output only
     when W goes through autograd (it keeps the graph alive)."""
+
+
+def split_input_grads(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor] | None,
+    inputs: Sequence[torch.Tensor],
+    recorded: Sequence[Recorded],
+    eager: Sequence[nn.Parameter],
+    *,
+    manual: bool,
+) -> tuple[tuple[torch.Tensor, ...], PendingWeightGrad]:
+    """The I pass: one autograd call for the gradients of the stage's inputs, of every recorded
+    Linear's output (kept for W) and of the `eager` parameters (accumulated now); returns the
+    input gradients found and what the micro-batch's W needs.
+
+    `manual` (fp32): W computes each Linear's weight gradient itself from (input, output
+    gradient), so the graph is freed here; otherwise W goes through autograd and keeps it.
+    """
+    wanted = [x for x in inputs if x.requires_grad]
+    nodes = [out for _, _, out in recorded]
+    targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
+    found = torch.autograd.grad(
+        roots, targets, grad_outputs=grads, retain_graph=not manual, allow_unused=True
+    )
+    cut = len(wanted) + len(nodes)
+    input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
+    accumulate(eager, found[cut:])
+    pending = PendingWeightGrad(
+        [
+            (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
+            for (m, x, out), g in zip(recorded, node_grads, strict=True)
+            if g is not None
+        ]
+    )
+    return tuple(g for g in input_grads if g is not None), pending
+
+
+def _tensor(out: torch.Tensor | GradientEdge) -> torch.Tensor:
+    assert isinstance(out, torch.Tensor), "only fp32 records a Linear output by its edge"
+    return out
 
 
 def run_weight_grads(
