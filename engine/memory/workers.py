@@ -2,23 +2,28 @@
 (`engine.memory.traces.trace_ahead`) and schedule counts (`engine.plan.context`).
 
 Workers are forked, so they start with the caller's imports and state; not off Linux, nor
-from a process in a process group (a child would share its sockets).
+from a process in a process group (a child would share its sockets). Inside `kept_workers`
+the workers a first call starts serve every later call: a worker's first trace imports
+`torch._dynamo` (about 1.3 s of CPU), which a search's stage traces would otherwise pay
+again in new workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 import torch.distributed as dist
 
 from engine.config import require
 
-__all__ = ["in_workers", "worker_count"]
+__all__ = ["in_workers", "kept_workers", "worker_count"]
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
@@ -44,16 +49,53 @@ def worker_count() -> int:
     return min(len(os.sched_getaffinity(0)), _MOST_WORKERS)
 
 
+class _Kept:
+    """The pool `kept_workers` holds open (None until a call needs workers)."""
+
+    active = False
+    pool: ProcessPoolExecutor | None = None
+
+
+@contextlib.contextmanager
+def kept_workers() -> Iterator[None]:
+    """Within it, `in_workers` keeps the workers it starts for the next call, and they are
+    shut down at its end: for a run that hands them work in several rounds (a search)."""
+    if _Kept.active:
+        yield
+        return
+    _Kept.active = True
+    try:
+        yield
+    finally:
+        pool, _Kept.pool, _Kept.active = _Kept.pool, None, False
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
+
 def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Iterator[_Out]:
     """`work` of each item, in order: in forked workers where there are cores and more than
     one item, else here in turn. Items not started are cancelled if the caller stops (an
-    error, Ctrl-C) instead of run to the end. A worker that dies raises `BrokenProcessPool`."""
+    error, Ctrl-C) instead of run to the end. A worker that dies raises `BrokenProcessPool`
+    (and, inside `kept_workers`, the next call starts new workers)."""
     workers = min(len(items), worker_count())
     if workers <= 1:
         yield from map(work, items)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    if not _Kept.active:
+        pool = _pool(workers)
+        try:
+            yield from pool.map(work, items)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return
+    kept = _Kept.pool = _Kept.pool or _pool(worker_count())
     try:
-        yield from pool.map(work, items)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        yield from kept.map(work, items)
+    except BrokenProcessPool:
+        kept.shutdown(wait=False, cancel_futures=True)
+        _Kept.pool = None
+        raise

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
 from engine.memory.traces import trace_ahead
+from engine.memory.workers import kept_workers
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, Pipeline, SearchContext
@@ -227,7 +228,7 @@ def search(
     """The best `request.top` layouts, and why every other candidate lost; with `timeline`,
     the best one's simulated timeline too (`Prediction.simulated`, what `plot_plan` draws:
     a second, slower simulation, a second of a 405b search)."""
-    with _no_cycle_collection():
+    with _no_cycle_collection(), kept_workers():
         return _search(request, progress, timeline)
 
 

@@ -3,9 +3,13 @@ made once, handed to the process that asked, and nothing forked where it would n
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
+from multiprocessing.context import BaseContext
 
 import pytest
 
@@ -13,6 +17,7 @@ import engine.memory.workers
 from engine.memory.fitting import layer_requests
 from engine.memory.replay import StageShape
 from engine.memory.traces import TraceRequest, cached_trace, forget_traces, trace_ahead
+from engine.memory.workers import in_workers, kept_workers
 from engine.runtime.stage import StageError
 from models import layer_specs
 
@@ -109,3 +114,60 @@ def test_a_worker_count_that_is_not_a_number_is_refused_by_name(
     monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "many")
     with pytest.raises(ValueError, match="MESHPIPE_TRACE_WORKERS='many'"):
         trace_ahead(_requests())
+
+
+def _pid(_: int) -> int:
+    return os.getpid()
+
+
+def _die(_: int) -> int:
+    os._exit(1)
+
+
+def _counting_pools(monkeypatch: pytest.MonkeyPatch) -> list[ProcessPoolExecutor]:
+    """Every pool `in_workers` starts from now on."""
+    started: list[ProcessPoolExecutor] = []
+
+    def counted(workers: int, mp_context: BaseContext) -> ProcessPoolExecutor:
+        started.append(ProcessPoolExecutor(workers, mp_context=mp_context))
+        return started[-1]
+
+    monkeypatch.setattr(engine.memory.workers, "ProcessPoolExecutor", counted)
+    return started
+
+
+def test_kept_workers_serve_every_round_and_stop_at_the_end(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's rounds (layer traces, counts, stage traces) share one pool, whose workers
+    imported what their first trace needed; no worker outlives the search."""
+    pools = _counting_pools(monkeypatch)
+    with kept_workers():
+        first = set(in_workers(_pid, range(8)))
+        trace_ahead(_requests())
+        second = set(in_workers(_pid, range(8)))
+    assert len(pools) == 1
+    assert len(first | second) <= 2
+    assert os.getpid() not in first | second
+    assert pools[0]._processes is None  # type: ignore[attr-defined]  # shut down
+
+
+def test_without_kept_workers_each_round_starts_and_stops_its_own(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools = _counting_pools(monkeypatch)
+    list(in_workers(_pid, range(4)))
+    list(in_workers(_pid, range(4)))
+    assert len(pools) == 2
+    assert all(p._processes is None for p in pools)  # type: ignore[attr-defined]
+
+
+def test_a_kept_pool_whose_worker_died_is_replaced_for_the_next_round(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools = _counting_pools(monkeypatch)
+    with kept_workers():
+        with pytest.raises(BrokenProcessPool):
+            list(in_workers(_die, range(2)))
+        assert os.getpid() not in set(in_workers(_pid, range(4)))
+    assert len(pools) == 2
