@@ -109,15 +109,29 @@ _LINK_SIZES = (64 * 1024, 8 * 1024 * 1024)
 order and a data-parallel gradient's."""
 
 
+_BURST = (256, 256, 1024)
+"""(rows, inner, columns) of the GEMM each rank runs twice before each timed all-reduce, about
+3 ms here: a layer's worth of work, as training runs between two collectives."""
+
+
 def _all_reduce_seconds(rank: int, ranks: int, store_path: str, out: str) -> None:
-    """One rank's median seconds of a gloo all-reduce at each `_LINK_SIZES` (rank 0 writes)."""
+    """One rank's median seconds of a gloo all-reduce at each `_LINK_SIZES` (rank 0 writes),
+    each after a burst of compute, as training issues them: gloo's threads then sleep and
+    wake between collectives, and the peers arrive apart. On this VM a 256 KiB all-reduce
+    read 0.4 ms back to back in one run and 3.0 ms in another, and 4.4 and 4.7 ms after a
+    3 ms sleep; the link fitted back to back read 0.05-0.2 ms of latency, after compute
+    0.2-0.6 ms."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ranks)
+    rows, inner, columns = _BURST
+    a, b = torch.randn(rows, inner), torch.randn(inner, columns)
     seconds = []
     for size in _LINK_SIZES:
         tensor = torch.ones(size // 4)
         samples = []
-        for _ in range(30):
+        for _ in range(40):
+            for _ in range(2):
+                torch.mm(a, b)
             start = time.perf_counter()
             dist.all_reduce(tensor)
             samples.append(time.perf_counter() - start)
