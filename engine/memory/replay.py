@@ -172,6 +172,9 @@ class StageRun:
         """Each micro-batch's input gradients sent back, until proved delivered."""
         self.sent_forward: dict[int, list[torch.Tensor]] = {}
         """Each in-flight micro-batch's output sent forward, until its gradient arrives."""
+        self.sends_copied = False
+        """Whether a tensor sent was not contiguous, so that the send held a copy of it, not
+        the tensor itself (`traces.with_local_edges` then cannot derive a local edge)."""
         self.losses: list[torch.Tensor] = []
         self._tokens = self._targets = torch.empty(0)
         scaler = LossScaler() if shape.precision == "fp16" else None
@@ -238,8 +241,9 @@ class StageRun:
         elif not self.local_out:
             self.sent_forward[k] = self._payload(outputs)
 
-    @staticmethod
-    def _payload(tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def _payload(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        if not all(t.is_contiguous() for t in tensors):
+            self.sends_copied = True
         return [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
 
     def _micro(self, batch: torch.Tensor, k: int) -> torch.Tensor:

@@ -87,6 +87,7 @@ def _payload(trace: Any) -> dict[str, Any]:
         "sent_back": trace.sent_back,
         "weight_copies": trace.weight_copies,
         "reduce": [trace.reduce.peak, trace.reduce.net],
+        "sends_copied": trace.sends_copied,
     }
 
 
@@ -114,6 +115,7 @@ def load_trace(key: str, build: Callable[..., _T]) -> _T | None:
             sent_back=payload["sent_back"],
             weight_copies=payload["weight_copies"],
             reduce=Span(peak=payload["reduce"][0], net=payload["reduce"][1]),
+            sends_copied=bool(payload["sends_copied"]),
         )
     except (ValueError, KeyError, TypeError, IndexError):
         return None

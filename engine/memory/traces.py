@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -40,6 +40,7 @@ __all__ = [
     "forget_traces",
     "trace_ahead",
     "trace_stage",
+    "with_local_edges",
 ]
 
 _NOTHING = Span(peak=0, net=0)
@@ -75,6 +76,9 @@ class StageTrace:
     """ZeRO-3 gathered for the step: after the stage's last backward, FSDP's reduce-scatter of
     every layer's gradient into its shard, and the reshard (none per micro-batch: each
     backward reduces its own)."""
+    sends_copied: bool = False
+    """A tensor the stage sent was not contiguous and was sent as a copy
+    (`replay.StageRun.sends_copied`)."""
 
     @property
     def first_gradients(self) -> int:
@@ -149,6 +153,7 @@ def trace_stage(
         sent_back=sent_back,
         weight_copies=weight_copies,
         reduce=reduce,
+        sends_copied=run.sends_copied,
     )
 
 
@@ -263,6 +268,11 @@ class TraceRequest(NamedTuple):
     device: str
     local: tuple[bool, bool] = (False, False)
 
+    @property
+    def remote(self) -> TraceRequest:
+        """The stage with both edges crossing ranks (what `with_local_edges` derives from)."""
+        return self._replace(local=(False, False))
+
 
 _TRACED: dict[TraceRequest, StageTrace] = {}
 """Every trace this process made, read or was handed by `trace_ahead`."""
@@ -282,9 +292,49 @@ def cached_trace(
     request = TraceRequest(specs, first, last, styles, shape, device, local)
     known = _held(request)
     if known is None:
-        known = _traced(request)
+        known = _derived(request) or _traced(request)
         _keep(request, known)
     return known
+
+
+def _derived(request: TraceRequest) -> StageTrace | None:
+    """A V placement's stage whose neighbour shares its rank, from the same stage's trace
+    with both edges remote (traced or held), where that can be exact; else None."""
+    if request.local == (False, False):
+        return None
+    remote = cached_trace(*request.remote)
+    return None if remote.sends_copied else with_local_edges(remote, request.local)
+
+
+def with_local_edges(remote: StageTrace, local: tuple[bool, bool]) -> StageTrace:
+    """`remote`, the trace of a stage whose edges both cross ranks, as the same stage's with
+    its previous (`local[0]`) or next (`local[1]`) stage on its rank (`StageRun`'s
+    `local_in`, `local_out`), whose hand-off is not held as a send.
+
+    Local out changes nothing: the stage holds its output until its backward either way, and
+    the send held that very tensor (detached) until then. Local in hands the input gradients
+    over at the end of each backward (B or I) instead of holding them until delivered: each
+    backward ends lower by them and the micro-batch holds and sends back nothing. Exact only
+    where no send was a copy (`StageTrace.sends_copied`); tested against the traces.
+    """
+    if not local[0]:
+        return remote
+    sent = remote.sent_back
+
+    def handed_over(spans: Mapping[Phase, Span]) -> dict[Phase, Span]:
+        backward = (ActionKind.B, ActionKind.I)
+        return {
+            phase: Span(peak=span.peak, net=span.net - sent) if phase[0] in backward else span
+            for phase, span in spans.items()
+        }
+
+    return replace(
+        remote,
+        first=handed_over(remote.first),
+        later=handed_over(remote.later),
+        held_per_micro_batch=remote.held_per_micro_batch - sent,
+        sent_back=0,
+    )
 
 
 def _held(request: TraceRequest) -> StageTrace | None:
@@ -326,15 +376,17 @@ def _traced(request: TraceRequest) -> StageTrace:
 def trace_ahead(
     requests: Iterable[TraceRequest], progress: Callable[[int, int], None] | None = None
 ) -> None:
-    """Trace the requests this process does not hold yet, so that `cached_trace` finds them
-    made: in worker processes where the machine has the cores, longest first, each to the
-    next free worker; else here, in turn. `progress(done, total)` after each.
+    """Trace the requests this process does not hold yet (a local edge's remote stage, to
+    derive it from), so that `cached_trace` finds them made: in worker processes where the
+    machine has the cores, longest first; else here, in turn. `progress(done, total)` after
+    each.
 
     A search knows every trace it will ask for before it asks, each is independent of the
     others, and a first search spends most of its time in them (`engine.memory.workers`).
     """
-    missing = [request for request in dict.fromkeys(requests) if _held(request) is None]
-    missing.sort(key=lambda r: len(r.specs), reverse=True)
+    wanted = [request for request in dict.fromkeys(requests) if _held(request) is None]
+    remote = [r for r in dict.fromkeys(r.remote for r in wanted) if _held(r) is None]
+    missing = sorted(remote, key=lambda r: len(r.specs), reverse=True)
     made = in_workers(_traced, missing)
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
@@ -343,3 +395,5 @@ def trace_ahead(
                 progress(done, len(missing))
     except BrokenProcessPool:
         return  # a worker died (out of memory?): `cached_trace` traces the rest here, when asked
+    for request in wanted:
+        cached_trace(*request)  # derived here, or traced where a send was a copy
