@@ -90,6 +90,29 @@ def test_a_local_edge_derived_from_the_remote_trace_equals_its_own_trace(
     assert with_local_edges(remote, local) == _traced(model, styles, shape, local)
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("styles", [(False,), (True,), (False, True)])
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_the_first_and_last_stages_of_one_rank_derive_their_shared_edge(
+    model: str, styles: tuple[bool, ...], end: str
+) -> None:
+    """A V placement on one rank: the first stage's output and the last stage's input are
+    handed over in memory."""
+    specs, first = layer_specs(model), end == "first"
+    layers = tuple(specs[:2] if first else specs[-3:])
+    local = (False, True) if first else (True, False)
+
+    def traced(edges: tuple[bool, bool]) -> StageTrace:
+        return trace_stage(
+            layers, first=first, last=not first, styles=styles, shape=_SHAPE, cuda=False,
+            block=1, local=edges,
+        )  # fmt: skip
+
+    remote = traced((False, False))
+    assert not remote.sends_copied
+    assert with_local_edges(remote, local) == traced(local)
+
+
 def test_a_local_input_edge_holds_and_sends_back_nothing() -> None:
     model, styles, shape = _CASES["gpt, split"]
     remote = _traced(model, styles, shape, (False, False))
