@@ -18,11 +18,11 @@ import argparse
 from engine.config import ParallelConfig, parse_size
 from engine.plan import Hardware, PlanRequest, Prediction, predict, search
 from engine.plan.candidates import Candidate
-from engine.plan.search import _replayed
+from engine.plan.exact import replayed
 
 
 def _replayed_peak(request: PlanRequest, plan: Prediction) -> int:
-    return max(_replayed(request, plan).rank_peaks)
+    return max(replayed(request, [plan])[0].rank_peaks)
 
 
 def _hand_choice(request: PlanRequest, mesh: ParallelConfig) -> tuple[Prediction, int] | None:

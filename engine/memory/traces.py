@@ -38,6 +38,7 @@ __all__ = [
     "cached_trace",
     "compose",
     "forget_traces",
+    "hold_traces",
     "trace_ahead",
     "trace_stage",
     "with_local_edges",
@@ -275,7 +276,7 @@ class TraceRequest(NamedTuple):
 
 
 _TRACED: dict[TraceRequest, StageTrace] = {}
-"""Every trace this process made, read or was handed by `trace_ahead`."""
+"""Every trace this process made, read, derived or was handed (`trace_ahead`, `hold_traces`)."""
 
 
 def cached_trace(
@@ -307,16 +308,12 @@ def _derived(request: TraceRequest) -> StageTrace | None:
 
 
 def with_local_edges(remote: StageTrace, local: tuple[bool, bool]) -> StageTrace:
-    """`remote`, the trace of a stage whose edges both cross ranks, as the same stage's with
-    its previous (`local[0]`) or next (`local[1]`) stage on its rank (`StageRun`'s
-    `local_in`, `local_out`), whose hand-off is not held as a send.
-
-    Local out changes nothing: the stage holds its output until its backward either way, and
-    the send held that very tensor (detached) until then. Local in hands the input gradients
-    over at the end of each backward (B or I) instead of holding them until delivered: each
-    backward ends lower by them and the micro-batch holds and sends back nothing. Exact only
-    where no send was a copy (`StageTrace.sends_copied`); tested against the traces.
-    """
+    """`remote` (both edges cross ranks) as the same stage's with its previous (`local[0]`)
+    or next (`local[1]`) stage on its rank, the hand-off not held as a send. Local out
+    changes nothing: the stage holds its output until its backward either way, the send that
+    very tensor. Local in hands the input gradients over as each backward (B or I) ends:
+    lower by them, and nothing held or sent back. Exact where no send was a copy
+    (`StageTrace.sends_copied`); tested against the traces."""
     if not local[0]:
         return remote
     sent = remote.sent_back
@@ -338,8 +335,7 @@ def with_local_edges(remote: StageTrace, local: tuple[bool, bool]) -> StageTrace
 
 
 def _held(request: TraceRequest) -> StageTrace | None:
-    """The request's trace if this process holds it or the disk has it (then held from now
-    on), else None."""
+    """The request's trace if held here or on disk (then held from now on), else None."""
     known = _TRACED.get(request)
     if known is None:
         known = load_trace(trace_key(*request), StageTrace)
@@ -352,6 +348,11 @@ def _keep(request: TraceRequest, trace: StageTrace) -> None:
     """A trace just made: held by this process and written to the disk cache."""
     _TRACED[request] = trace
     store_trace(trace_key(*request), trace)
+
+
+def hold_traces(traces: Mapping[TraceRequest, StageTrace]) -> None:
+    """Traces made elsewhere (another process), held here as if made here."""
+    _TRACED.update(traces)
 
 
 def forget_traces() -> None:

@@ -17,12 +17,11 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
-from engine.memory.traces import trace_ahead
 from engine.memory.workers import kept_workers
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
 from engine.plan.context import SAMPLED, Pipeline, SearchContext
+from engine.plan.exact import replayed
 from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
 from engine.plan.request import (
     LOSSES,
@@ -30,8 +29,6 @@ from engine.plan.request import (
     PlanResult,
     Prediction,
     Progress,
-    layout_fields,
-    reporting,
 )
 from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
@@ -275,19 +272,6 @@ def _search(request: PlanRequest, progress: Progress | None, timeline: bool) -> 
     )
 
 
-def _replayed(request: PlanRequest, plan: Prediction) -> Prediction:
-    """The plan with the exact replay's peaks (`estimate_memory`, as `meshpipe memory`
-    prints them)."""
-    report = estimate_memory(_memory_config(request, plan))
-    stages = tuple(s.peak for s in report.stages)
-    return replace(plan, stage_peaks=stages, rank_peaks=report.rank_peaks)
-
-
-def _memory_config(request: PlanRequest, plan: Prediction) -> MemoryConfig:
-    fields = layout_fields(request, plan.candidate, plan.boundaries)
-    return MemoryConfig.of(device=request.device, **fields)
-
-
 def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     """One given layout's prediction (balanced boundaries, its own recompute), memory by the
     fast screen: what the search computes for each candidate, for comparing a hand choice."""
@@ -345,9 +329,9 @@ def _rank(
     state: SearchContext, screened: list[_Screened], progress: Progress | None, timeline: bool
 ) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
-    best `top`; then the best of distinct keys replayed exactly (`_replayed`), fastest first,
-    one the replay puts over the budget dropped for the next (which may call for more
-    simulations); the rest at their bound."""
+    best `top`; then the best of distinct keys not replayed yet replayed exactly, together
+    (`exact.replayed`), each the replay puts over the budget dropped for the next (which may
+    call for more simulations); the rest at their bound."""
     request = state.request
     order = sorted(screened, key=lambda s: s.bound)
     simulated: list[Prediction] = []
@@ -365,14 +349,13 @@ def _rank(
         pending = [p for p in chosen if id(p.candidate) not in exact]
         if not pending or len(exact) + len(over) >= _REPLAYS:
             break
-        requests = (r for p in pending for r in trace_requests(_memory_config(request, p)))
-        trace_ahead(requests, reporting(progress, "tracing stages"))
-        replayed = _replayed(request, pending[0])
-        if max(replayed.rank_peaks) > request.device_memory:
-            over.append(replayed)
-            dropped.add(id(pending[0].candidate))
-        else:
-            exact[id(pending[0].candidate)] = replayed
+        room = _REPLAYS - len(exact) - len(over)
+        for plan in replayed(request, pending[:room], progress):
+            if max(plan.rank_peaks) > request.device_memory:
+                over.append(plan)
+                dropped.add(id(plan.candidate))
+            else:
+                exact[id(plan.candidate)] = plan
     if progress is not None:
         progress("timing layouts", len(order), len(order))
     by_id = {id(s.candidate): s for s in order}

@@ -10,9 +10,10 @@ import pytest
 from engine.config import ParallelConfig
 from engine.plan.budget import _stage_parts
 from engine.plan.candidates import Candidate
+from engine.plan.exact import replayed
 from engine.plan.layer_bytes import LayerBytes
 from engine.plan.request import PlanRequest
-from engine.plan.search import _replayed, predict
+from engine.plan.search import predict
 
 
 def _layers(kept: tuple[int, ...], transient: tuple[int, ...], residual: int = 4) -> LayerBytes:
@@ -107,5 +108,5 @@ def test_the_head_stages_screen_is_the_replays_within_half_a_percent(pp: int) ->
         micro_batch_size=1,
     )
     screened = predict(request, layout)
-    replayed = _replayed(request, screened)
-    assert screened.rank_peaks[-1] == pytest.approx(replayed.rank_peaks[-1], rel=0.005)
+    (by_replay,) = replayed(request, [screened])
+    assert screened.rank_peaks[-1] == pytest.approx(by_replay.rank_peaks[-1], rel=0.005)

@@ -31,12 +31,12 @@ from engine.plan import (
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
 from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.exact import replayed
 from engine.plan.hardware import all_reduce_time
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import (
     _predict,
-    _replayed,
     _screen,
     _simulate,
     _tie_sums,
@@ -82,7 +82,9 @@ def _brute_force_best(request: PlanRequest) -> float:
         )
         timed.append(_predict(state, screened, _simulate(state, screened)))
     timed.sort(key=lambda p: p.step_time)
-    fitting = (p for p in timed if max(_replayed(request, p).rank_peaks) <= request.device_memory)
+    fitting = (
+        p for p in timed if max(replayed(request, [p])[0].rank_peaks) <= request.device_memory
+    )
     return next(fitting).step_time
 
 
@@ -385,8 +387,8 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
         recompute_every=every,
     )
     screened = predict(request, layout)
-    replayed = _replayed(request, screened)
-    for fast, exact in zip(screened.rank_peaks, replayed.rank_peaks, strict=True):
+    (by_replay,) = replayed(request, [screened])
+    for fast, exact in zip(screened.rank_peaks, by_replay.rank_peaks, strict=True):
         assert fast == pytest.approx(exact, rel=tolerance)
 
 
@@ -769,8 +771,8 @@ def test_the_screen_keeps_a_fused_stash_on_the_split_schedules_stage_that_runs_n
         micro_batch_size=2,
     )
     screened = predict(request, layout)
-    replayed = _replayed(request, screened)
-    assert screened.rank_peaks[0] == pytest.approx(replayed.rank_peaks[0], rel=0.1)
+    (by_replay,) = replayed(request, [screened])
+    assert screened.rank_peaks[0] == pytest.approx(by_replay.rank_peaks[0], rel=0.1)
 
 
 def test_a_split_stage_counts_its_micro_batches_awaiting_i_and_awaiting_w_apart() -> None:
