@@ -309,11 +309,10 @@ def _derived(request: TraceRequest) -> StageTrace | None:
 
 def with_local_edges(remote: StageTrace, local: tuple[bool, bool]) -> StageTrace:
     """`remote` (both edges cross ranks) as the same stage's with its previous (`local[0]`)
-    or next (`local[1]`) stage on its rank, the hand-off not held as a send. Local out
-    changes nothing: the stage holds its output until its backward either way, the send that
-    very tensor. Local in hands the input gradients over as each backward (B or I) ends:
-    lower by them, and nothing held or sent back. Exact where no send was a copy
-    (`StageTrace.sends_copied`); tested against the traces."""
+    or next (`local[1]`) stage on its rank, the hand-off not held as a send. Local out changes
+    nothing: the stage holds its output until its backward either way, the send that very
+    tensor. Local in hands the input gradients over as each backward (B or I) ends: lower by
+    them, nothing held or sent back. Exact where no send was a copy (`sends_copied`)."""
     if not local[0]:
         return remote
     sent = remote.sent_back
@@ -385,9 +384,10 @@ def trace_ahead(
     A search knows every trace it will ask for before it asks, each is independent of the
     others, and a first search spends most of its time in them (`engine.memory.workers`).
     """
-    wanted = [request for request in dict.fromkeys(requests) if _held(request) is None]
-    remote = [r for r in dict.fromkeys(r.remote for r in wanted) if _held(r) is None]
-    missing = sorted(remote, key=lambda r: len(r.specs), reverse=True)
+    wanted = dict.fromkeys(r for r in dict.fromkeys(requests) if _held(r) is None)
+    remote = dict.fromkeys(r.remote for r in wanted)
+    missing = [r for r in remote if r in wanted or _held(r) is None]  # `wanted`: not held
+    missing.sort(key=lambda r: len(r.specs), reverse=True)
     made = in_workers(_traced, missing)
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
