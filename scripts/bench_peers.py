@@ -9,6 +9,14 @@ Installs nothing: systems that are not installed are listed as skipped.
     python scripts/bench_peers.py --model bench --steps 10
     python scripts/bench_peers.py --model bench-large --steps 10
     python scripts/bench_peers.py --systems meshpipe-zb_v,torch-ScheduleZBVZeroBubble --census
+    python scripts/bench_peers.py --device cuda --model bench-gpu --rounds 5 --systems \
+        single-1t,meshpipe-zb_v,torch-ScheduleZBVZeroBubble,meshpipe-dualpipe_v,torch-ScheduleDualPipeV
+
+`--device cuda` runs the pipelines on two GPUs over NCCL (one per rank; the driver refuses a
+machine with fewer before starting any system), the single-process reference on one, times
+each step to the GPU's end and reports each rank's peak CUDA memory: what settles a few per
+cent that the CPU's round-to-round noise cannot. DeepSpeed's and fairscale's workers and the
+thread-count variants of the reference run on the CPU only and are not offered there.
 
 `--census` also counts the aten ops of one more step on every rank of meshpipe's and torch's
 workers and prints where the counts differ: whether two engines run the same kernels is a
@@ -27,8 +35,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -42,6 +51,16 @@ from engine.training.batches import BatchLoader  # noqa: E402
 from engine.training.data import default_corpus, load_tokens  # noqa: E402
 from models import GPTConfig, build_layers, lm_loss  # noqa: E402
 from models.gpt import gpt_layers  # noqa: E402
+from scripts.bench_results import (  # noqa: E402
+    census_lines,
+    cpu_time,
+    fastest,
+    median_round,
+    paired,
+    slowest,
+    table_row,
+    verdict,
+)
 
 MODELS = {
     "bench": GPTConfig(
@@ -50,12 +69,16 @@ MODELS = {
     "bench-large": GPTConfig(
         vocab_size=256, n_layer=12, n_head=8, d_model=384, max_seq_len=128, tie_embeddings=False
     ),
+    # Two GPUs: 0.8B parameters (13 GB of fp32 states), 4 × 1024 tokens per micro-batch.
+    "bench-gpu": GPTConfig(
+        vocab_size=256, n_layer=16, n_head=16, d_model=2048, max_seq_len=1024, tie_embeddings=False
+    ),
     # Seconds per system: what the test suite runs to keep the harness itself working.
     "tiny": GPTConfig(
         vocab_size=256, n_layer=4, n_head=2, d_model=32, max_seq_len=128, tie_embeddings=False
     ),
 }
-GLOBAL_BATCH, MICRO_BATCHES, SEQ_LEN, LR = 32, 8, 128, 1e-3
+GLOBAL_BATCH, MICRO_BATCHES, LR = 32, 8, 1e-3
 MESHPIPE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2", "zb_drain",
                       "zb_drain+guard", "zb_v", "v_half", "v_min", "dualpipe_v")  # fmt: skip
 TWO_STAGES_PER_RANK = ("interleaved_1f1b", "zb_v", "v_half", "v_min", "dualpipe_v")
@@ -63,6 +86,9 @@ TORCH_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
                    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
                    "ScheduleDualPipeV")  # fmt: skip
 V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+T = TypeVar("T")
+CPU_ONLY = ("single-2t", "single-1t-pair", "deepspeed-PipelineEngine", "fairscale-Pipe")
+"""Systems `--device cuda` does not offer: thread counts and the CPU-bound peers' workers."""
 
 
 # --- shared inputs ---------------------------------------------------------------------------
@@ -76,9 +102,32 @@ def _prepare(work: Path, model: str, steps: int) -> None:
     state = build_layers(specs, seed=0).state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(work / "weights.safetensors"))
     loader = BatchLoader(
-        load_tokens(default_corpus().bin_path), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH, seed=0
+        load_tokens(default_corpus().bin_path),
+        seq_len=MODELS[model].max_seq_len,
+        global_batch=GLOBAL_BATCH,
+        seed=0,
     )
     torch.save([loader.batch_at(step) for step in range(steps)], work / "batches.pt")
+
+
+def _device(name: str) -> torch.device:
+    """Where a worker computes: the CPU, or its local rank's GPU (`--device cuda`)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _timed(step: Callable[[], T]) -> tuple[T, float, float]:
+    """`step()`'s result, wall seconds and this process's CPU seconds, waiting for the GPU's
+    work on both sides (a CUDA step returns before its kernels end)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
+    start, cpu = time.perf_counter(), time.process_time()
+    out = step()
+    sync()
+    return out, time.perf_counter() - start, time.process_time() - cpu
 
 
 def _census(step: Any) -> dict[str, list[int]]:
@@ -140,6 +189,11 @@ def _boundaries(work: Path, stages: int) -> list[int]:
     return [int(b) for b in json.loads((work / "boundaries.json").read_text())[str(stages)]]
 
 
+def _gpu_peak_mib() -> float | None:
+    """The most CUDA memory this process had allocated at once; None where it used no GPU."""
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None
+
+
 def _report(work: Path, system: str, rank: int, walls: list[float], cpus: list[float],
             losses: list[float], bubbles: list[float] | None = None,
             census: dict[str, list[int]] | None = None) -> None:  # fmt: skip
@@ -152,6 +206,7 @@ def _report(work: Path, system: str, rank: int, walls: list[float], cpus: list[f
         "cpu_s": statistics.median(cpus[warm:]),
         "losses": losses,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "gpu_mib": _gpu_peak_mib(),
         "bubble": statistics.median(bubbles[warm:]) if bubbles else None,
         "census": census,
     }
@@ -161,7 +216,7 @@ def _report(work: Path, system: str, rank: int, walls: list[float], cpus: list[f
 # --- workers: one per system, run inside that system's processes ------------------------------
 
 
-def _meshpipe(work: Path, model: str, schedule: str) -> None:
+def _meshpipe(work: Path, model: str, schedule: str, device: str) -> None:
     """meshpipe with the peers' semantics (no clipping, no non-finite guard, so steps follow
     each other without a barrier); `NAME+guard` keeps the guard and its per-step barrier."""
     from engine.comm.mesh import init_mesh
@@ -169,7 +224,7 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     from engine.runtime.engine import PipelineEngine
     from partitioners import Partition
 
-    mesh = init_mesh(2, 1, timeout_s=600)
+    mesh = init_mesh(2, 1, timeout_s=600, device=_device(device).type)
     name, _, guard = schedule.partition("+")
     v = 2 if name in TWO_STAGES_PER_RANK else 1
     specs = gpt_layers(MODELS[model])
@@ -182,10 +237,10 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     _load_into(engine.module, work, lambda n: n.split(".", 1)[1])
     walls, cpus, steps = [], [], []
     for x, y in torch.load(work / "batches.pt"):
-        start, cpu = time.perf_counter(), time.process_time()
-        steps.append(engine.train_step(x, y))
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
+        stats, wall, cpu = _timed(lambda: engine.train_step(x, y))  # noqa: B023
+        steps.append(stats)
+        walls.append(wall)
+        cpus.append(cpu)
     losses = [s.loss for s in steps]
     bubbles = [s.bubble for s in steps]  # read after the run: they arrive a step late
     census = _census_step(lambda: engine.train_step(x, y))
@@ -193,11 +248,12 @@ def _meshpipe(work: Path, model: str, schedule: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
+def _torch_pipelining(work: Path, model: str, schedule: str, device_name: str) -> None:
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    dist.init_process_group("gloo")
+    device = _device(device_name)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     v = 1 if schedule in ("ScheduleGPipe", "Schedule1F1B") else 2
     bounds = _boundaries(work, 2 * v)
@@ -207,8 +263,8 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
     for s in placed[:v]:
         module = build_layers(specs, range(bounds[s], bounds[s + 1]), seed=0)
         _load_into(module, work)
-        modules.append(module)
-        stages.append(pipelining.PipelineStage(module, s, 2 * v, torch.device("cpu")))
+        modules.append(module.to(device))
+        stages.append(pipelining.PipelineStage(module, s, 2 * v, device))
     cls = getattr(pipelining, schedule)
     runner = cls(stages[0] if v == 1 else stages, MICRO_BATCHES, loss_fn=lm_loss)
     params = [p for m in modules for p in m.parameters()]
@@ -220,12 +276,11 @@ def _torch_pipelining(work: Path, model: str, schedule: str) -> None:
         _torch_step(runner, rank, x, y, mb_losses, schedule in V_SHAPED)
         optimizer.step()
 
-    for x, y in torch.load(work / "batches.pt"):
-        start, cpu = time.perf_counter(), time.process_time()
+    for x, y in ((x.to(device), y.to(device)) for x, y in torch.load(work / "batches.pt")):
         mb_losses: list[torch.Tensor] = []
-        step(x, y, mb_losses)
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
+        _, wall, cpu = _timed(lambda: step(x, y, mb_losses))  # noqa: B023
+        walls.append(wall)
+        cpus.append(cpu)
         losses.append(float(torch.stack(mb_losses).mean()) if mb_losses else float("nan"))
     census = _census_step(lambda: step(x, y, []))
     _report(work, f"torch-{schedule}", rank, walls, cpus, losses, census=census)
@@ -277,10 +332,10 @@ def _deepspeed(work: Path, model: str) -> None:
     stream = micro_batch_iterator(batches, MICRO_BATCHES)
     walls, cpus, losses = [], [], []
     for _ in batches:
-        start, cpu = time.perf_counter(), time.process_time()
-        losses.append(float(engine.train_batch(stream)))
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
+        loss, wall, cpu = _timed(lambda: float(engine.train_batch(stream)))
+        losses.append(loss)
+        walls.append(wall)
+        cpus.append(cpu)
     _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, cpus, losses)
     # Left to interpreter exit, gloo's teardown with a peer already gone sometimes aborts
     # ("terminate called without an active exception"), failing the run after its report.
@@ -302,32 +357,40 @@ def _fairscale(work: Path, model: str) -> None:
         pipe.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True
     )
     walls, cpus, losses = [], [], []
-    for x, y in torch.load(work / "batches.pt"):
-        start, cpu = time.perf_counter(), time.process_time()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(pipe(x), y)
         loss.backward()
         optimizer.step()
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
-        losses.append(float(loss))
+        return float(loss)
+
+    for x, y in torch.load(work / "batches.pt"):
+        loss, wall, cpu = _timed(lambda: step(x, y))  # noqa: B023
+        losses.append(loss)
+        walls.append(wall)
+        cpus.append(cpu)
     _report(work, "fairscale-Pipe", 0, walls, cpus, losses)
 
 
-def _single(work: Path, model: str, threads: int) -> None:
+def _single(work: Path, model: str, threads: int, device_name: str) -> None:
     from engine.runtime.optim import build_optimizer
     from engine.runtime.reference import reference_step
 
     torch.set_num_threads(threads)
+    device = _device(device_name)
     model_ = build_layers(gpt_layers(MODELS[model]), seed=0)
     _load_into(model_, work)
+    model_.to(device)
     optimizer = build_optimizer(model_, lr=LR)
     walls, cpus, losses = [], [], []
-    for x, y in torch.load(work / "batches.pt"):
-        start, cpu = time.perf_counter(), time.process_time()
-        losses.append(reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES))
-        walls.append(time.perf_counter() - start)
-        cpus.append(time.process_time() - cpu)
+    for x, y in ((x.to(device), y.to(device)) for x, y in torch.load(work / "batches.pt")):
+        loss, wall, cpu = _timed(
+            lambda: reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES)  # noqa: B023
+        )
+        losses.append(loss)
+        walls.append(wall)
+        cpus.append(cpu)
     rank = int(os.environ.get("RANK", "0"))
     pair = "-pair" if os.environ.get("WORLD_SIZE", "1") == "2" else ""
     _report(work, f"single-{threads}t{pair}", rank, walls, cpus, losses)
@@ -338,7 +401,8 @@ def _single(work: Path, model: str, threads: int) -> None:
 
 def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
     """How each installed system is launched (its own launcher, its own processes)."""
-    me = [str(Path(__file__).resolve()), "--work", str(work), "--model", args.model]
+    me = [str(Path(__file__).resolve()), "--work", str(work), "--model", args.model,
+          "--device", args.device]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(args.port)]  # fmt: skip
     out: dict[str, list[str]] = {
@@ -369,7 +433,31 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
         out["fairscale-Pipe"] = [sys.executable, *me, "--worker", "fairscale"]
     except ImportError:
         pass
+    if args.device == "cuda":
+        return {name: command for name, command in out.items() if name not in CPU_ONLY}
     return out
+
+
+def _chosen(args: argparse.Namespace, commands: dict[str, list[str]]) -> list[str]:
+    """The systems `--systems` names (every one offered when it names none), refused by name
+    before anything runs where one is not offered or the GPUs are too few."""
+    wanted = [s for s in args.systems.split(",") if s] or list(commands)
+    unknown = [name for name in wanted if name not in commands]
+    if unknown:
+        cpu_only = args.device == "cuda" and set(unknown) <= set(CPU_ONLY)
+        raise SystemExit(
+            f"bench_peers: {', '.join(unknown)}: "
+            f"{'on the CPU only' if cpu_only else 'unknown or not installed'} "
+            f"(--device {args.device}); choose among: {', '.join(commands)}"
+        )
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    if gpus < 2:
+        raise SystemExit(
+            f"bench_peers: --device cuda runs each pipeline on 2 GPUs (NCCL needs one per rank) "
+            f"and this machine has {gpus}: run it where two are, or leave out --device cuda to "
+            "compare on the CPU"
+        )
+    return wanted
 
 
 def _run(
@@ -386,31 +474,16 @@ def _run(
     return results, ""
 
 
-def _row(name: str, results: list[dict[str, Any]], tokens: int, best: float,
-         reference: list[float]) -> str:  # fmt: skip
-    step = _slowest(results)
-    losses = next(r["losses"] for r in reversed(results) if r["losses"][0] == r["losses"][0])
-    if not reference:
-        match = "– (no single-1t in this run)"
-    elif all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, reference, strict=True)):
-        match = "yes"
-    else:
-        match = "NO"
-    bubble = results[0]["bubble"]
-    rss = ", ".join(f"{r['rss_mib']:.0f}" for r in results)
-    cpu = ", ".join(f"{r['cpu_s']:.3f}" for r in results)
-    return (
-        f"| {name} | {step:.3f} | {tokens / step:,.0f} | {best / (tokens / step):.2f} | {cpu} "
-        f"| {rss} | {'–' if bubble is None else f'{bubble:.1%}'} | {match} |"
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=10, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default="", help="comma-separated subset of system names")
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="cuda: each pipeline on 2 GPUs over NCCL, the reference on one",
+    )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="run every system this many times, round-robin; report the median round",
@@ -439,9 +512,9 @@ def main() -> None:
     work = Path(args.work or ROOT / "runs" / "bench_peers" / args.model)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    _prepare(work, args.model, args.warmup + args.steps)
     commands = _commands(args, work)
-    wanted = [s for s in args.systems.split(",") if s] or list(commands)
+    wanted = _chosen(args, commands)
+    _prepare(work, args.model, args.warmup + args.steps)
     rounds: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in wanted}
     for _ in range(args.rounds):
         for name in wanted:
@@ -457,11 +530,11 @@ def _work_as(args: argparse.Namespace) -> None:
     """One rank of one system (the command `_commands` launched it with)."""
     work = Path(args.work)
     workers = {
-        "meshpipe": lambda: _meshpipe(work, args.model, args.schedule),
-        "torch": lambda: _torch_pipelining(work, args.model, args.schedule),
+        "meshpipe": lambda: _meshpipe(work, args.model, args.schedule, args.device),
+        "torch": lambda: _torch_pipelining(work, args.model, args.schedule, args.device),
         "deepspeed": lambda: _deepspeed(work, args.model),
         "fairscale": lambda: _fairscale(work, args.model),
-        "single": lambda: _single(work, args.model, args.threads),
+        "single": lambda: _single(work, args.model, args.threads, args.device),
     }
     workers[args.worker]()
 
@@ -470,126 +543,46 @@ def _print_tables(
     args: argparse.Namespace, rounds: dict[str, list[list[dict[str, Any]]]], wanted: list[str]
 ) -> None:
     """The table of every system's median round, the targets, each round and the census."""
-    tokens = GLOBAL_BATCH * SEQ_LEN
-    ok = {n: _median_round(r) for n, r in rounds.items() if r}
-    fastest = _fastest(ok, "meshpipe")
-    meshpipe_best = tokens / _slowest(ok[fastest]) if fastest else 1.0
+    seq_len = MODELS[args.model].max_seq_len
+    tokens = GLOBAL_BATCH * seq_len
+    ok = {n: median_round(r) for n, r in rounds.items() if r}
+    best = fastest(ok, "meshpipe")
+    meshpipe_best = tokens / slowest(ok[best]) if best else 1.0
     reference = ok["single-1t"][0]["losses"] if "single-1t" in ok else []
     size = sum(spec.num_parameters() for spec in gpt_layers(MODELS[args.model])) / 1e6
     print(
         f"model {args.model} ({size:.1f}M), global batch {GLOBAL_BATCH} = {MICRO_BATCHES} × "
-        f"{GLOBAL_BATCH // MICRO_BATCHES}, seq {SEQ_LEN}, {args.steps} steps after "
-        f"{args.warmup}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}\n"
+        f"{GLOBAL_BATCH // MICRO_BATCHES}, seq {seq_len}, {args.steps} steps after "
+        f"{args.warmup}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        f"{_gpu_name(args.device)}\n"
     )
+    memory = "CUDA memory allocated" if args.device == "cuda" else "RSS"
     print(
         "| system | s/step (median) | tokens/s | meshpipe best ÷ this | CPU s/step per rank "
-        "| peak RSS per rank (MiB) | bubble | losses match reference |"
+        f"| peak {memory} per rank (MiB) | bubble | losses match reference |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in wanted:
         if ok.get(name):
-            print(_row(name, ok[name], tokens, meshpipe_best, reference))
+            print(table_row(name, ok[name], tokens, meshpipe_best, reference))
         else:
             print(f"| {name} | failed or not installed | | | | | | |")
     print()
-    print("\n".join(_verdict(ok)))
+    print("\n".join(verdict(ok)))
     if args.rounds > 1:
         print("- every round, in run order (s/step of the slowest rank):")
         for name, runs in rounds.items():
-            steps = " / ".join(f"{_slowest(ranks):.3f}" for ranks in runs)
-            cpus = " / ".join(f"{_cpu(ranks):.3f}" for ranks in runs)
+            steps = " / ".join(f"{slowest(ranks):.3f}" for ranks in runs)
+            cpus = " / ".join(f"{cpu_time(ranks):.3f}" for ranks in runs)
             print(f"  - {name}: {steps} (CPU of all ranks: {cpus})")
-        print("\n".join(_paired(rounds, ok)))
+        print("\n".join(paired(rounds, ok)))
     if args.census:
-        print("\n".join(_census_lines(ok)))
+        print("\n".join(census_lines(ok)))
 
 
-def _slowest(ranks: list[dict[str, Any]]) -> float:
-    """A system's step time: its slowest rank's (the pipeline runs at that pace)."""
-    return max(r["step_s"] for r in ranks)
-
-
-def _fastest(ok: dict[str, list[dict[str, Any]]], prefix: str) -> str | None:
-    """The fastest system whose name starts with `prefix` (None if there is none)."""
-    names = [n for n in ok if n.startswith(prefix)]
-    return min(names, key=lambda n: _slowest(ok[n])) if names else None
-
-
-def _median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The round whose slowest rank has the median step time (rounds sorted by it)."""
-    ordered = sorted(rounds, key=_slowest)
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def _paired(rounds: dict[str, list[list[dict[str, Any]]]],
-            ok: dict[str, list[dict[str, Any]]]) -> list[str]:  # fmt: skip
-    """meshpipe's best against DeepSpeed and torch's best, round by round: rounds run
-    round-robin, so a round's systems ran minutes apart and share the machine's drift."""
-    best, lines = _fastest(ok, "meshpipe"), []
-    for peer in ("deepspeed-PipelineEngine", _fastest(ok, "torch")):
-        if best is None or peer is None or peer not in ok:
-            continue
-        pairs = list(zip(rounds[best], rounds[peer], strict=False))
-        for what, measure in (("s/step", _slowest), ("CPU s/step of all ranks", _cpu)):
-            ratios = [measure(theirs) / measure(ours) for ours, theirs in pairs]
-            listed = ", ".join(f"{r:.3f}" for r in ratios)
-            lines.append(f"- {peer} ÷ {best}, {what}, paired by round: {listed} "
-                         f"(median {statistics.median(ratios):.3f}×)")  # fmt: skip
-    return lines
-
-
-def _cpu(ranks: list[dict[str, Any]]) -> float:
-    """A system's CPU time per step, every rank's together: the work it did."""
-    return sum(r["cpu_s"] for r in ranks)
-
-
-def _verdict(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """The issue's targets, measured in this run: ratios of step times, memory per rank."""
-    step = {n: _slowest(ranks) for n, ranks in ok.items()}
-    best, top = _fastest(ok, "meshpipe"), _fastest(ok, "torch")
-    if best is None:
-        return []
-    lines = [f"- meshpipe's best: {best} ({step[best]:.3f} s/step)"]
-    if "deepspeed-PipelineEngine" in step:
-        lines.append(
-            f"- vs DeepSpeed PipelineEngine: {step['deepspeed-PipelineEngine'] / step[best]:.3f}×"
-        )
-        ds_rss = [r["rss_mib"] for r in ok["deepspeed-PipelineEngine"]]
-        our_rss = [r["rss_mib"] for r in ok[best]]
-        lines.append(f"- peak RSS per rank: {our_rss} MiB vs DeepSpeed's {ds_rss} MiB")
-    if top is not None:
-        lines.append(
-            f"- vs the best torch.distributed.pipelining ({top}): {step[top] / step[best]:.3f}×"
-        )
-    limits = (
-        ("single-1t", "physical limit (single-1t / 2)"),
-        ("single-1t-pair", "two busy cores' limit (single-1t-pair / 2)"),
-    )
-    for name, label in limits:
-        if name in step:
-            lines.append(f"- {label}: {step[name] / 2:.3f} s/step; meshpipe's best reaches "
-                         f"{step[name] / 2 / step[best]:.1%} of it")  # fmt: skip
-    return lines
-
-
-def _census_lines(ok: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """meshpipe's best against torch's best, rank by rank: the aten ops whose calls or output
-    bytes differ, and how many ops ran the same."""
-    best, peer = _fastest(ok, "meshpipe"), _fastest(ok, "torch")
-    if best is None or peer is None:
-        return []
-    lines = [f"- aten ops of one step, {best} against {peer} (calls, MiB of outputs):"]
-    for rank, (ours, theirs) in enumerate(zip(ok[best], ok[peer], strict=True)):
-        mine, other = ours["census"], theirs["census"]
-        same = [op for op in mine if mine[op] == other.get(op)]
-        lines.append(f"  - rank {rank}: {len(same)} ops alike ({sum(mine[op][0] for op in same)} "
-                     f"calls); differing:")  # fmt: skip
-        for op in sorted(set(mine) | set(other)):
-            a, b = mine.get(op, [0, 0]), other.get(op, [0, 0])
-            if a != b:
-                lines.append(f"    - {op}: {a[0]} vs {b[0]} calls, "
-                             f"{a[1] / 2**20:.1f} vs {b[1] / 2**20:.1f} MiB")  # fmt: skip
-    return lines
+def _gpu_name(device: str) -> str:
+    """The GPUs a `--device cuda` table was measured on, for its heading."""
+    return f", on 2 × {torch.cuda.get_device_name(0)}" if device == "cuda" else ""
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 # fit one 10-minute call of the device tool: `stage` (one Llama stage's MFU, eager and
 # compiled, the engine's per-step weight copies against autocast's casts, the runtime's
 # overhead) and `system` (the CUDA tests, grouped-query attention's memory, two ranks sharing
-# the GPU, the memory model against the allocator). Runs from the checkout without installing
-# (PYTHONPATH) and keeps its output in OUT_DIR/gpu_checks-PART.log, so a call cut off at its
-# time limit still returns what ran. Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|all]
+# the GPU, the memory model against the allocator); a third, `peers`, needs two GPUs (meshpipe's
+# ZB-V and DualPipeV against torch's, issue 26's speed target) and says so on fewer. Runs from
+# the checkout without installing (PYTHONPATH) and keeps its output in
+# OUT_DIR/gpu_checks-PART.log, so a call cut off at its time limit still returns what ran.
+# Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|peers|all]
 # GPU_CHECKS_SMOKE=1 runs every command at toy size on the CPU (llama-tiny, gpt-tiny): run it
 # before a GPU session, whose calls are too few to spend on a mistyped flag.
 set -uo pipefail
@@ -13,8 +15,8 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_checks}}"
 part="${2:-all}"
 case "$part" in
-  stage|system|all) ;;
-  *) echo "gpu_checks.sh: unknown part '$part': choose stage, system or all" >&2; exit 2 ;;
+  stage|system|peers|all) ;;
+  *) echo "gpu_checks.sh: unknown part '$part': choose stage, system, peers or all" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_checks-$part.log") 2>&1
@@ -35,8 +37,10 @@ run() {
 }
 if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
   dev=cpu llama=llama-tiny gpt=gpt-tiny seq=64 train_seq=64 mbs=2 sizes="1 2 4"
+  peers="--model tiny --steps 2 --warmup 1" gpus=2
 else
   dev=cuda llama=llama-1b gpt=gpt2 seq=2048 train_seq=512 mbs=8 sizes="4 8 16"
+  peers="--model bench-gpu --steps 6 --warmup 2 --rounds 3" gpus=$(nvidia-smi -L | wc -l)
 fi
 
 step "device ($dev)"
@@ -107,4 +111,15 @@ for model in gpt-tiny llama-tiny; do
       --micro-batch-size 2 --seq-len 64 --schedule $schedule --dtype bf16 --device "$dev" --measure
   done
 done
+fi
+
+if wants peers; then
+step "meshpipe's ZB-V and DualPipeV against torch's, round-robin, on 2 ${dev} ranks"
+if [ "$gpus" -lt 2 ]; then
+  echo "skipped: two GPUs are needed (NCCL, one per rank) and this machine has $gpus"
+else
+  systems=single-1t,meshpipe-zb_v,torch-ScheduleZBVZeroBubble,meshpipe-dualpipe_v,torch-ScheduleDualPipeV
+  run 570 30 $py scripts/bench_peers.py --device "$dev" $peers --systems "$systems" \
+    --work "$out/bench_peers"
+fi
 fi
