@@ -26,6 +26,7 @@ fact the wall clock of a noisy machine cannot settle.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -89,15 +91,26 @@ V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 T = TypeVar("T")
 CPU_ONLY = ("single-2t", "single-1t-pair", "deepspeed-PipelineEngine", "fairscale-Pipe")
 """Systems `--device cuda` does not offer: thread counts and the CPU-bound peers' workers."""
+ALLOCATOR_ENV = {
+    "glibc": {},
+    # Freed memory kept for reuse, as CUDA's caching allocator keeps it: blocks up to 32 MiB
+    # (glibc's most) come from the heap, not a fresh mmap whose every page faults when touched,
+    # and the heap's top is not handed back to the kernel to fault in again a moment later.
+    "keep": {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)},
+}
+"""`--malloc`: glibc's settings for every system's processes alike."""
+TWO_RANKS_ONLY = ("deepspeed-PipelineEngine", "fairscale-Pipe")
+"""Systems whose workers here split the model in two stages only (`--ranks 2`)."""
 
 
 # --- shared inputs ---------------------------------------------------------------------------
 
 
-def _prepare(work: Path, model: str, steps: int) -> None:
-    """Weights, batches and stage boundaries, written once, read by every system."""
+def _prepare(work: Path, model: str, steps: int, ranks: int) -> None:
+    """Weights, batches and stage boundaries (one and two stages per rank), written once,
+    read by every system."""
     specs = gpt_layers(MODELS[model])
-    boundaries = {stages: _partition(model, stages) for stages in (2, 4)}
+    boundaries = {stages: _partition(model, stages) for stages in (ranks, 2 * ranks)}
     (work / "boundaries.json").write_text(json.dumps(boundaries))
     state = build_layers(specs, seed=0).state_dict()
     save_file({k: v.contiguous() for k, v in state.items()}, str(work / "weights.safetensors"))
@@ -119,15 +132,27 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _timed(step: Callable[[], T]) -> tuple[T, float, float]:
-    """`step()`'s result, wall seconds and this process's CPU seconds, waiting for the GPU's
-    work on both sides (a CUDA step returns before its kernels end)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
-    sync()
-    start, cpu = time.perf_counter(), time.process_time()
-    out = step()
-    sync()
-    return out, time.perf_counter() - start, time.process_time() - cpu
+@dataclass
+class _Steps:
+    """Each step's wall seconds, this process's CPU seconds and its minor page faults (pages
+    the kernel handed it as it first touched them: what glibc's freed-and-refetched memory
+    costs, `--malloc`), waiting for the GPU's work on both sides of a step."""
+
+    walls: list[float] = field(default_factory=list)
+    cpus: list[float] = field(default_factory=list)
+    faults: list[int] = field(default_factory=list)
+
+    def time(self, step: Callable[[], T]) -> T:
+        sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+        sync()
+        start, cpu = time.perf_counter(), time.process_time()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        out = step()
+        sync()
+        self.walls.append(time.perf_counter() - start)
+        self.cpus.append(time.process_time() - cpu)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        return out
 
 
 def _census(step: Any) -> dict[str, list[int]]:
@@ -194,16 +219,23 @@ def _gpu_peak_mib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else None
 
 
-def _report(work: Path, system: str, rank: int, walls: list[float], cpus: list[float],
-            losses: list[float], bubbles: list[float] | None = None,
-            census: dict[str, list[int]] | None = None) -> None:  # fmt: skip
+def _report(
+    work: Path,
+    system: str,
+    rank: int,
+    steps: _Steps,
+    losses: list[float],
+    bubbles: list[float] | None = None,
+    census: dict[str, list[int]] | None = None,
+) -> None:
     """A rank's medians over the measured steps: wall time, and the CPU time its process
     spent in every thread (compute, gloo's, Python's), which tells a rank's work from its
     waiting."""
     warm = int(os.environ.get("BENCH_WARMUP", "2"))
     result = {
-        "step_s": statistics.median(walls[warm:]),
-        "cpu_s": statistics.median(cpus[warm:]),
+        "step_s": statistics.median(steps.walls[warm:]),
+        "cpu_s": statistics.median(steps.cpus[warm:]),
+        "faults": statistics.median(steps.faults[warm:]),
         "losses": losses,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "gpu_mib": _gpu_peak_mib(),
@@ -224,28 +256,27 @@ def _meshpipe(work: Path, model: str, schedule: str, device: str) -> None:
     from engine.runtime.engine import PipelineEngine
     from partitioners import Partition
 
-    mesh = init_mesh(2, 1, timeout_s=600, device=_device(device).type)
+    ranks = int(os.environ["WORLD_SIZE"])
+    mesh = init_mesh(ranks, 1, timeout_s=600, device=_device(device).type)
     name, _, guard = schedule.partition("+")
     v = 2 if name in TWO_STAGES_PER_RANK else 1
     specs = gpt_layers(MODELS[model])
     engine = PipelineEngine(
-        specs, mesh, partition=Partition(boundaries=tuple(_boundaries(work, 2 * v))),
+        specs, mesh, partition=Partition(boundaries=tuple(_boundaries(work, ranks * v))),
         micro_batches=MICRO_BATCHES, schedule=name, stages_per_rank=v,
         optimizer=OptimizerSpec(lr=LR), timeout_s=600,
         options=EngineOptions(nonfinite_guard=guard == "guard"),
     )  # fmt: skip
     _load_into(engine.module, work, lambda n: n.split(".", 1)[1])
-    walls, cpus, steps = [], [], []
+    timed, stats = _Steps(), []
     for x, y in torch.load(work / "batches.pt"):
-        stats, wall, cpu = _timed(lambda: engine.train_step(x, y))  # noqa: B023
-        steps.append(stats)
-        walls.append(wall)
-        cpus.append(cpu)
-    losses = [s.loss for s in steps]
-    bubbles = [s.bubble for s in steps]  # read after the run: they arrive a step late
+        stats.append(timed.time(functools.partial(engine.train_step, x, y)))
+    losses = [s.loss for s in stats]
+    bubbles = [s.bubble for s in stats]  # read after the run: they arrive a step late
     census = _census_step(lambda: engine.train_step(x, y))
-    _report(work, f"meshpipe-{schedule}", mesh.rank, walls, cpus, losses, bubbles, census)
-    torch.distributed.destroy_process_group()
+    _report(work, f"meshpipe-{schedule}", mesh.rank, timed, losses, bubbles, census)
+    if torch.distributed.is_initialized():  # one rank joins no process group
+        torch.distributed.destroy_process_group()
 
 
 def _torch_pipelining(work: Path, model: str, schedule: str, device_name: str) -> None:
@@ -254,52 +285,45 @@ def _torch_pipelining(work: Path, model: str, schedule: str, device_name: str) -
 
     device = _device(device_name)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank()
+    rank, ranks = dist.get_rank(), dist.get_world_size()
     v = 1 if schedule in ("ScheduleGPipe", "Schedule1F1B") else 2
-    bounds = _boundaries(work, 2 * v)
+    bounds = _boundaries(work, ranks * v)
     specs = gpt_layers(MODELS[model])
     stages, modules = [], []
-    placed = (rank, 3 - rank) if schedule in V_SHAPED else (rank, rank + 2)
+    v_shaped = schedule in V_SHAPED
+    placed = (rank, 2 * ranks - 1 - rank) if v_shaped else (rank, rank + ranks)
     for s in placed[:v]:
         module = build_layers(specs, range(bounds[s], bounds[s + 1]), seed=0)
         _load_into(module, work)
         modules.append(module.to(device))
-        stages.append(pipelining.PipelineStage(module, s, 2 * v, device))
+        stages.append(pipelining.PipelineStage(module, s, ranks * v, device))
     cls = getattr(pipelining, schedule)
     runner = cls(stages[0] if v == 1 else stages, MICRO_BATCHES, loss_fn=lm_loss)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
-    walls, cpus, losses = [], [], []
+    timed, losses = _Steps(), []
 
     def step(x: torch.Tensor, y: torch.Tensor, mb_losses: list[torch.Tensor]) -> None:
         optimizer.zero_grad(set_to_none=True)
-        _torch_step(runner, rank, x, y, mb_losses, schedule in V_SHAPED)
+        last = rank == (0 if v_shaped else ranks - 1)
+        _torch_step(runner, x if rank == 0 else None, y if last else None, mb_losses)
         optimizer.step()
 
     for x, y in ((x.to(device), y.to(device)) for x, y in torch.load(work / "batches.pt")):
         mb_losses: list[torch.Tensor] = []
-        _, wall, cpu = _timed(lambda: step(x, y, mb_losses))  # noqa: B023
-        walls.append(wall)
-        cpus.append(cpu)
+        timed.time(functools.partial(step, x, y, mb_losses))
         losses.append(float(torch.stack(mb_losses).mean()) if mb_losses else float("nan"))
     census = _census_step(lambda: step(x, y, []))
-    _report(work, f"torch-{schedule}", rank, walls, cpus, losses, census=census)
+    _report(work, f"torch-{schedule}", rank, timed, losses, census=census)
     dist.destroy_process_group()
 
 
-def _torch_step(
-    runner: Any, rank: int, x: Any, y: Any, losses: list[torch.Tensor], v_shaped: bool
-) -> None:
-    """Rank 0 holds stage 0 (feeds inputs); the rank with the last stage (rank 1, or rank 0
-    under V-shaped placement) gives the targets and collects the losses."""
-    if v_shaped and rank == 0:
-        runner.step(x, target=y, losses=losses)
-    elif v_shaped:
-        runner.step()
-    elif rank == 0:
-        runner.step(x)
-    else:
-        runner.step(target=y, losses=losses)
+def _torch_step(runner: Any, x: Any, y: Any, losses: list[torch.Tensor]) -> None:
+    """One step of torch's schedule: the rank holding stage 0 feeds the inputs `x`; the one
+    holding the last stage (the last rank, or rank 0 under V-shaped placement) gives the
+    targets `y` and collects the losses (None where this rank does neither)."""
+    last = {} if y is None else {"target": y, "losses": losses}
+    runner.step(*([] if x is None else [x]), **last)
 
 
 def _deepspeed(work: Path, model: str) -> None:
@@ -330,13 +354,9 @@ def _deepspeed(work: Path, model: str) -> None:
     engine, *_ = deepspeed.initialize(model=module, config=config, model_parameters=params)
     batches = torch.load(work / "batches.pt")
     stream = micro_batch_iterator(batches, MICRO_BATCHES)
-    walls, cpus, losses = [], [], []
-    for _ in batches:
-        loss, wall, cpu = _timed(lambda: float(engine.train_batch(stream)))
-        losses.append(loss)
-        walls.append(wall)
-        cpus.append(cpu)
-    _report(work, "deepspeed-PipelineEngine", engine.global_rank, walls, cpus, losses)
+    timed = _Steps()
+    losses = [timed.time(lambda: float(engine.train_batch(stream))) for _ in batches]
+    _report(work, "deepspeed-PipelineEngine", engine.global_rank, timed, losses)
     # Left to interpreter exit, gloo's teardown with a peer already gone sometimes aborts
     # ("terminate called without an active exception"), failing the run after its report.
     torch.distributed.barrier()
@@ -356,7 +376,6 @@ def _fairscale(work: Path, model: str) -> None:
     optimizer = torch.optim.AdamW(
         pipe.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True
     )
-    walls, cpus, losses = [], [], []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -365,12 +384,9 @@ def _fairscale(work: Path, model: str) -> None:
         optimizer.step()
         return float(loss)
 
-    for x, y in torch.load(work / "batches.pt"):
-        loss, wall, cpu = _timed(lambda: step(x, y))  # noqa: B023
-        losses.append(loss)
-        walls.append(wall)
-        cpus.append(cpu)
-    _report(work, "fairscale-Pipe", 0, walls, cpus, losses)
+    timed = _Steps()
+    losses = [timed.time(functools.partial(step, x, y)) for x, y in torch.load(work / "batches.pt")]
+    _report(work, "fairscale-Pipe", 0, timed, losses)
 
 
 def _single(work: Path, model: str, threads: int, device_name: str) -> None:
@@ -383,17 +399,15 @@ def _single(work: Path, model: str, threads: int, device_name: str) -> None:
     _load_into(model_, work)
     model_.to(device)
     optimizer = build_optimizer(model_, lr=LR)
-    walls, cpus, losses = [], [], []
+    timed, losses = _Steps(), []
     for x, y in ((x.to(device), y.to(device)) for x, y in torch.load(work / "batches.pt")):
-        loss, wall, cpu = _timed(
-            lambda: reference_step(model_, optimizer, x, y, micro_batches=MICRO_BATCHES)  # noqa: B023
+        step = functools.partial(
+            reference_step, model_, optimizer, x, y, micro_batches=MICRO_BATCHES
         )
-        losses.append(loss)
-        walls.append(wall)
-        cpus.append(cpu)
+        losses.append(timed.time(step))
     rank = int(os.environ.get("RANK", "0"))
     pair = "-pair" if os.environ.get("WORLD_SIZE", "1") == "2" else ""
-    _report(work, f"single-{threads}t{pair}", rank, walls, cpus, losses)
+    _report(work, f"single-{threads}t{pair}", rank, timed, losses)
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -403,13 +417,14 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
     """How each installed system is launched (its own launcher, its own processes)."""
     me = [str(Path(__file__).resolve()), "--work", str(work), "--model", args.model,
           "--device", args.device]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-port", str(args.port)]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(args.port)]
+    torchrun = [*launch, "--nproc-per-node", str(args.ranks)]
+    single = ["--worker", "single", "--threads"]
     out: dict[str, list[str]] = {
-        "single-1t": [sys.executable, *me, "--worker", "single", "--threads", "1"],
-        "single-2t": [sys.executable, *me, "--worker", "single", "--threads", "2"],
+        "single-1t": [sys.executable, *me, *single, "1"],
+        "single-2t": [sys.executable, *me, *single, "2"],
         # Two independent single-thread runs side by side: what two busy cores give here.
-        "single-1t-pair": [*torchrun, *me, "--worker", "single", "--threads", "1"],
+        "single-1t-pair": [*launch, "--nproc-per-node", "2", *me, *single, "1"],
     }
     for schedule in MESHPIPE_SCHEDULES:
         out[f"meshpipe-{schedule}"] = [
@@ -433,9 +448,10 @@ def _commands(args: argparse.Namespace, work: Path) -> dict[str, list[str]]:
         out["fairscale-Pipe"] = [sys.executable, *me, "--worker", "fairscale"]
     except ImportError:
         pass
-    if args.device == "cuda":
-        return {name: command for name, command in out.items() if name not in CPU_ONLY}
-    return out
+    refused = (CPU_ONLY if args.device == "cuda" else ()) + (
+        TWO_RANKS_ONLY if args.ranks != 2 else ()
+    )
+    return {name: command for name, command in out.items() if name not in refused}
 
 
 def _chosen(args: argparse.Namespace, commands: dict[str, list[str]]) -> list[str]:
@@ -443,28 +459,32 @@ def _chosen(args: argparse.Namespace, commands: dict[str, list[str]]) -> list[st
     before anything runs where one is not offered or the GPUs are too few."""
     wanted = [s for s in args.systems.split(",") if s] or list(commands)
     unknown = [name for name in wanted if name not in commands]
-    if unknown:
-        cpu_only = args.device == "cuda" and set(unknown) <= set(CPU_ONLY)
+    for name in unknown:
+        why = "unknown or not installed"
+        if args.device == "cuda" and name in CPU_ONLY:
+            why = "runs on the CPU only (--device cpu)"
+        elif args.ranks != 2 and name in TWO_RANKS_ONLY:
+            why = "runs on two ranks only (--ranks 2)"
+        raise SystemExit(f"bench_peers: {name} {why}; choose among: {', '.join(commands)}")
+    if args.ranks < 1:
+        raise SystemExit(f"bench_peers: --ranks {args.ranks}: a pipeline needs 1 rank or more")
+    gpus = torch.cuda.device_count() if args.device == "cuda" else args.ranks
+    if gpus < args.ranks:
         raise SystemExit(
-            f"bench_peers: {', '.join(unknown)}: "
-            f"{'on the CPU only' if cpu_only else 'unknown or not installed'} "
-            f"(--device {args.device}); choose among: {', '.join(commands)}"
-        )
-    gpus = torch.cuda.device_count() if args.device == "cuda" else 2
-    if gpus < 2:
-        raise SystemExit(
-            f"bench_peers: --device cuda runs each pipeline on 2 GPUs (NCCL needs one per rank) "
-            f"and this machine has {gpus}: run it where two are, or leave out --device cuda to "
+            f"bench_peers: --device cuda --ranks {args.ranks} runs each pipeline on "
+            f"{args.ranks} GPUs (NCCL needs one per rank) and this machine has {gpus}: run it "
+            f"where {args.ranks} are, --ranks {gpus} here, or leave out --device cuda to "
             "compare on the CPU"
         )
     return wanted
 
 
 def _run(
-    name: str, command: list[str], work: Path, warmup: int, census: bool = False
+    name: str, command: list[str], work: Path, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "BENCH_WARMUP": str(warmup), "BENCH_CENSUS": "1" if census else ""}  # fmt: skip
+           "BENCH_WARMUP": str(args.warmup), "BENCH_CENSUS": "1" if args.census else "",
+           **ALLOCATOR_ENV[args.malloc]}  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     (work / f"{name}.log").write_text(done.stdout + done.stderr)
     results = [json.loads(p.read_text()) for p in sorted(work.glob(f"{name}.rank*.json"))]
@@ -482,7 +502,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--systems", default="", help="comma-separated subset of system names")
     parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"),
-        help="cuda: each pipeline on 2 GPUs over NCCL, the reference on one",
+        help="cuda: each pipeline on --ranks GPUs over NCCL, the reference on one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--malloc", default="glibc", choices=sorted(ALLOCATOR_ENV),
+        help="keep: glibc keeps freed memory for reuse (every system alike), as CUDA's "
+        "caching allocator does; glibc: its defaults",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ranks", type=int, default=2,
+        help="pipeline ranks (2: every system; 1: both stages of a V on one rank, no transfers)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
@@ -514,11 +543,11 @@ def main() -> None:
     work.mkdir(parents=True)
     commands = _commands(args, work)
     wanted = _chosen(args, commands)
-    _prepare(work, args.model, args.warmup + args.steps)
+    _prepare(work, args.model, args.warmup + args.steps, args.ranks)
     rounds: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in wanted}
     for _ in range(args.rounds):
         for name in wanted:
-            result, why = _run(name, commands[name], work, args.warmup, args.census)
+            result, why = _run(name, commands[name], work, args)
             if why:
                 print(f"{name}: failed: {why}", file=sys.stderr)
             elif result:
@@ -554,21 +583,22 @@ def _print_tables(
         f"model {args.model} ({size:.1f}M), global batch {GLOBAL_BATCH} = {MICRO_BATCHES} × "
         f"{GLOBAL_BATCH // MICRO_BATCHES}, seq {seq_len}, {args.steps} steps after "
         f"{args.warmup}; {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-        f"{_gpu_name(args.device)}\n"
+        f"; {args.ranks} pipeline rank(s), malloc {args.malloc}{_gpu_name(args.device)}\n"
     )
     memory = "CUDA memory allocated" if args.device == "cuda" else "RSS"
     print(
         "| system | s/step (median) | tokens/s | meshpipe best ÷ this | CPU s/step per rank "
-        f"| peak {memory} per rank (MiB) | bubble | losses match reference |"
+        f"| peak {memory} per rank (MiB) | page faults per step per rank (k) | bubble "
+        "| losses match reference |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in wanted:
         if ok.get(name):
             print(table_row(name, ok[name], tokens, meshpipe_best, reference))
         else:
-            print(f"| {name} | failed or not installed | | | | | | |")
+            print(f"| {name} | failed or not installed | | | | | | | |")
     print()
-    print("\n".join(verdict(ok)))
+    print("\n".join(verdict(ok, args.ranks)))
     if args.rounds > 1:
         print("- every round, in run order (s/step of the slowest rank):")
         for name, runs in rounds.items():
@@ -581,8 +611,8 @@ def _print_tables(
 
 
 def _gpu_name(device: str) -> str:
-    """The GPUs a `--device cuda` table was measured on, for its heading."""
-    return f", on 2 × {torch.cuda.get_device_name(0)}" if device == "cuda" else ""
+    """The GPU a `--device cuda` table was measured on, for its heading."""
+    return f", each on a {torch.cuda.get_device_name(0)}" if device == "cuda" else ""
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # fit one 10-minute call of the device tool: `stage` (one Llama stage's MFU, eager and
 # compiled, the engine's per-step weight copies against autocast's casts, the runtime's
 # overhead) and `system` (the CUDA tests, grouped-query attention's memory, two ranks sharing
-# the GPU, the memory model against the allocator); a third, `peers`, needs two GPUs (meshpipe's
-# ZB-V and DualPipeV against torch's, issue 26's speed target) and says so on fewer. Runs from
+# the GPU, the memory model against the allocator); a third, `peers`, times meshpipe's ZB-V and
+# DualPipeV against torch's (issue 26's speed target), both stages of each V on one GPU, then
+# on two ranks where the machine has two GPUs (skipped, saying so, on one). Runs from
 # the checkout without installing (PYTHONPATH) and keeps its output in
 # OUT_DIR/gpu_checks-PART.log, so a call cut off at its time limit still returns what ran.
 # Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|peers|all]
@@ -40,7 +41,7 @@ if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
   peers="--model tiny --steps 2 --warmup 1" gpus=2
 else
   dev=cuda llama=llama-1b gpt=gpt2 seq=2048 train_seq=512 mbs=8 sizes="4 8 16"
-  peers="--model bench-gpu --steps 6 --warmup 2 --rounds 3" gpus=$(nvidia-smi -L | wc -l)
+  peers="--model bench-gpu --steps 4 --warmup 1 --rounds 2" gpus=$(nvidia-smi -L | wc -l)
 fi
 
 step "device ($dev)"
@@ -114,12 +115,15 @@ done
 fi
 
 if wants peers; then
-step "meshpipe's ZB-V and DualPipeV against torch's, round-robin, on 2 ${dev} ranks"
+systems=single-1t,meshpipe-zb_v,torch-ScheduleZBVZeroBubble,meshpipe-dualpipe_v,torch-ScheduleDualPipeV
+step "meshpipe's ZB-V and DualPipeV against torch's, both stages of each V on one $dev rank"
+run 400 30 $py scripts/bench_peers.py --device "$dev" --ranks 1 $peers --systems "$systems" \
+  --work "$out/bench_peers_1"
+step "the same on 2 $dev ranks (the V's stages 0 and 3 on one, 1 and 2 on the other)"
 if [ "$gpus" -lt 2 ]; then
   echo "skipped: two GPUs are needed (NCCL, one per rank) and this machine has $gpus"
 else
-  systems=single-1t,meshpipe-zb_v,torch-ScheduleZBVZeroBubble,meshpipe-dualpipe_v,torch-ScheduleDualPipeV
-  run 570 30 $py scripts/bench_peers.py --device "$dev" $peers --systems "$systems" \
-    --work "$out/bench_peers"
+  run 400 30 $py scripts/bench_peers.py --device "$dev" --ranks 2 $peers --systems "$systems" \
+    --work "$out/bench_peers_2"
 fi
 fi

@@ -4,6 +4,7 @@ systems its driver runs where."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,6 +24,7 @@ def bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -109,11 +111,48 @@ def test_a_cpu_only_system_asked_for_under_cuda_is_refused_by_name(
 ) -> None:
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 2)
     args = bench._parser().parse_args(["--device", "cuda", "--systems", "single-1t,single-2t"])
-    with pytest.raises(SystemExit, match="single-2t: on the CPU only"):
+    with pytest.raises(SystemExit, match=r"single-2t runs on the CPU only \(--device cpu\)"):
         bench._chosen(args, bench._commands(args, tmp_path))
 
 
 def test_an_unknown_system_is_refused_by_name(bench: ModuleType, tmp_path: Path) -> None:
     args = bench._parser().parse_args(["--systems", "meshpipe-zbv"])
-    with pytest.raises(SystemExit, match="meshpipe-zbv: unknown or not installed"):
+    with pytest.raises(SystemExit, match="meshpipe-zbv unknown or not installed"):
         bench._chosen(args, bench._commands(args, tmp_path))
+
+
+def test_one_gpu_runs_a_one_rank_pipeline(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    systems = "meshpipe-zb_v,torch-ScheduleZBVZeroBubble"
+    args = bench._parser().parse_args(["--device", "cuda", "--ranks", "1", "--systems", systems])
+    commands = bench._commands(args, tmp_path)
+    assert bench._chosen(args, commands) == ["meshpipe-zb_v", "torch-ScheduleZBVZeroBubble"]
+    command = commands["meshpipe-zb_v"]
+    assert command[command.index("--nproc-per-node") + 1] == "1"
+
+
+def test_a_two_stage_peer_asked_for_on_other_rank_counts_is_refused_by_name(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    args = bench._parser().parse_args(["--ranks", "4", "--systems", "deepspeed-PipelineEngine"])
+    with pytest.raises(SystemExit, match=r"deepspeed-PipelineEngine runs on two ranks only"):
+        bench._chosen(args, bench._commands(args, tmp_path))
+
+
+def test_each_rank_s_page_faults_per_step_are_a_column_in_thousands() -> None:
+    faulting = [dict(rank, faults=12_345) for rank in RANKS]
+    assert "| 500, 510 | 12.3, 12.3 |" in table_row("x", faulting, 4096, 8192.0, [])
+    assert "| 500, 510 | –, – |" in table_row("x", RANKS, 4096, 8192.0, [])
+
+
+@pytest.mark.parametrize("malloc", ["glibc", "keep"])
+def test_the_allocator_setting_reaches_every_system_s_processes(
+    bench: ModuleType, tmp_path: Path, malloc: str
+) -> None:
+    args = bench._parser().parse_args(["--malloc", malloc])
+    show = "import os; print(os.environ.get('MALLOC_TRIM_THRESHOLD_'))"
+    bench._run("probe", [sys.executable, "-c", show], tmp_path, args)
+    expected = "1073741824" if malloc == "keep" else "None"
+    assert (tmp_path / "probe.log").read_text().strip() == expected
