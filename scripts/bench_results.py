@@ -63,20 +63,33 @@ def median_round(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return ordered[(len(ordered) - 1) // 2]
 
 
+SAME_SCHEDULE = {
+    "meshpipe-gpipe": "torch-ScheduleGPipe",
+    "meshpipe-1f1b": "torch-Schedule1F1B",
+    "meshpipe-interleaved_1f1b": "torch-ScheduleInterleaved1F1B",
+    "meshpipe-zb_v": "torch-ScheduleZBVZeroBubble",
+    "meshpipe-dualpipe_v": "torch-ScheduleDualPipeV",
+}
+"""meshpipe's schedules and torch's implementations of the same ones."""
+
+
 def paired(
     rounds: dict[str, list[list[dict[str, Any]]]], ok: dict[str, list[dict[str, Any]]]
 ) -> list[str]:
-    """meshpipe's best against DeepSpeed and torch's best, round by round: rounds run
-    round-robin, so a round's systems ran minutes apart and share the machine's drift."""
-    best, lines = fastest(ok, "meshpipe"), []
-    for peer in ("deepspeed-PipelineEngine", fastest(ok, "torch")):
-        if best is None or peer is None or peer not in ok:
+    """meshpipe's best against DeepSpeed and torch's best, then each meshpipe schedule against
+    torch's same schedule, round by round: rounds run round-robin, so a round's systems ran
+    minutes apart and share the machine's drift."""
+    best = fastest(ok, "meshpipe")
+    matches = [(best, peer) for peer in ("deepspeed-PipelineEngine", fastest(ok, "torch"))]
+    lines: list[str] = []
+    for ours, peer in dict.fromkeys([*matches, *SAME_SCHEDULE.items()]):
+        if ours is None or ours not in ok or peer not in ok:
             continue
-        pairs = list(zip(rounds[best], rounds[peer], strict=False))
+        pairs = list(zip(rounds[ours], rounds[peer], strict=False))
         for what, measure in (("s/step", slowest), ("CPU s/step of all ranks", cpu_time)):
-            ratios = [measure(theirs) / measure(ours) for ours, theirs in pairs]
+            ratios = [measure(theirs) / measure(mine) for mine, theirs in pairs]
             listed = ", ".join(f"{r:.3f}" for r in ratios)
-            lines.append(f"- {peer} ÷ {best}, {what}, paired by round: {listed} "
+            lines.append(f"- {peer} ÷ {ours}, {what}, paired by round: {listed} "
                          f"(median {statistics.median(ratios):.3f}×)")  # fmt: skip
     return lines
 

@@ -156,3 +156,23 @@ def test_the_allocator_setting_reaches_every_system_s_processes(
     bench._run("probe", [sys.executable, "-c", show], tmp_path, args)
     expected = "1073741824" if malloc == "keep" else "None"
     assert (tmp_path / "probe.log").read_text().strip() == expected
+
+
+def test_each_meshpipe_schedule_is_paired_with_torch_s_same_schedule() -> None:
+    slower = [dict(rank, step_s=rank["step_s"] * 1.1) for rank in RANKS]
+    rounds = {
+        "meshpipe-zb_v": [slower],
+        "torch-ScheduleZBVZeroBubble": [RANKS],
+        "meshpipe-dualpipe_v": [RANKS],
+        "torch-ScheduleDualPipeV": [slower],
+    }
+    lines = paired(rounds, {name: runs[0] for name, runs in rounds.items()})
+    walls = [line for line in lines if ", s/step," in line]
+    assert walls == [
+        "- torch-ScheduleZBVZeroBubble ÷ meshpipe-dualpipe_v, s/step, paired by round: 1.000 "
+        "(median 1.000×)",
+        "- torch-ScheduleZBVZeroBubble ÷ meshpipe-zb_v, s/step, paired by round: 0.909 "
+        "(median 0.909×)",
+        "- torch-ScheduleDualPipeV ÷ meshpipe-dualpipe_v, s/step, paired by round: 1.100 "
+        "(median 1.100×)",
+    ]
