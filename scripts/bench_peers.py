@@ -12,11 +12,15 @@ Installs nothing: systems that are not installed are listed as skipped.
     python scripts/bench_peers.py --device cuda --model bench-gpu --rounds 5 --systems \
         single-1t,meshpipe-zb_v,torch-ScheduleZBVZeroBubble,meshpipe-dualpipe_v,torch-ScheduleDualPipeV
 
-`--device cuda` runs the pipelines on two GPUs over NCCL (one per rank; the driver refuses a
-machine with fewer before starting any system), the single-process reference on one, times
-each step to the GPU's end and reports each rank's peak CUDA memory: what settles a few per
-cent that the CPU's round-to-round noise cannot. DeepSpeed's and fairscale's workers and the
-thread-count variants of the reference run on the CPU only and are not offered there.
+`--ranks N` (default 2) sets the pipeline ranks; `--ranks 1` puts both stages of each V on one
+rank, where nothing is sent (DeepSpeed's and fairscale's workers here run two ranks only).
+`--device cuda` runs each pipeline rank on its own GPU over NCCL (the driver refuses a machine
+with fewer GPUs than ranks before starting any system), the single-process reference on one,
+times each step to the GPU's end and reports each rank's peak CUDA memory: what settles a few
+per cent that the CPU's round-to-round noise cannot. DeepSpeed's and fairscale's workers and
+the thread-count variants of the reference run on the CPU only and are not offered there.
+`--malloc keep` has glibc keep freed memory in every system's processes alike; each rank's
+minor page faults a step are reported either way.
 
 `--census` also counts the aten ops of one more step on every rank of meshpipe's and torch's
 workers and prints where the counts differ: whether two engines run the same kernels is a
