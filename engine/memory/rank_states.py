@@ -91,6 +91,10 @@ class RankStates:
             self.fsdp = fully_shard_stages(
                 stages, grid.dp_mesh, precision, pp_rank=0, reshard=reshard
             )
+            from engine.memory.settled import settle_collectives  # imports FSDP2
+
+            assert grid.dp_group is not None  # zero=3's grid has a dp mesh
+            settle_collectives(self.fsdp.layers, grid.dp_group)
         if zero in (1, 2):
             group, dp, dp_rank = grid.dp_group, grid.dp, grid.dp_rank
             self.sharded = build_sharded(
