@@ -24,6 +24,7 @@ from engine.comm.mesh import Mesh
 from engine.comm.replica_group import ReplicaGroup
 from engine.config import EngineOptions, OptimizerSpec, ReplicaSync
 from engine.parallel import SequenceShards, align_gradients
+from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.interpreter import ActionTiming, execute
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import LossScaler, step_casts
@@ -81,6 +82,8 @@ class PipelineEngine:
         """How this stage's replicas stay together: every step, or every H steps."""
         check_layout(specs, mesh, partition, micro_batches, stages_per_rank, self.options)
         self.mesh, self.micro_batches, self.timeout_s = mesh, micro_batches, timeout_s
+        if mesh.device.type == "cpu":
+            keep_freed_host_memory()
         self.schedule, self.eval_schedule = lowered_schedules(
             schedule, num_ranks=mesh.pp, micro_batches=micro_batches, stages=stages_per_rank
         )
