@@ -7,7 +7,9 @@ then freed late, by that thread, and a measurement taken meanwhile counts it. On
 FSDP2's 32 KiB all-gather buffer of llama-tiny outlived the first forward in about 4 % of
 measured steps. Here each collective runs on untracked copies of FSDP's buffers, which the
 backend may free whenever it likes, and FSDP's own buffers live exactly as long as FSDP holds
-them, as on torch's fake process group, whose works finish before they return.
+them, as on torch's fake process group, whose works finish before they return. The allocator's
+peak of a step measured so includes the copies (one layer's buffers at a time); the fake
+world's, which `meshpipe memory --measure` reports, does not.
 """
 
 from __future__ import annotations
