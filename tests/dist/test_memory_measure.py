@@ -19,7 +19,15 @@ from engine.memory.settled import SettledAllGather, SettledReduceScatter, settle
 from engine.memory.tracker import MemoryTracker
 from tests.dist.harness import run_ranks
 
-CASES: list[dict[str, Any]] = [{"dp": 2, "zero": 3}, {"tp": 2}]
+CASES: list[dict[str, Any]] = [
+    {"dp": 2, "zero": 3},
+    {"tp": 2},
+    {"dp": 2, "zero": 2},
+    {"dp": 2, "zero": 1},
+    {"dp": 2, "zero": 0, "precision": "fp32"},
+]
+"""FSDP2 (ZeRO-3), DTensor (tp), the engine's `ShardedOptimizer` (ZeRO-1/2) and its bucketed
+all-reduce (ZeRO-0)."""
 
 
 def _config(changes: dict[str, Any]) -> MemoryConfig:
@@ -38,7 +46,9 @@ def on_gloo() -> list[Any]:
     return list(run_ranks(_measure_all, 2, timeout_s=240)[0])
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=["zero3", "tp2"])
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=["zero3", "tp2", "zero2", "zero1", "zero0"]
+)
 def test_one_ranks_measured_step_on_gloo_equals_the_fake_worlds(
     index: int, on_gloo: list[Any]
 ) -> None:
