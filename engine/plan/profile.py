@@ -9,6 +9,12 @@ stage turns on the split backward and times I and W. Before anything is built, e
 memory (fp32 weights and gradients plus an activation allowance) is checked against what the
 machine has available, so a layout too large for this host fails with the fixes instead of
 being killed by the kernel.
+
+Every timing here runs with freed host memory kept (`keep_freed_host_memory`), as the engine
+computes on the CPU: with glibc's defaults, timing one layer at a time handed each activation
+back to the kernel and faulted it in again on the next run (a layer profile 10-25 % slower
+than the same layers in a GPipe step, docs/BENCHMARKS.md), which the engine's steps no longer
+pay.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from engine.memory.fake_world import stage_grid
 from engine.memory.states import stage_params
 from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
 from engine.plan.hardware import ADAMW_BYTES_PER_PARAMETER
+from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
@@ -184,6 +191,7 @@ def profile_stage_costs(
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     _check_fits(specs, partition, batch_size, seq_len)
+    keep_freed_host_memory()
     per_stage = []
     for s in range(partition.num_stages):
         per_stage.append(_profile_stage(specs, s, partition, batch_size, seq_len, repeats))
@@ -200,6 +208,7 @@ def measured_forward(
     """Each layer's forward seconds on this CPU for one micro-batch: a third of its measured
     forward plus backward (`partitioners.measured_costs`, the median of `repeats`), as the
     simulator's costs split it."""
+    keep_freed_host_memory()
     costs = measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats)
     return tuple(t / 3 for t in costs)
 
@@ -226,6 +235,7 @@ def measured_split_forward(
     costs about as much as the half of the GEMMs it saves at small sizes."""
     if repeats < 1 or tp < 2:
         raise ValueError(f"repeats={repeats} and tp={tp}: give at least 1 and 2")
+    keep_freed_host_memory()
     with stage_grid(1, tp) as grid:
         assert grid.tp_mesh is not None
         return tuple(

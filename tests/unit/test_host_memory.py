@@ -31,6 +31,18 @@ PipelineEngine(specs, init_mesh(1, 1), partition=Partition(boundaries=(0, len(sp
 print(kept)
 """
 
+_PROFILE = """
+import engine.plan.profile as profile
+from models import layer_specs
+from partitioners import Partition
+kept = []
+profile.keep_freed_host_memory = lambda: kept.append(True)
+specs = layer_specs("gpt-tiny")
+profile.measured_forward(specs, 1, 16, repeats=1)
+profile.profile_stage_costs(specs, Partition(boundaries=(0, len(specs))), seq_len=16, repeats=1)
+print(kept)
+"""
+
 _FREED = """
 import ctypes
 from engine.runtime.host_memory import keep_freed_host_memory
@@ -64,6 +76,10 @@ def _python(script: str, **env: str) -> list[str]:
 
 def test_an_engine_on_the_cpu_keeps_freed_host_memory() -> None:
     assert _python(_ENGINE)[-1] == "[True]"
+
+
+def test_the_planner_s_profile_times_layers_with_freed_memory_kept_as_the_engine_runs() -> None:
+    assert _python(_PROFILE)[-1] == "[True, True]"
 
 
 @pytest.mark.skipif(
