@@ -12,7 +12,7 @@ being killed by the kernel.
 
 Every timing here runs with freed host memory kept (`keep_freed_host_memory`), as the engine
 computes on the CPU: with glibc's defaults, timing one layer at a time handed each activation
-back to the kernel and faulted it in again on the next run (a layer profile 10-25 % slower
+back to the kernel and faulted it in again on the next run (a layer profile up to 25 % slower
 than the same layers in a GPipe step, docs/BENCHMARKS.md), which the engine's steps no longer
 pay.
 """
