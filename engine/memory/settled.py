@@ -14,39 +14,36 @@ world's, which `meshpipe memory --measure` reports, does not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["SettledAllGather", "SettledReduceScatter", "settle_collectives"]
 
 
-def _untracked_copies(
-    output: torch.Tensor, source: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An empty copy of `output` and a copy of `source`, made outside every dispatch mode."""
+def _settled(
+    collective: Callable[[torch.Tensor, torch.Tensor], object],
+    output: torch.Tensor,
+    source: torch.Tensor,
+) -> None:
+    """`collective(out, src)` run to completion outside every dispatch mode on copies of
+    `output` and `source` (which the backend may free on its own thread), then its result
+    copied into `output`."""
     with _disable_current_modes():
-        return torch.empty_like(output), source.clone()
+        out, src = torch.empty_like(output), source.clone()
+        collective(out, src)
+    output.copy_(out)
 
 
-def _allocate(
-    size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """FSDP's buffer, as FSDP's default collectives allocate it (so the tracker counts it)."""
-    return torch.empty(*size, dtype=dtype, device=device)
-
-
-class SettledAllGather(AllGather):
-    """FSDP2's all-gather (`FSDPModule.set_custom_all_gather`), run to completion on copies."""
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
+class SettledAllGather(DefaultAllocMixin, AllGather):
+    """FSDP2's all-gather (`FSDPModule.set_custom_all_gather`), run to completion on copies;
+    its buffer allocated as FSDP's default one is (so the tracker counts it)."""
 
     def __call__(
         self,
@@ -55,20 +52,13 @@ class SettledAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> None:
-        gathered, own = _untracked_copies(output_tensor, input_tensor)
-        with _disable_current_modes():
-            dist.all_gather_into_tensor(gathered, own, group=group)
-        output_tensor.copy_(gathered)
+        gather = functools.partial(dist.all_gather_into_tensor, group=group)
+        _settled(gather, output_tensor, input_tensor)
 
 
-class SettledReduceScatter(ReduceScatter):
+class SettledReduceScatter(DefaultAllocMixin, ReduceScatter):
     """FSDP2's reduce-scatter (`FSDPModule.set_custom_reduce_scatter`), run to completion on
-    copies."""
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return _allocate(size, dtype=dtype, device=device)
+    copies; its buffer allocated as FSDP's default one is."""
 
     def __call__(
         self,
@@ -78,10 +68,8 @@ class SettledReduceScatter(ReduceScatter):
         op: dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> None:
-        shard, full = _untracked_copies(output_tensor, input_tensor)
-        with _disable_current_modes():
-            dist.reduce_scatter_tensor(shard, full, op=op, group=group)
-        output_tensor.copy_(shard)
+        scatter = functools.partial(dist.reduce_scatter_tensor, op=op, group=group)
+        _settled(scatter, output_tensor, input_tensor)
 
 
 def settle_collectives(layers: Sequence[FSDPModule], group: dist.ProcessGroup) -> bool:
