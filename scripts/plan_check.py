@@ -35,6 +35,7 @@ from engine.plan import (
     Hardware,
     PlanRequest,
     measured_forward,
+    measured_input_shares,
     measured_memory_bandwidth,
     measured_split_forward,
     search,
@@ -70,6 +71,7 @@ def _layouts(devices: int, global_batch: int) -> list[Candidate]:
         c(2, 1, 1),
         c(2, 1, 1, "gpipe"),
         c(2, 1, 1, "zb_h1"),
+        c(2, 1, 1, "zb_h1", recompute=(0, 1)),
         c(2, 1, 1, recompute=(0, 1)),
         c(2, 1, 1, recompute=(0,)),
         c(1, 2, 1),
@@ -237,6 +239,7 @@ def _request(
             for tp in widths
             if tp > 1
         },
+        measured_input_shares={b: measured_input_shares(specs, b, args.seq_len) for b in sizes},
         micro_batch_sizes=sizes,
     )
 

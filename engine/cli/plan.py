@@ -25,6 +25,7 @@ from engine.plan import (
     accelerator,
     fewest_devices,
     measured_forward,
+    measured_input_shares,
     measured_memory_bandwidth,
     measured_split_forward,
     plot_plan,
@@ -174,7 +175,9 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
     sizes = _sizes(args.micro_batch_sizes)
     hardware = _hardware(args, argv)
     model = args.model_config or args.model  # a registered name, hf:DIR or a .json of fields
-    measured, split = _profile(args, model, sizes, hardware) if args.profile else (None, None)
+    measured, split, shares = (
+        _profile(args, model, sizes, hardware) if args.profile else (None, None, None)
+    )
     return PlanRequest(
         model=model,
         devices=args.devices,
@@ -186,6 +189,7 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
         hardware=hardware,
         measured=measured,
         measured_split=split,
+        measured_input_shares=shares,
         micro_batch_sizes=sizes,
         top=args.top,
     )
@@ -226,11 +230,17 @@ def _memory_hint(name: str | None) -> str:
 
 def _profile(
     args: argparse.Namespace, model: str, sizes: tuple[int, ...], hardware: Hardware
-) -> tuple[dict[int, tuple[float, ...]], dict[tuple[int, int], tuple[float, ...]]]:
-    """`--profile`: each layer timed here per micro-batch size, and split as the engine splits
-    it for every tp width the search will weigh (`measured_split_forward`)."""
+) -> tuple[
+    dict[int, tuple[float, ...]],
+    dict[tuple[int, int], tuple[float, ...]],
+    dict[int, tuple[float, ...]],
+]:
+    """`--profile`: each layer timed here per micro-batch size, split as the engine splits it
+    for every tp width the search will weigh (`measured_split_forward`), and its backward's
+    I and W timed apart (`measured_input_shares`)."""
     specs = layer_specs(model)
     measured = {b: measured_forward(specs, b, args.seq_len) for b in sizes}
+    shares = {b: measured_input_shares(specs, b, args.seq_len) for b in sizes}
     layouts = meshes(
         model,
         args.devices,
@@ -242,7 +252,7 @@ def _profile(
     split = {
         (b, tp): measured_split_forward(specs, b, args.seq_len, tp) for b in sizes for tp in widths
     }
-    return measured, split
+    return measured, split, shares
 
 
 def _sizes(text: str) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ from engine.plan.plan_file import (
 )
 from engine.plan.profile import (
     measured_forward,
+    measured_input_shares,
     measured_memory_bandwidth,
     measured_split_forward,
     profile_stage_costs,
@@ -36,6 +37,7 @@ __all__ = [
     "apply_plan",
     "fewest_devices",
     "measured_forward",
+    "measured_input_shares",
     "measured_memory_bandwidth",
     "measured_split_forward",
     "merge_plan",

@@ -28,7 +28,7 @@ from engine.plan.counts import (
 )
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.request import PlanRequest
-from engine.plan.timing import StageTimes, layer_flops, simulate_stages, time_stages
+from engine.plan.timing import StageTimes, input_share, layer_flops, simulate_stages, time_stages
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
 from engine.schedule.passes import as_lowered
 from engine.schedule.schedule import stages_by_rank
@@ -345,6 +345,15 @@ class SearchContext:
             recompute_runs=recompute_runs,
             several=several,
         )
+
+    @functools.cache  # noqa: B019
+    def input_shares(self, mbs: int) -> tuple[float, ...]:
+        """Of each layer's backward, the share a split backward runs at I: measured
+        (`profile.measured_input_shares`) or by FLOPs (`timing.input_share`)."""
+        measured = self.request.measured_input_shares
+        if measured is not None and mbs in measured:
+            return measured[mbs]
+        return tuple(input_share(spec, self.request.seq_len) for spec in self.specs)
 
     @functools.cache  # noqa: B019
     def forward(self, mbs: int, tp: int) -> tuple[float, ...]:

@@ -45,6 +45,7 @@ from partitioners.costs import activation_costs, backward_root, measured_costs, 
 __all__ = [
     "available_memory",
     "measured_forward",
+    "measured_input_shares",
     "measured_memory_bandwidth",
     "measured_split_forward",
     "profile_stage_costs",
@@ -211,6 +212,26 @@ def measured_forward(
     keep_freed_host_memory()
     costs = measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats)
     return tuple(t / 3 for t in costs)
+
+
+def measured_input_shares(
+    specs: Sequence[LayerSpec], micro_batch_size: int, seq_len: int, repeats: int = 3
+) -> tuple[float, ...]:
+    """Of each layer's backward on this CPU, the share the split backward runs at I: I over
+    I + W, each distinct layer timed once as a stage of its own (`_profile_stage`). On a CPU
+    a block's norms, activations and softmax backward, all at I, weigh more than their FLOPs
+    (gpt-bench's blocks at micro-batches of 2 × 128 tokens: 0.57, where FLOPs say 0.52)."""
+    require(repeats >= 1, f"repeats={repeats} must be at least 1")
+    alone = Partition(boundaries=tuple(range(len(specs) + 1)))
+    _check_fits(specs, alone, micro_batch_size, seq_len)
+    keep_freed_host_memory()
+    shares: dict[LayerSpec, float] = {}
+    for index, spec in enumerate(specs):
+        if spec not in shares:
+            _, _, i, w = _profile_stage(specs, index, alone, micro_batch_size, seq_len, repeats)
+            shares[spec] = i / (i + w) if i + w > 0 else 1.0
+            gc.collect()  # the stage's forward hooks hold it in a cycle (`profile_stage_costs`)
+    return tuple(shares[spec] for spec in specs)
 
 
 def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> float:

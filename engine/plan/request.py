@@ -58,6 +58,9 @@ class PlanRequest:
     measured_split: Mapping[tuple[int, int], tuple[float, ...]] | None = None
     """Per (micro-batch size, tp > 1), each layer's forward seconds measured split tp ways
     (`measured_split_forward`); `measured` over tp where a pair is missing."""
+    measured_input_shares: Mapping[int, tuple[float, ...]] | None = None
+    """Per micro-batch size, of each layer's backward the share the split backward runs at I,
+    measured (`measured_input_shares`); by FLOPs where a size is missing."""
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     top: int = 3

@@ -76,6 +76,7 @@ def _stage_costs(
                 activation_bytes=hidden_bytes,
                 tp=mesh.tp,
                 recompute=s in c.recompute,
+                input_shares=search.input_shares(c.micro_batch_size),
                 zero_turn=turn,
             )
         )

@@ -2,8 +2,12 @@
 
 Compute: a layer's forward is its FLOPs (`LayerSpec.forward_flops`, split `tp` ways) at the
 device's achieved rate, or its time measured here (`--profile`); a backward is twice a
-forward, its I and W halves one forward each, and full recompute adds a forward to each
-backward. Communication, from message sizes and the `Hardware` bandwidths:
+forward, and full recompute adds a forward to each backward. A split backward's W is the
+weight GEMMs of the layer's Linears (as many FLOPs as their forward) and its I the rest
+(`input_share`; measured with `--profile`), except where the engine runs a stage's whole
+backward at I: a stage that recomputes, or holds both ends of a tied weight.
+
+Communication, from message sizes and the `Hardware` bandwidths:
 - tensor parallelism: an all-reduce of the layer's output per row-wise (or vocabulary) split
   in each forward, the same in each backward;
 - pipeline: each boundary's activation (split `tp` ways along the sequence), the simulator's
@@ -21,6 +25,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torch import nn
+
 from engine.plan.hardware import (
     Hardware,
     all_gather_time,
@@ -35,6 +41,7 @@ __all__ = [
     "Timed",
     "collectives_per_layer",
     "dp_tail",
+    "input_share",
     "layer_flops",
     "simulate_stages",
     "stage_times",
@@ -47,6 +54,20 @@ __all__ = [
 def layer_flops(spec: LayerSpec, seq_len: int) -> int:
     """Forward FLOPs of one sequence through the layer."""
     return spec.forward_flops(1, seq_len)
+
+
+@functools.lru_cache(maxsize=4096)
+def input_share(spec: LayerSpec, seq_len: int) -> float:
+    """Of the layer's backward, the share a split backward runs at I, by FLOPs. W is the
+    weight GEMM of each Linear (gᵀ·x: as many FLOPs as its forward GEMM); I is the rest: the
+    input GEMMs, and attention's backward (its scores have no weights, so a block's I is more
+    than half) and the norms'. Under tensor parallelism both split alike."""
+    forward = layer_flops(spec, seq_len)
+    if forward <= 0:
+        return 1.0
+    module = spec.build("meta")
+    weights = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    return min(1.0, max(0.0, 1 - seq_len * weights / forward))
 
 
 def collectives_per_layer(spec: LayerSpec) -> int:
@@ -79,25 +100,37 @@ def stage_times(
     activation_bytes: float,
     tp: int,
     recompute: bool,
+    input_shares: Sequence[float],
     zero_turn: tuple[float, float] = (0.0, 0.0),
 ) -> StageTimes:
     """`forward[i]`: seconds of layer i's forward on one device (already split `tp` ways);
-    `activation_bytes`: one micro-batch's hidden state; `zero_turn`: ZeRO-3 resharded per
-    micro-batch, the gather before each forward and the gather plus gradient reduce-scatter
-    around each backward."""
+    `input_shares[i]`: of its backward, the share a split backward runs at I
+    (`input_share`); `activation_bytes`: one micro-batch's hidden state; `zero_turn`: ZeRO-3
+    resharded per micro-batch, the gather before each forward and the gather plus gradient
+    reduce-scatter around each backward."""
     f = sum(forward[i] for i in layers)
     calls = sum(collectives_per_layer(specs[i]) for i in layers)
     one = all_reduce_time(activation_bytes, tp, hardware.link_bandwidth, hardware.latency)
     tp_f = calls * one
     extra = f + tp_f if recompute else 0.0
+    weight = 0.0
+    if not (recompute or _ties_within(specs, layers)):
+        weight = sum(2 * forward[i] * (1 - input_shares[i]) for i in layers)
     return StageTimes(
         forward=f + tp_f + zero_turn[0],
         backward=2 * f + tp_f + extra + zero_turn[1],
-        input_grad=f + tp_f + extra + zero_turn[1],
-        weight_grad=f,
+        input_grad=2 * f - weight + tp_f + extra + zero_turn[1],
+        weight_grad=weight,
         tp_comm=2 * tp_f,
         recompute=extra,
     )
+
+
+def _ties_within(specs: Sequence[LayerSpec], layers: range) -> bool:
+    """Whether the stage holds two layers of one tie group: one parameter used by two modules,
+    whose W the engine cannot take per module (`PipelineStage.enable_split_backward`)."""
+    keys = [specs[i].tie_key for i in layers if specs[i].tie_key is not None]
+    return len(keys) != len(set(keys))
 
 
 def dp_tail(
