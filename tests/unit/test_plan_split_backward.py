@@ -39,8 +39,9 @@ def _times(layers: range, *, recompute: bool = False, shares: float | None = Non
 def test_a_blocks_input_gradient_is_its_backward_less_the_linears_weight_gemms() -> None:
     spec = GPT[BLOCK]
     linear_weights = sum(
-        p.numel() for name, p in spec.build().named_parameters() if name.endswith("weight")
-        and p.dim() == 2
+        p.numel()
+        for name, p in spec.build().named_parameters()
+        if name.endswith("weight") and p.dim() == 2
     )
     weight_flops = 2 * SEQ * linear_weights  # gᵀ·x: as many FLOPs as the forward GEMMs
     expected = 1 - weight_flops / (2 * layer_flops(spec, SEQ))
