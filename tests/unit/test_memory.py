@@ -673,3 +673,24 @@ def test_measuring_a_model_too_large_to_build_here_is_refused_by_name() -> None:
     config = MemoryConfig.of(model="llama-7b", pp=2, tp=2, device="cpu")
     with pytest.raises(ValueError, match="--measure builds llama-7b for real here"):
         check_measurable(config)
+
+
+def test_a_generators_own_schedule_is_not_validated_again_and_a_file_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generators' schedules are valid by their tests (the planner replays hundreds); a
+    schedule file, or a generator's under another placement, is checked as it is read."""
+    import engine.memory.estimate
+    from engine.schedule import make_schedule
+    from engine.schedule.text import save_schedule
+
+    checked: list[str] = []
+    monkeypatch.setattr(engine.memory.estimate, "validate", lambda s: checked.append(s.name))
+    resolve.cache_clear()
+    resolve(_tiny(schedule="1f1b", micro_batches=6))
+    assert checked == []
+    path = tmp_path / "s.csv"
+    save_schedule(make_schedule("1f1b", num_ranks=2, micro_batches=6), path)
+    resolve(_tiny(schedule=str(path), micro_batches=6))
+    resolve(_tiny(schedule="looped_bfs", stages_per_rank=2, placement="v", micro_batches=6))
+    assert len(checked) == 2
