@@ -33,6 +33,7 @@ from engine.plan.hardware import (
     all_reduce_time,
     reduce_scatter_time,
 )
+from engine.runtime.stage import runs_whole_backward_at_input
 from engine.schedule import ActionCosts, Schedule, SimResult, SimTimes, simulate, simulate_times
 from models import LayerSpec
 
@@ -114,7 +115,7 @@ def stage_times(
     tp_f = calls * one
     extra = f + tp_f if recompute else 0.0
     weight = 0.0
-    if not (recompute or _ties_within(specs, layers)):
+    if not runs_whole_backward_at_input(specs, layers, "full" if recompute else "none"):
         weight = sum(2 * forward[i] * (1 - input_shares[i]) for i in layers)
     return StageTimes(
         forward=f + tp_f + zero_turn[0],
@@ -124,13 +125,6 @@ def stage_times(
         tp_comm=2 * tp_f,
         recompute=extra,
     )
-
-
-def _ties_within(specs: Sequence[LayerSpec], layers: range) -> bool:
-    """Whether the stage holds two layers of one tie group: one parameter used by two modules,
-    whose W the engine cannot take per module (`PipelineStage.enable_split_backward`)."""
-    keys = [specs[i].tie_key for i in layers if specs[i].tie_key is not None]
-    return len(keys) != len(set(keys))
 
 
 def dp_tail(

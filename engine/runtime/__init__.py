@@ -9,7 +9,7 @@ from engine.runtime.lr_schedules import lr_factor
 from engine.runtime.micro_batches import LossFn, split_micro_batches
 from engine.runtime.optim import build_optimizer
 from engine.runtime.reference import accumulate_gradients, reference_step
-from engine.runtime.stage import PipelineStage, StageError
+from engine.runtime.stage import PipelineStage, StageError, runs_whole_backward_at_input
 from engine.runtime.step_stats import StepStats
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "build_optimizer",
     "lr_factor",
     "reference_step",
+    "runs_whole_backward_at_input",
     "split_micro_batches",
 ]

@@ -33,6 +33,8 @@ from engine.memory.reshard import (
     choose_reshard_without_budget,
     with_reshard,
 )
+from engine.runtime.stage import runs_whole_backward_at_input
+from engine.schedule.actions import split_units
 from engine.training.config import TrainConfig
 from engine.training.loaders import open_data
 from engine.training.monitors import check_monitors
@@ -244,7 +246,10 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
     """Everything a launcher checks before starting ranks; says when a new run replaces an
     existing metrics file."""
     check_device(config.run.device)
-    stage_partition(config, config.model.specs())
+    specs = config.model.specs()
+    note = whole_backward_note(config, stage_partition(config, specs), specs)
+    if note is not None:
+        print(f"meshpipe: {note}", file=sys.stderr)
     check_outputs(config, deepspeed_config)
     check_data(config)  # token ids, vocabulary and tokenizer against the model and checkpoint
     open_data(config)  # documents to pack, a validation split, enough tokens
@@ -258,6 +263,40 @@ def preflight(config: TrainConfig, deepspeed_config: str | None = None) -> None:
         check_folder_free(root)
     if config.checkpoint.resume and root is not None and has_checkpoint(root):
         check_before_loading(root, config)
+
+
+def whole_backward_note(
+    config: TrainConfig, partition: Partition, specs: Sequence[LayerSpec]
+) -> str | None:
+    """Where a split-backward schedule's stages run their backward whole at I, their W empty
+    (`runs_whole_backward_at_input`): the schedule still runs, but those W fill no bubble, so
+    it does not run as its name promises. Said before the ranks start; None where no stage."""
+    schedule = config.schedule.resolve(config.parallel.pp)
+    split = sorted({stage for stage, _ in split_units(a for row in schedule.rows for a in row)})
+    recomputed = [s for s in split if config.engine.recompute_of(s) != "none"]
+    tied = [
+        s
+        for s in split
+        if s not in recomputed
+        and runs_whole_backward_at_input(specs, partition.layers_of(s), "none")
+    ]
+    reasons = []
+    if recomputed:
+        reasons.append(f"{_stages(recomputed)} recompute{'s' if len(recomputed) == 1 else ''}")
+    if tied:
+        reasons.append(f"{_stages(tied)} hold{'s' if len(tied) == 1 else ''} both ends of a tie")
+    if not reasons:
+        return None
+    fix = " (--recompute-stages can leave them out)" if recomputed else ""
+    return (
+        f"--schedule {config.schedule.schedule}: {' and '.join(reasons)}, so each runs its "
+        "whole backward at I and its W are empty: no weight gradients are left there to fill "
+        f"the bubbles, and meshpipe plan prices it so{fix}"
+    )
+
+
+def _stages(stages: Sequence[int]) -> str:
+    return f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}"
 
 
 def check_before_loading(root: str, config: TrainConfig) -> None:

@@ -15,6 +15,8 @@ from engine.plan.hardware import Hardware
 from engine.plan.search import predict
 from engine.plan.timing import input_share, layer_flops, stage_times
 from engine.runtime.stage import PipelineStage
+from engine.training.config import TrainConfig
+from engine.training.preflight import stage_partition, whole_backward_note
 from models import layer_specs
 
 SEQ = 32
@@ -147,3 +149,22 @@ def test_measured_shares_time_each_distinct_layer_once(monkeypatch: pytest.Monke
     assert profiled == [0, BLOCK, HEAD - 1, HEAD]  # the second block is the first's spec
     assert len(shares) == len(GPT) and shares[BLOCK] == shares[BLOCK + 1]
     assert all(0.0 <= share <= 1.0 for share in shares)
+
+
+def _note(**flags: object) -> str | None:
+    base: dict[str, object] = {"model": "gpt-tiny", "pp": 2, "micro_batches": 4}
+    config = TrainConfig.of(**{**base, "global_batch": 8, "seq_len": SEQ, **flags})
+    return whole_backward_note(config, stage_partition(config, GPT), GPT)
+
+
+def test_the_launcher_says_which_stages_of_a_split_schedule_run_no_w() -> None:
+    note = _note(schedule="zb_h1", recompute="full")
+    assert note is not None
+    assert "stage 1 recomputes" in note and "W are empty" in note  # stage 0's backward is fused
+    assert "--recompute-stages" in note
+
+
+def test_the_launcher_says_nothing_where_every_split_stage_defers_its_w() -> None:
+    assert _note(schedule="zb_h1") is None
+    assert _note(schedule="zb_h1", recompute="full", recompute_stages=(0,)) is None
+    assert _note(schedule="1f1b", recompute="full") is None  # no W to begin with
