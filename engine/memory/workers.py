@@ -14,7 +14,7 @@ import contextlib
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
@@ -76,7 +76,7 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
 
 
-def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Iterator[_Out]:
+def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Generator[_Out, None, None]:
     """`work` of each item, in order: in forked workers where there are cores and more than
     one item, else here in turn. Items not started are cancelled if the caller stops (an
     error, Ctrl-C) instead of run to the end. A worker that dies raises `BrokenProcessPool`

@@ -27,8 +27,9 @@ from engine.plan.counts import (
     stage_counts,
 )
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
+from engine.plan.programs import Programs
 from engine.plan.request import PlanRequest
-from engine.plan.timing import StageTimes, input_share, layer_flops, simulate_stages, time_stages
+from engine.plan.timing import StageTimes, input_share, layer_flops, simulate_stages, time_program
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
 from engine.schedule.passes import as_lowered
 from engine.schedule.schedule import stages_by_rank
@@ -154,6 +155,8 @@ class SearchContext:
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
         self._counted: dict[CountKey, StageCounts] = {}
+        self.programs = Programs()
+        """The schedules simulated, compiled (ahead, in the workers: `search._rank`)."""
 
     @functools.cache  # noqa: B019 (one search, then dropped)
     def schedule(self, name: str, pp: int, m: int, v: int) -> Pipeline:
@@ -237,8 +240,12 @@ class SearchContext:
 
     def samples(self, pipeline: Pipeline) -> tuple[Schedule, ...]:
         """The schedules a pipeline's simulation runs: its own, or its two samples."""
+        return tuple(self.built(*key) for key in self.sample_keys(pipeline))
+
+    def sample_keys(self, pipeline: Pipeline) -> tuple[CountKey, ...]:
+        """`samples`' keys (name, ranks, micro-batches, stages per rank), none built."""
         name, pp, v = pipeline.name, pipeline.num_ranks, pipeline.stages_per_rank
-        return tuple(self.built(name, pp, m, v) for m in pipeline.lengths)
+        return tuple((name, pp, m, v) for m in pipeline.lengths)
 
     @functools.cache  # noqa: B019
     def boundaries(self, stages: int) -> tuple[int, ...]:
@@ -248,11 +255,15 @@ class SearchContext:
         return partition.boundaries
 
     @functools.cache  # noqa: B019
-    def run(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimTimes:
+    def run(self, key: CountKey, stages: tuple[StageTimes, ...], p2p: float) -> SimTimes:
         """Candidates that differ only in their data-parallel tails share one simulation. The
-        schedules are the generators' (`built`), valid by their tests, simulated compute-only
-        (`simulate_times` adds the communication lowering would)."""
-        return time_stages(schedule, stages, p2p=p2p)
+        schedules are the generators', valid by their tests, simulated compute-only as
+        compiled (`programs`; `simulate_times` adds the communication lowering would)."""
+        times = time_program(self.programs.of(key), stages, p2p=p2p)
+        if times is None:
+            simulate_stages(self.built(*key), stages, p2p=p2p)  # raises the deadlock
+            raise AssertionError(f"the simulation of {key} stalled where simulate runs through")
+        return times
 
     def timeline(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
         """`run` with the timeline a plan's figure draws: for the plans shown, not searched."""

@@ -199,7 +199,7 @@ def _simulate(search: SearchContext, s: _Screened) -> Timed:
     """The step simulated, or extended from its two samples (`SAMPLED`)."""
     pipeline = search.pipeline(s.candidate)
     after = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
-    samples = search.samples(pipeline)
+    samples = search.sample_keys(pipeline)
     timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in samples]
     if len(timed) == 1:
         return timed[0]
@@ -335,6 +335,7 @@ def _rank(
     call for more simulations); the rest at their bound."""
     request = state.request
     order = sorted(screened, key=lambda s: s.bound)
+    state.programs.ahead(k for s in order for k in state.sample_keys(state.pipeline(s.candidate)))
     simulated: list[Prediction] = []
     exact: dict[int, Prediction] = {}
     over: list[Prediction] = []
@@ -346,6 +347,7 @@ def _rank(
             done += 1
             if progress is not None:
                 progress("timing layouts", done, len(order))
+        state.programs.stop()  # the workers replay next
         chosen = _distinct_best(simulated, dropped, request.top)
         pending = [p for p in chosen if id(p.candidate) not in exact]
         if not pending or len(exact) + len(over) >= _REPLAYS:

@@ -34,7 +34,16 @@ from engine.plan.hardware import (
     reduce_scatter_time,
 )
 from engine.runtime.stage import runs_whole_backward_at_input
-from engine.schedule import ActionCosts, Schedule, SimResult, SimTimes, simulate, simulate_times
+from engine.schedule import (
+    ActionCosts,
+    Program,
+    Schedule,
+    SimResult,
+    SimTimes,
+    program_times,
+    simulate,
+    simulate_times,
+)
 from models import LayerSpec
 
 __all__ = [
@@ -46,6 +55,7 @@ __all__ = [
     "layer_flops",
     "simulate_stages",
     "stage_times",
+    "time_program",
     "time_stages",
     "with_tails",
 ]
@@ -181,6 +191,12 @@ def time_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float)
     """`simulate_stages`'s ends and busy times alone, of a generator's schedule (compute-only
     or lowered): what the search prices every candidate by (`simulate_times`)."""
     return simulate_times(schedule, _costs(stages, p2p))
+
+
+def time_program(program: Program, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes | None:
+    """`time_stages` of a schedule already compiled (`compiled_program`); None where it
+    stalls (a deadlock, which `simulate_stages` of the schedule explains)."""
+    return program_times(program, _costs(stages, p2p), len(stages))
 
 
 def with_tails(times: SimTimes, tails: Sequence[float]) -> Timed:

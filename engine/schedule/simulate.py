@@ -21,9 +21,12 @@ from engine.schedule.validate import ScheduleError, validate
 
 __all__ = [
     "ActionCosts",
+    "Program",
     "SimResult",
     "SimTimes",
     "TimedAction",
+    "compiled_program",
+    "program_times",
     "repeat",
     "simulate",
     "simulate_times",
@@ -241,7 +244,7 @@ _Step = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
-class _Program:
+class Program:
     """A schedule's rows as steps `(cost, wait, make)`: wait for message `wait` (-1: none),
     compute for cost index `cost` (stage · 4 + F/B/I/W; the last index costs 0), then post
     message `make` (-1: none). A compute-only schedule's compute, with the receive lowering
@@ -254,7 +257,7 @@ class _Program:
 
 
 @functools.lru_cache(maxsize=64)
-def _program(schedule: Schedule) -> _Program:
+def _program(schedule: Schedule) -> Program:
     """Worked out once per schedule, so a search pricing it under many costs walks integers,
     not actions."""
     fused = None if schedule.lowered else _fused_program(schedule)
@@ -274,7 +277,7 @@ def _program(schedule: Schedule) -> _Program:
             message = messages.setdefault(key, len(messages))
             steps.append((idle, message, -1) if offset else (idle, -1, message))
         rows.append(tuple(steps))
-    return _Program(rows=tuple(rows), messages=len(messages), computes=_computes(rows, idle))
+    return Program(rows=tuple(rows), messages=len(messages), computes=_computes(rows, idle))
 
 
 def _computes(rows: Sequence[Sequence[_Step]], idle: int) -> tuple[tuple[int, ...], ...]:
@@ -282,7 +285,7 @@ def _computes(rows: Sequence[Sequence[_Step]], idle: int) -> tuple[tuple[int, ..
     return tuple(tuple(cost for cost, _, _ in steps if cost != idle) for steps in rows)
 
 
-def _fused_program(schedule: Schedule) -> _Program | None:
+def _fused_program(schedule: Schedule) -> Program | None:
     """The program of a compute-only schedule as lowering would make it, one step per compute
     action, from its rows read into arrays: a forward waits for its input from the previous
     stage and posts its output to the next where that stage is on another rank; a backward (B
@@ -313,30 +316,43 @@ def _fused_program(schedule: Schedule) -> _Program | None:
         cost = 4 * stage + row.kind
         rows.append(tuple(zip(cost.tolist(), wait.tolist(), make.tolist(), strict=True)))
     idle = 4 * schedule.num_stages
-    return _Program(rows=tuple(rows), messages=2 * (last + 1) * m, computes=_computes(rows, idle))
+    return Program(rows=tuple(rows), messages=2 * (last + 1) * m, computes=_computes(rows, idle))
 
 
 def simulate_times(schedule: Schedule, costs: ActionCosts) -> SimTimes:
     """`simulate`'s clock for a schedule known valid (a generator's, compute-only or lowered),
     its ends and busy times to the bit, without a timeline: the planner prices each schedule
     under many layouts' costs. A deadlock is reported by `simulate`."""
-    compiled = _program(schedule)
+    times = program_times(_program(schedule), costs, schedule.num_stages)
+    if times is None:
+        simulate(schedule, costs)  # raises the deadlock, with the schedule around it
+        raise AssertionError("simulate_times stalled where simulate runs through")
+    return times
+
+
+def compiled_program(schedule: Schedule) -> Program:
+    """The schedule as `simulate_times` runs it: integers, worked out once, small enough to
+    hand between processes (the planner compiles the schedules it prices in its workers)."""
+    return _program(schedule)
+
+
+def program_times(compiled: Program, costs: ActionCosts, num_stages: int) -> SimTimes | None:
+    """`simulate_times` of a compiled schedule of `num_stages` stages; None where it stalls
+    (a deadlock, which `simulate` of the schedule explains)."""
     per_stage = (
         costs.per_stage
-        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),)
-        * schedule.num_stages
+        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),) * num_stages
     )
     table = [*(c for row in per_stage for c in row), 0.0]
     pcs, clocks = _run_program(compiled, table, costs.comm)
     if any(pc < len(steps) for pc, steps in zip(pcs, compiled.rows, strict=True)):
-        simulate(schedule, costs)  # raises the deadlock, with the schedule around it
-        raise AssertionError("simulate_times stalled where simulate runs through")
+        return None
     busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
     return SimTimes(ends=tuple(clocks), busy=busy)
 
 
 def _run_program(
-    compiled: _Program, table: list[float], comm: float
+    compiled: Program, table: list[float], comm: float
 ) -> tuple[list[int], list[float]]:
     """Each rank run until it waits for a message not yet posted, round after round, until
     all end or none moves: each rank's position and clock. Adding the idle step's 0.0 leaves
