@@ -39,11 +39,14 @@ from engine.plan import (
     measured_memory_bandwidth,
     measured_split_forward,
     search,
+    step_with_costs,
     write_plan,
 )
 from engine.plan.candidates import Candidate, meshes
 from engine.plan.request import Prediction
+from engine.plan.run_costs import run_costs
 from engine.plan.search import predict
+from engine.schedule import own_placement
 from models import layer_specs
 
 _TOKENS = re.compile(r"\(([\d,.]+) tokens/s")
@@ -156,13 +159,16 @@ def _link(ranks: int) -> tuple[float, float]:
     return latency, steps / (ranks * slope)
 
 
-def _measure(request: PlanRequest, plan: Prediction, steps: int, folder: Path) -> float:
-    """Seconds per step of `meshpipe train --plan` (steady steps)."""
+def _measure(
+    request: PlanRequest, plan: Prediction, steps: int, folder: Path, trace: Path | None = None
+) -> float:
+    """Seconds per step of `meshpipe train --plan` (steady steps); with `trace`, traced there."""
     path = folder / "plan.json"
     write_plan(path, request, plan)
     ranks = plan.candidate.mesh.pp * plan.candidate.mesh.dp * plan.candidate.mesh.tp
     command = [sys.executable, "-m", "engine.cli", "train", "--plan", str(path)]
     command += ["--steps", str(steps), "--no-progress", "--device", request.device]
+    command += ["--trace", str(trace)] if trace is not None else []
     if request.device == "cpu":
         command += ["--threads", "1"]  # as the layers were timed
     assert ranks == request.devices
@@ -245,16 +251,25 @@ def _request(
 
 
 def _row(
-    name: str, request: PlanRequest, plan: Prediction, steps: int, folder: Path
+    name: str, request: PlanRequest, plan: Prediction, args: argparse.Namespace, folder: Path
 ) -> tuple[float, float]:
-    """Print and return (predicted, measured) seconds per step."""
-    measured = _measure(request, plan, steps, folder)
+    """Print and return (predicted, measured) seconds per step; with `--own-costs`, also the
+    step simulated with the run's own action times (`run_costs`) and its error."""
+    trace = folder / "trace.json" if args.own_costs else None
+    measured = _measure(request, plan, args.steps, folder, trace)
     error = plan.step_time / measured - 1
     link = (
         f"{request.hardware.latency * 1e3:.2f} ms, {request.hardware.link_bandwidth / 1e9:.2f} GB/s"
     )
+    own = ""
+    if trace is not None:
+        placement = own_placement(plan.candidate.schedule, plan.candidate.mesh.pp,
+                                  plan.candidate.stages_per_rank)  # fmt: skip
+        replayed = step_with_costs(request, plan, *run_costs(trace, placement))
+        own = f"   own actions {replayed:.4f}s {replayed / measured - 1:+.1%}"
     print(
-        f"{name:<44} {plan.step_time:>9.4f}s {measured:>9.4f}s {error:>+7.1%}   {link}", flush=True
+        f"{name:<44} {plan.step_time:>9.4f}s {measured:>9.4f}s {error:>+7.1%}   {link}{own}",
+        flush=True,
     )
     return plan.step_time, measured
 
@@ -281,7 +296,7 @@ def _round(
     """Each layout once: its layers and the link timed, predicted, run; its row appended."""
     for name, c in layouts.items():
         request = _request(args, (c.micro_batch_size,), (c.mesh.tp,))
-        rows[name].append(_row(name, request, predict(request, c), args.steps, folder))
+        rows[name].append(_row(name, request, predict(request, c), args, folder))
 
 
 def _medians(rows: dict[str, list[tuple[float, float]]]) -> dict[str, tuple[float, float]]:
@@ -303,7 +318,7 @@ def _layout_rounds(args: argparse.Namespace, folder: Path) -> None:
         if round_ == 0:
             for name, (request, plan) in _choices(args).items():
                 layouts[name] = plan.candidate
-                rows[name] = [_row(name, request, plan, args.steps, folder)]
+                rows[name] = [_row(name, request, plan, args, folder)]
     if args.rounds > 1:
         print(f"\nmedians over {args.rounds} rounds")
         print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   every round")
@@ -342,6 +357,11 @@ def main() -> None:
     parser.add_argument(
         "--zero-levels", action="store_true", help="pp 2 × dp 2 at every ZeRO level (4 devices)"
     )
+    parser.add_argument(
+        "--own-costs", action="store_true",
+        help="trace each run and simulate it again with its own action times: the model's "
+        "structure apart from its prices",
+    )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=1,
         help="run every layout this many times, round-robin; report each one's medians",

@@ -20,7 +20,7 @@ from engine.plan.profile import (
 )
 from engine.plan.request import LOSSES, PlanRequest, PlanResult, Prediction, Progress
 from engine.plan.screen import DOUBLINGS, fewest_devices
-from engine.plan.search import predict, search
+from engine.plan.search import predict, search, step_with_costs
 
 __all__ = [
     "ACCELERATORS",
@@ -47,5 +47,6 @@ __all__ = [
     "profile_stage_costs",
     "read_plan",
     "search",
+    "step_with_costs",
     "write_plan",
 ]

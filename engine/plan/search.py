@@ -33,7 +33,7 @@ from engine.plan.request import (
 from engine.plan.screen import least_peak, screen_memory
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
-__all__ = ["predict", "search"]
+__all__ = ["predict", "search", "step_with_costs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +292,22 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
     )
     screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
     return _with_timeline(state, screened, _predict(state, screened, _simulate(state, screened)))
+
+
+def step_with_costs(
+    request: PlanRequest,
+    plan: Prediction,
+    stages: Sequence[StageTimes],
+    after: Sequence[float],
+) -> float:
+    """The plan's step simulated as the search simulates it, but with the action costs given
+    (each stage's) and each pipeline rank's work after its last backward (`after`: its
+    reductions and optimizer update): a run's own, read from its trace, to tell the
+    simulator's structure apart from the prices the search gave it."""
+    state = SearchContext(request)
+    screened = _screen(state, plan.candidate, plan.boundaries)
+    given = replace(screened, stages=tuple(stages), tails=tuple(after), updates=(0.0,) * len(after))
+    return _simulate(state, given).step
 
 
 def _check_batch(request: PlanRequest, c: Candidate) -> None:
