@@ -42,7 +42,6 @@ from engine.schedule import (
     SimTimes,
     program_times,
     simulate,
-    simulate_times,
 )
 from models import LayerSpec
 
@@ -56,7 +55,6 @@ __all__ = [
     "simulate_stages",
     "stage_times",
     "time_program",
-    "time_stages",
     "with_tails",
 ]
 
@@ -187,14 +185,10 @@ def simulate_stages(
     return simulate(schedule, _costs(stages, p2p), validated=validated)
 
 
-def time_stages(schedule: Schedule, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes:
-    """`simulate_stages`'s ends and busy times alone, of a generator's schedule (compute-only
-    or lowered): what the search prices every candidate by (`simulate_times`)."""
-    return simulate_times(schedule, _costs(stages, p2p))
-
-
 def time_program(program: Program, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes | None:
-    """`time_stages` of a schedule already compiled (`compiled_program`); None where it
+    """The ends and busy times of a generator's schedule, compiled (`compiled_program`),
+    under the stages' action costs and the transfer delay `p2p`, as `simulate_stages` would
+    time it without its timeline: what the search prices every candidate by. None where it
     stalls (a deadlock, which `simulate_stages` of the schedule explains)."""
     return program_times(program, _costs(stages, p2p), len(stages))
 
