@@ -274,6 +274,14 @@ class TraceRequest(NamedTuple):
         """The stage with both edges crossing ranks (what `with_local_edges` derives from)."""
         return self._replace(local=(False, False))
 
+    @property
+    def mixed(self) -> TraceRequest | None:
+        """Of a stage of one backward style, the same stage with the other style after it
+        (what `first_style` derives from); None for a stage of no style or of two."""
+        if len(self.styles) != 1:
+            return None
+        return self._replace(styles=(self.styles[0], not self.styles[0]))
+
 
 _TRACED: dict[TraceRequest, StageTrace] = {}
 """Every trace this process made, read, derived or was handed (`trace_ahead`, `hold_traces`)."""
@@ -300,11 +308,29 @@ def cached_trace(
 
 def _derived(request: TraceRequest) -> StageTrace | None:
     """A V placement's stage whose neighbour shares its rank, from the same stage's trace
-    with both edges remote (traced or held), where that can be exact; else None."""
-    if request.local == (False, False):
-        return None
-    remote = cached_trace(*request.remote)
-    return None if remote.sends_copied else with_local_edges(remote, request.local)
+    with both edges remote (traced or held), where that can be exact; a stage of one
+    backward style from the same stage's trace with the other style after it, where that
+    is held; else None."""
+    if request.local != (False, False):
+        remote = cached_trace(*request.remote)
+        return None if remote.sends_copied else with_local_edges(remote, request.local)
+    mixed = None if request.mixed is None else _held(request.mixed)
+    return None if mixed is None else first_style(mixed)
+
+
+def first_style(mixed: StageTrace) -> StageTrace:
+    """A stage of two backward styles (DualPipeV's: each style's first and later
+    micro-batch, in the stage's order) as the same stage of its first style alone. Until the
+    second style starts, the two ran the same actions on the same state, and what a trace
+    keeps of a step beyond its spans (held, sent back, weight copies) comes from the first
+    micro-batch; tested equal to its own trace, ZeRO-3's reduction and recompute too
+    (tests/unit/test_first_style.py)."""
+    style = next(style for _, style in mixed.first)
+
+    def kept(spans: Mapping[Phase, Span]) -> dict[Phase, Span]:
+        return {phase: span for phase, span in spans.items() if phase[1] == style}
+
+    return replace(mixed, first=kept(mixed.first), later=kept(mixed.later))
 
 
 def with_local_edges(remote: StageTrace, local: tuple[bool, bool]) -> StageTrace:
@@ -387,6 +413,8 @@ def trace_ahead(
     wanted = dict.fromkeys(r for r in dict.fromkeys(requests) if _held(r) is None)
     remote = dict.fromkeys(r.remote for r in wanted)
     missing = [r for r in remote if r in wanted or _held(r) is None]  # `wanted`: not held
+    traced = set(missing)
+    missing = [r for r in missing if r.mixed not in traced]  # derived from it (`first_style`)
     missing.sort(key=lambda r: len(r.specs), reverse=True)
     made = in_workers(_traced, missing)
     try:
