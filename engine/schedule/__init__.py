@@ -22,19 +22,16 @@ from engine.schedule.generators import (
 )
 from engine.schedule.passes import add_communication, forward_only
 from engine.schedule.placement import PLACEMENTS, placement_of
-from engine.schedule.resolve import check_fits, schedule_for
-from engine.schedule.schedule import Schedule, format_schedule
-from engine.schedule.simulate import (
-    ActionCosts,
+from engine.schedule.program import (
     Program,
-    SimResult,
     SimTimes,
     compiled_program,
     program_times,
-    simulate,
     simulate_times,
-    steady_state_bubble,
 )
+from engine.schedule.resolve import check_fits, schedule_for
+from engine.schedule.schedule import Schedule, format_schedule
+from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, parse_schedule, save_schedule
 from engine.schedule.v_schedules import V_SCHEDULES, dualpipe_v, v_half, v_min, zb_v
 from engine.schedule.validate import ScheduleError, validate

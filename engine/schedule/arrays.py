@@ -3,7 +3,7 @@ one set per rank (`compute_arrays`).
 
 The planner counts what hundreds of schedules of tens of thousands of actions hold in flight
 (`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`) and times them
-(`engine.schedule.simulate.simulate_times`); a Python step per action cost it seconds, so the
+(`engine.schedule.program.simulate_times`); a Python step per action cost it seconds, so the
 rows are read once into arrays and counted with running sums over all ranks at once. Sends and
 receives are left out: a lowered schedule counts as its compute rows."""
 
