@@ -23,18 +23,11 @@ from engine.memory.traces import (
     with_local_edges,
 )
 from models import layer_specs
+from tests.unit.tiny_stage import TINY_SHAPE
 
 _traces = sys.modules[cached_trace.__module__]
 
-_SHAPE = StageShape(
-    micro_batches=4,
-    micro_batch_size=2,
-    seq_len=16,
-    hidden=64,
-    divisor=4,
-    precision="bf16",
-    recompute="none",
-)
+_SHAPE = TINY_SHAPE
 
 _CASES = {
     "gpt, fused": ("gpt-tiny", (False,), _SHAPE),
