@@ -26,7 +26,7 @@ from engine.memory.report import (
 )
 from engine.memory.reshard import choose_reshard, with_reshard
 from engine.memory.suggest import suggest
-from engine.memory.traces import trace_ahead
+from engine.memory.trace_store import trace_ahead
 from engine.plan.plan_file import apply_plan
 
 __all__ = ["COMMANDS", "DOES_NOT_FIT", "add_parsers", "config_from_args", "run"]

@@ -37,7 +37,8 @@ from engine.memory.states import (
     stage_params,
     tail_peak,
 )
-from engine.memory.traces import StageTrace, TraceRequest, cached_trace, compose
+from engine.memory.trace_store import TraceRequest, cached_trace
+from engine.memory.traces import StageTrace, compose
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import ActionKind, split_units
 from engine.schedule.generators import SCHEDULES

@@ -24,7 +24,7 @@ from itertools import accumulate
 
 from engine.memory.replay import StageShape, backward_styles, in_flight, stage_actions
 from engine.memory.states import stage_params
-from engine.memory.traces import TraceRequest, cached_trace
+from engine.memory.trace_store import TraceRequest, cached_trace
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import Action, ActionKind
 from engine.schedule.schedule import Schedule

@@ -174,7 +174,7 @@ class StageRun:
         """Each in-flight micro-batch's output sent forward, until its gradient arrives."""
         self.sends_copied = False
         """Whether a tensor sent was not contiguous, so that the send held a copy of it, not
-        the tensor itself (`traces.with_local_edges` then cannot derive a local edge)."""
+        the tensor itself (`trace_store.with_local_edges` then cannot derive a local edge)."""
         self.losses: list[torch.Tensor] = []
         self._tokens = self._targets = torch.empty(0)
         scaler = LossScaler() if shape.precision == "fp16" else None

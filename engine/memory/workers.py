@@ -1,5 +1,5 @@
 """Independent pure work spread over forked worker processes: a first search's traces
-(`engine.memory.traces.trace_ahead`) and schedule counts (`engine.plan.context`).
+(`engine.memory.trace_store.trace_ahead`) and schedule counts (`engine.plan.context`).
 
 Workers are forked, so they start with the caller's imports and state; not off Linux, nor
 from a process in a process group (a child would share its sockets). Inside `kept_workers`

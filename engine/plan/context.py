@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.memory.fitting import layer_requests
 from engine.memory.states import StateLayout
 from engine.memory.trace_cache import load_payload, store_payload, trace_key
-from engine.memory.traces import TraceRequest
+from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
 from engine.memory.workers import in_workers
 from engine.plan.budget import highest_stage_floor

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from engine.memory.estimate import MemoryConfig, estimate_memory, trace_requests
-from engine.memory.traces import StageTrace, TraceRequest, cached_trace, hold_traces, trace_ahead
+from engine.memory.trace_store import TraceRequest, cached_trace, hold_traces, trace_ahead
+from engine.memory.traces import StageTrace
 from engine.memory.workers import in_workers
 from engine.plan.request import PlanRequest, Prediction, Progress, layout_fields, reporting
 

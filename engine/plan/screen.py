@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.memory.traces import trace_ahead
+from engine.memory.trace_store import trace_ahead
 from engine.plan.budget import rank_floor, rank_peaks
 from engine.plan.candidates import Candidate, candidates, meshes
 from engine.plan.context import SearchContext

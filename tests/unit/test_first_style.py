@@ -1,5 +1,5 @@
 """A stage of one backward style derived from the same stage's trace with the other style
-after it (`engine.memory.traces.first_style`, DualPipeV's stages), instead of traced again:
+after it (`engine.memory.trace_store.first_style`, DualPipeV's stages), instead of traced again:
 equal to its own trace, and only the two-style stage traced where a search wants both."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from dataclasses import replace
 import pytest
 
 from engine.memory.replay import StageShape
-from engine.memory.traces import (
-    StageTrace,
+from engine.memory.trace_store import (
     TraceRequest,
     cached_trace,
     first_style,
     forget_traces,
     trace_ahead,
-    trace_stage,
 )
+from engine.memory.traces import StageTrace, trace_stage
 from models import layer_specs
 from tests.unit.tiny_stage import TINY_SHAPE
 

@@ -1,5 +1,5 @@
 """A V placement's stage whose neighbour shares its rank (`local_in`, `local_out`), derived
-from the same stage's trace with both edges remote (`engine.memory.traces.with_local_edges`)
+from the same stage's trace with both edges remote (`engine.memory.trace_store.with_local_edges`)
 instead of traced again: equal to its own trace, and traced where it could not be equal."""
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import pytest
 import torch
 
 from engine.memory.replay import StageRun, StageShape, build_stage, fake_parameters
-from engine.memory.traces import (
-    StageTrace,
+from engine.memory.trace_store import (
     TraceRequest,
     cached_trace,
     forget_traces,
     trace_ahead,
-    trace_stage,
     with_local_edges,
 )
+from engine.memory.traces import StageTrace, trace_stage
 from models import layer_specs
 from tests.unit.tiny_stage import TINY_SHAPE
 

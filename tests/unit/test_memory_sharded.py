@@ -98,7 +98,7 @@ def test_a_sharded_prediction_equals_one_ranks_real_step_to_the_byte(
 def test_fsdp_does_not_warn_of_views_meshpipes_layers_return() -> None:
     """Their outputs are never modified in place, so FSDP2's warning would only alarm (the
     tp × ZeRO-3 trace returns views from the embedding and the final norm)."""
-    from engine.memory.traces import forget_traces
+    from engine.memory.trace_store import forget_traces
 
     forget_traces()  # the trace must run, not come from the cache
     with warnings.catch_warnings(record=True) as caught:
@@ -120,7 +120,7 @@ def test_a_zero3_estimate_inside_a_process_group_is_refused_by_name() -> None:
     process group cannot join: it says so and what to do, instead of tracing something else."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from engine.memory.traces import forget_traces
+    from engine.memory.trace_store import forget_traces
 
     forget_traces()  # traces are cached per stage shape: this one must run
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -16,7 +16,7 @@ from engine.cli.train import train_config
 from engine.config import ParallelConfig
 from engine.memory.fitting import held_with_gradients
 from engine.memory.replay import in_flight, stage_actions
-from engine.memory.traces import forget_traces
+from engine.memory.trace_store import forget_traces
 from engine.plan import (
     PLAN_VERSION,
     Hardware,

@@ -1,4 +1,4 @@
-"""Traces made ahead in worker processes (`engine.memory.traces.trace_ahead`): the same traces,
+"""Traces made ahead in worker processes (`engine.memory.trace_store.trace_ahead`): the same traces,
 made once, handed to the process that asked, and nothing forked where it would not pay."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import engine.memory.workers
 from engine.memory.fitting import layer_requests
 from engine.memory.replay import StageShape
-from engine.memory.traces import TraceRequest, cached_trace, forget_traces, trace_ahead
+from engine.memory.trace_store import TraceRequest, cached_trace, forget_traces, trace_ahead
 from engine.memory.workers import in_workers, kept_workers
 from engine.runtime.stage import StageError
 from models import layer_specs

@@ -10,7 +10,7 @@ import pytest
 
 from engine.memory import trace_cache
 from engine.memory.replay import StageShape
-from engine.memory.traces import cached_trace, forget_traces
+from engine.memory.trace_store import cached_trace, forget_traces
 from models import layer_specs
 
 _SHAPE = StageShape(
