@@ -33,7 +33,7 @@ from engine.plan.hardware import (
     all_reduce_time,
     reduce_scatter_time,
 )
-from engine.runtime.stage import runs_whole_backward_at_input
+from engine.runtime.weight_grads import runs_whole_backward_at_input
 from engine.schedule import (
     ActionCosts,
     Program,

@@ -9,8 +9,9 @@ from engine.runtime.lr_schedules import lr_factor
 from engine.runtime.micro_batches import LossFn, split_micro_batches
 from engine.runtime.optim import build_optimizer
 from engine.runtime.reference import accumulate_gradients, reference_step
-from engine.runtime.stage import PipelineStage, StageError, runs_whole_backward_at_input
+from engine.runtime.stage import PipelineStage, StageError
 from engine.runtime.step_stats import StepStats
+from engine.runtime.weight_grads import runs_whole_backward_at_input
 
 __all__ = [
     "EngineOptions",

@@ -33,7 +33,7 @@ from engine.runtime.weight_grads import (
 )
 from models import LayerSpec, LayerStack, document_scope, lm_loss
 
-__all__ = ["PipelineStage", "StageError", "runs_whole_backward_at_input"]
+__all__ = ["PipelineStage", "StageError"]
 
 
 @dataclass
@@ -45,16 +45,6 @@ class _InFlight:
     gradient edge instead of the output itself (see `_record_output`)."""
     documents: torch.Tensor | None = None
     """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
-
-
-def runs_whole_backward_at_input(specs: Sequence[LayerSpec], layers: range, recompute: str) -> bool:
-    """Whether a stage of these layers runs a split backward whole at I, its W empty
-    (`PipelineStage.enable_split_backward`): it recomputes (each per-module W would run the
-    checkpointed forward again), or it holds both ends of a tied weight (one parameter that
-    two modules use, whose W cannot be taken per module). For the planner's prices and the
-    launcher's note, before any stage is built."""
-    keys = [specs[i].tie_key for i in layers if specs[i].tie_key is not None]
-    return recompute != "none" or len(keys) != len(set(keys))
 
 
 class PipelineStage:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from engine.parallel import as_gradient_of, local_gradient, local_tensor
+from models import LayerSpec
 
 __all__ = [
     "PendingWeightGrad",
@@ -24,6 +25,7 @@ __all__ = [
     "accumulate",
     "linear_weight_grads",
     "run_weight_grads",
+    "runs_whole_backward_at_input",
     "split_input_grads",
 ]
 
@@ -37,6 +39,16 @@ class PendingWeightGrad:
     nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
     """(Linear, input, output, gradient at the output) waiting for their W; the output only
     when W goes through autograd (it keeps the graph alive)."""
+
+
+def runs_whole_backward_at_input(specs: Sequence[LayerSpec], layers: range, recompute: str) -> bool:
+    """Whether a stage of these layers runs a split backward whole at I, its W empty
+    (`PipelineStage.enable_split_backward`): it recomputes (each per-module W would run the
+    checkpointed forward again), or it holds both ends of a tied weight (one parameter that
+    two modules use, whose W cannot be taken per module). For the planner's prices and the
+    launcher's note, before any stage is built."""
+    keys = [specs[i].tie_key for i in layers if specs[i].tie_key is not None]
+    return recompute != "none" or len(keys) != len(set(keys))
 
 
 def split_input_grads(

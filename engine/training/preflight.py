@@ -33,7 +33,7 @@ from engine.memory.reshard import (
     choose_reshard_without_budget,
     with_reshard,
 )
-from engine.runtime.stage import runs_whole_backward_at_input
+from engine.runtime.weight_grads import runs_whole_backward_at_input
 from engine.schedule.actions import split_units
 from engine.training.config import TrainConfig
 from engine.training.loaders import open_data
