@@ -26,13 +26,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
 
 from engine.config import ParallelConfig, parse_size
 from engine.plan import (
@@ -40,6 +37,7 @@ from engine.plan import (
     PlanRequest,
     measured_forward,
     measured_input_shares,
+    measured_link,
     measured_memory_bandwidth,
     measured_split_forward,
     search,
@@ -113,55 +111,6 @@ _SIZES = (1, 2, 4, 8)
 _REPEATS = 15
 """Runs each layer is timed over (the median): this VM's single runs vary by ±15 %."""
 
-_LINK_SIZES = (64 * 1024, 8 * 1024 * 1024)
-"""Bytes of the two all-reduces the link is fitted from: a tensor-parallel activation's
-order and a data-parallel gradient's."""
-
-
-_BURST = (256, 256, 1024)
-"""(rows, inner, columns) of the GEMM each rank runs twice before each timed all-reduce, about
-3 ms here: a layer's worth of work, as training runs between two collectives."""
-
-
-def _all_reduce_seconds(rank: int, ranks: int, store_path: str, out: str) -> None:
-    """One rank's median seconds of a gloo all-reduce at each `_LINK_SIZES` (rank 0 writes),
-    each after a burst of compute, as training issues them: gloo's threads then sleep and
-    wake between collectives, and the peers arrive apart. On this VM a 256 KiB all-reduce
-    read 0.4 ms back to back in one run and 3.0 ms in another, and 4.4 and 4.7 ms after a
-    3 ms sleep; the link fitted back to back read 0.05-0.2 ms of latency, after compute
-    0.2-0.6 ms."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=ranks)
-    rows, inner, columns = _BURST
-    a, b = torch.randn(rows, inner), torch.randn(inner, columns)
-    seconds = []
-    for size in _LINK_SIZES:
-        tensor = torch.ones(size // 4)
-        samples = []
-        for _ in range(40):
-            for _ in range(2):
-                torch.mm(a, b)
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            samples.append(time.perf_counter() - start)
-        seconds.append(statistics.median(samples[5:]))
-    if rank == 0:
-        Path(out).write_text(" ".join(map(str, seconds)))
-    dist.destroy_process_group()
-
-
-def _link(ranks: int) -> tuple[float, float]:
-    """(latency, bandwidth) of gloo between `ranks` processes of this host, fitted to the
-    ring all-reduce time the cost model uses: 2(r - 1)(n / (r · bandwidth) + latency)."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = f"{folder}/seconds"
-        spawn(_all_reduce_seconds, args=(ranks, f"{folder}/store", out), nprocs=ranks)
-        small, large = map(float, Path(out).read_text().split())
-    steps = 2 * (ranks - 1)
-    slope = (large - small) / (_LINK_SIZES[1] - _LINK_SIZES[0])
-    latency = max(small - slope * _LINK_SIZES[0], 0.0) / steps
-    return latency, steps / (ranks * slope)
-
 
 def _measure(
     request: PlanRequest, plan: Prediction, steps: int, folder: Path, trace: Path | None = None
@@ -223,7 +172,7 @@ def _request(
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
     specs = layer_specs(args.model)
     shared = _sharing(args)
-    latency, bandwidth = _link(args.devices) if args.devices > 1 else (0.0, 1e12)
+    latency, bandwidth = measured_link(args.devices) if args.devices > 1 else (0.0, 1e12)
     latency = latency if args.latency is None else args.latency
     bandwidth = bandwidth if args.link_bandwidth is None else args.link_bandwidth
     return PlanRequest(

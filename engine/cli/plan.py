@@ -26,6 +26,7 @@ from engine.plan import (
     fewest_devices,
     measured_forward,
     measured_input_shares,
+    measured_link,
     measured_memory_bandwidth,
     measured_split_forward,
     plot_plan,
@@ -197,8 +198,8 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
 
 def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     """The devices' rates: the flags given, over the named accelerator's (--accelerator), over
-    the defaults (an H100 SXM's); with --profile, the memory bandwidth measured here unless
-    given."""
+    the defaults (an H100 SXM's); with --profile, the memory bandwidth and the links measured
+    here unless given."""
     require(
         not (args.profile and args.accelerator is not None),
         f"--accelerator {args.accelerator} with --profile: the profile times the layers on this "
@@ -213,7 +214,24 @@ def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     hardware = Hardware(**rates)
     if args.profile and "memory_bandwidth" not in given:
         hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
+    if args.profile:
+        hardware = _profiled_links(hardware, given)
     return hardware
+
+
+_LINK_FIELDS = ("link_bandwidth", "inter_node_bandwidth", "latency")
+
+
+def _profiled_links(hardware: Hardware, given: set[str]) -> Hardware:
+    """With --profile the layers are timed on this host, so its ranks would talk over gloo
+    between its processes, not over the defaults' NVLink: the links are measured here
+    (`measured_link`, two processes), except the flags given."""
+    if all(name in given for name in _LINK_FIELDS):
+        return hardware
+    latency, bandwidth = measured_link()
+    measured = {"link_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth, "latency": latency}
+    kept = {name: value for name, value in measured.items() if name not in given}
+    return replace(hardware, **kept)  # type: ignore[arg-type]
 
 
 def _memory_hint(name: str | None) -> str:
@@ -362,4 +380,33 @@ def format_result(result: PlanResult, elapsed: float) -> str:
     for i, plan in enumerate(result.plans, 1):
         peaks = ", ".join(format_size(p) for p in plan.stage_peaks)
         lines.append(f"plan {i} peak per stage: {peaks}")
+    lines.append(_priced(r))
     return "\n".join(lines)
+
+
+def _priced(r: PlanRequest) -> str:
+    """What the predictions were priced with: the user reads which rates were assumed and
+    which were measured here."""
+    hw = r.hardware
+    compute = (
+        "layers timed on this CPU"
+        if r.measured is not None
+        else f"{hw.device_flops / 1e12:g} TFLOP/s × {hw.compute_efficiency:g} per device"
+    )
+    return (
+        f"priced with: {compute}; links {_rate(hw.link_bandwidth)} within a node, "
+        f"{_rate(hw.inter_node_bandwidth)} across, {_duration(hw.latency)} latency; "
+        f"memory {_rate(hw.memory_bandwidth)}"
+    )
+
+
+def _rate(bytes_per_s: float) -> str:
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.3g} TB/s"
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"

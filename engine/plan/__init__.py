@@ -3,6 +3,7 @@
 
 from engine.plan.figure import plot_plan
 from engine.plan.hardware import ACCELERATORS, Accelerator, Hardware, accelerator
+from engine.plan.link import fitted_link, measured_link
 from engine.plan.plan_file import (
     PLAN_VERSION,
     apply_plan,
@@ -36,8 +37,10 @@ __all__ = [
     "accelerator",
     "apply_plan",
     "fewest_devices",
+    "fitted_link",
     "measured_forward",
     "measured_input_shares",
+    "measured_link",
     "measured_memory_bandwidth",
     "measured_split_forward",
     "merge_plan",

@@ -1,0 +1,93 @@
+"""The link between this host's ranks, measured for `meshpipe plan --profile`: fitted to the cost
+model's ring all-reduce, measured over real gloo processes, used unless the flags give it, and
+named in the plan's output."""
+
+import argparse
+import math
+
+import pytest
+
+import engine.cli.plan
+from engine.cli.main import build_parser, main
+from engine.cli.plan import request_from_args
+from engine.plan import Hardware, PlanRequest, fitted_link, measured_link
+from engine.plan.hardware import all_reduce_time
+from engine.plan.link import LINK_SIZES
+
+_RUN = ["--model", "gpt-tiny", "--devices", "2", "--global-batch", "4", "--device-memory", "1GB"]
+_QUICK = ["--seq-len", "16", "--micro-batch-sizes", "1"]
+
+
+def _request(*flags: str) -> PlanRequest:
+    argv = ["plan", *_RUN, *_QUICK, *flags]
+    args: argparse.Namespace = build_parser().parse_args(argv)
+    return request_from_args(args, argv[1:])
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_the_fit_gives_back_the_link_whose_all_reduces_it_was_given(ranks: int) -> None:
+    latency, bandwidth = 1.5e-3, 2e9
+    small, large = (all_reduce_time(n, ranks, bandwidth, latency) for n in LINK_SIZES)
+    fitted = fitted_link(small, large, ranks)
+    assert fitted == pytest.approx((latency, bandwidth), rel=1e-9)
+
+
+def test_a_fit_never_prices_a_negative_latency() -> None:
+    small = all_reduce_time(LINK_SIZES[0], 2, 1e9, 0.0) * 0.5  # faster than bandwidth allows
+    large = all_reduce_time(LINK_SIZES[1], 2, 1e9, 0.0)
+    assert fitted_link(small, large, 2)[0] == 0.0
+
+
+def test_a_large_all_reduce_no_slower_than_a_small_one_is_refused_with_the_flags() -> None:
+    with pytest.raises(ValueError, match="the larger must take longer.*--link-bandwidth"):
+        fitted_link(2e-3, 1e-3, 2)
+
+
+def test_the_link_between_two_gloo_processes_of_this_host_is_measured() -> None:
+    latency, bandwidth = measured_link(2, samples=3)
+    assert latency >= 0 and 0 < bandwidth < math.inf
+
+
+def test_profile_prices_the_links_measured_here_not_nvlinks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: (2e-3, 1.5e9))
+    hardware = _request("--profile").hardware
+    assert (hardware.latency, hardware.link_bandwidth) == (2e-3, 1.5e9)
+    assert hardware.inter_node_bandwidth == 1.5e9  # one host: no other node's NIC
+    assert _request().hardware == Hardware()  # without --profile, the defaults
+
+
+def test_link_flags_given_win_over_the_measured_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: (2e-3, 1.5e9))
+    hardware = _request("--profile", "--latency", "5e-5").hardware
+    assert (hardware.latency, hardware.link_bandwidth) == (5e-5, 1.5e9)
+
+    def unasked() -> tuple[float, float]:
+        raise AssertionError("measured although every link flag was given")
+
+    monkeypatch.setattr(engine.cli.plan, "measured_link", unasked)
+    flags = ["--latency", "5e-5", "--link-bandwidth", "3e9", "--inter-node-bandwidth", "1e9"]
+    hardware = _request("--profile", *flags).hardware
+    assert (hardware.latency, hardware.link_bandwidth, hardware.inter_node_bandwidth) == (
+        5e-5,
+        3e9,
+        1e9,
+    )
+
+
+def test_the_plan_says_what_it_was_priced_with(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: (2e-3, 1.5e9))
+    assert main(["plan", *_RUN, *_QUICK, "--profile", "--memory-bandwidth", "4e10"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "priced with: layers timed on this CPU; links 1.5 GB/s within a node, 1.5 GB/s across, "
+        "2 ms latency; memory 40 GB/s"
+    )
+    assert main(["plan", *_RUN, *_QUICK]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "priced with: 989 TFLOP/s × 0.5 per device; links 50 GB/s within a node, 25 GB/s "
+        "across, 10 µs latency; memory 3.35 TB/s"
+    )
