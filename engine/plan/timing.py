@@ -8,8 +8,10 @@ weight GEMMs of the layer's Linears (as many FLOPs as their forward) and its I t
 backward at I: a stage that recomputes, or holds both ends of a tied weight.
 
 Communication, from message sizes and the `Hardware` bandwidths:
-- tensor parallelism: an all-reduce of the layer's output per row-wise (or vocabulary) split
-  in each forward, the same in each backward;
+- tensor parallelism: as DTensor's plans run them (`tp_all_reduces`), in each forward an
+  all-reduce of a hidden state per row-wise Linear and vocabulary-split embedding, and three of
+  per-token scalars for a vocabulary-split head's loss; in each backward one per column-wise
+  Linear (each sums its input's gradient: q, k and v three times) and one for the head's input;
 - pipeline: each boundary's activation (split `tp` ways along the sequence), the simulator's
   send-to-receive delay;
 - data parallelism, after a rank's last backward: the fp32 gradient all-reduce (ZeRO-0/1),
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import nn
 
@@ -48,13 +51,14 @@ from models import LayerSpec
 __all__ = [
     "StageTimes",
     "Timed",
-    "collectives_per_layer",
+    "TpAllReduces",
     "dp_tail",
     "input_share",
     "layer_flops",
     "simulate_stages",
     "stage_times",
     "time_program",
+    "tp_all_reduces",
     "with_tails",
 ]
 
@@ -79,11 +83,29 @@ def input_share(spec: LayerSpec, seq_len: int) -> float:
     return min(1.0, max(0.0, 1 - seq_len * weights / forward))
 
 
-def collectives_per_layer(spec: LayerSpec) -> int:
-    """All-reduces of the layer's output one tensor-parallel forward runs: one per row-wise
-    Linear and per vocabulary-split embedding (the head's loss reduces scalars per token)."""
-    plan = getattr(spec.module_cls, "tp_plan", {})
-    return sum(role in ("rowwise", "vocab_embedding") for role in plan.values())
+class TpAllReduces(NamedTuple):
+    """All-reduces one tensor-parallel micro-batch of a layer runs, as DTensor's plans run
+    them (counted with torch's `CommDebugMode` in tests/unit/test_plan_tp_comm.py)."""
+
+    forward: int
+    """Of a hidden state: one per row-wise Linear (its partial sums) and per vocabulary-split
+    embedding."""
+    backward: int
+    """Of a hidden state: one per column-wise Linear (the gradient of its replicated input;
+    q, k and v each sum their own) and per vocabulary-split head (the same)."""
+    loss: int
+    """Of per-token scalars, in the forward: a vocabulary-split head's loss (the logits' max,
+    the sum of their exponentials and the target's logit)."""
+
+
+def tp_all_reduces(spec: LayerSpec) -> TpAllReduces:
+    roles = list(getattr(spec.module_cls, "tp_plan", {}).values())
+    heads = roles.count("vocab_head")
+    return TpAllReduces(
+        forward=roles.count("rowwise") + roles.count("vocab_embedding"),
+        backward=roles.count("colwise") + heads,
+        loss=3 * heads,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,21 +140,32 @@ def stage_times(
     resharded per micro-batch, the gather before each forward and the gather plus gradient
     reduce-scatter around each backward."""
     f = sum(forward[i] for i in layers)
-    calls = sum(collectives_per_layer(specs[i]) for i in layers)
-    one = all_reduce_time(activation_bytes, tp, hardware.link_bandwidth, hardware.latency)
-    tp_f = calls * one
+    tp_f, tp_b = _tp_seconds([specs[i] for i in layers], activation_bytes, tp, hardware)
     extra = f + tp_f if recompute else 0.0
     weight = 0.0
     if not runs_whole_backward_at_input(specs, layers, "full" if recompute else "none"):
         weight = sum(2 * forward[i] * (1 - input_shares[i]) for i in layers)
     return StageTimes(
         forward=f + tp_f + zero_turn[0],
-        backward=2 * f + tp_f + extra + zero_turn[1],
-        input_grad=2 * f - weight + tp_f + extra + zero_turn[1],
+        backward=2 * f + tp_b + extra + zero_turn[1],
+        input_grad=2 * f - weight + tp_b + extra + zero_turn[1],
         weight_grad=weight,
-        tp_comm=2 * tp_f,
+        tp_comm=tp_f + tp_b,
         recompute=extra,
     )
+
+
+def _tp_seconds(
+    specs: Sequence[LayerSpec], activation_bytes: float, tp: int, hardware: Hardware
+) -> tuple[float, float]:
+    """Seconds of the stage's tensor-parallel all-reduces in a forward and in a backward
+    (the loss's per-token scalars priced at the latency alone: a hidden state's 1/d_model)."""
+    counts = [tp_all_reduces(spec) for spec in specs]
+    bw, latency = hardware.link_bandwidth, hardware.latency
+    hidden = all_reduce_time(activation_bytes, tp, bw, latency)
+    scalars = all_reduce_time(0.0, tp, bw, latency)
+    forward = sum(c.forward for c in counts) * hidden + sum(c.loss for c in counts) * scalars
+    return forward, sum(c.backward for c in counts) * hidden
 
 
 def dp_tail(

@@ -1,0 +1,92 @@
+"""The planner prices a tensor-parallel layer's all-reduces as the engine runs them: counted
+against torch's `CommDebugMode` on the engine's own split layers, forward and backward apart."""
+
+import pytest
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+from engine.memory.fake_world import stage_grid
+from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
+from engine.plan import Hardware
+from engine.plan.timing import stage_times, tp_all_reduces
+from models import layer_specs
+from partitioners.costs import backward_root
+
+_ALL_REDUCE = "c10d_functional.all_reduce"
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+
+def _counted(model: str, index: int) -> tuple[int, int]:
+    """(forward, backward) all-reduces of one micro-batch of the layer split over tp 2."""
+    specs = layer_specs(model)
+    last = index == len(specs) - 1
+    with stage_grid(1, 2) as grid:
+        stack = build_sharded_layers(
+            specs, range(index, index + 1), seed=0, device="cpu", tp_mesh=grid.tp_mesh
+        )
+        x = specs[index].example_input(2, 16, device="cpu")
+        if x.is_floating_point():
+            x = torch.randn(x.shape).requires_grad_()
+        with sharded_loss_scope(last):
+            with CommDebugMode() as forward:
+                root = backward_root(stack(x), last)
+            with CommDebugMode() as backward:
+                root.backward()
+    counts = [
+        sum(n for op, n in mode.get_comm_counts().items() if str(op) == _ALL_REDUCE)
+        for mode in (forward, backward)
+    ]
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("where", ["embedding", "block", "head"])
+def test_each_layers_all_reduces_are_the_ones_dtensor_runs(model: str, where: str) -> None:
+    specs = layer_specs(model)
+    index = {"embedding": 0, "block": 1, "head": len(specs) - 1}[where]
+    priced = tp_all_reduces(specs[index])
+    assert _counted(model, index) == (priced.forward + priced.loss, priced.backward)
+
+
+def test_a_llama_blocks_backward_sums_five_input_gradients_against_two_in_its_forward() -> None:
+    block = layer_specs("llama-tiny")[1]
+    assert tp_all_reduces(block) == (2, 5, 0)  # q, k, v, gate and up each sum their own
+
+
+def test_a_stages_backward_pays_its_column_wise_all_reduces() -> None:
+    specs = layer_specs("llama-tiny")
+    latency = 1e-3
+    hardware = Hardware(latency=latency, link_bandwidth=1e30)
+    times = stage_times(
+        [0.0] * len(specs),
+        specs,
+        range(1, 2),
+        hardware=hardware,
+        activation_bytes=1024,
+        tp=2,
+        recompute=False,
+        input_shares=[0.5] * len(specs),
+    )
+    one = 2 * latency  # a ring all-reduce over 2 ranks: 2 steps
+    assert times.forward == pytest.approx(2 * one)
+    assert times.backward == pytest.approx(5 * one) == times.input_grad
+    assert times.tp_comm == pytest.approx(7 * one)
+
+
+def test_a_vocabulary_split_heads_loss_reduces_scalars_at_the_latency() -> None:
+    specs = layer_specs("gpt-tiny")
+    head = len(specs) - 1
+    hardware = Hardware(latency=1e-3, link_bandwidth=1e3)  # a hidden state: seconds a byte
+    times = stage_times(
+        [0.0] * len(specs),
+        specs,
+        range(head, head + 1),
+        hardware=hardware,
+        activation_bytes=1000,
+        tp=2,
+        recompute=False,
+        input_shares=[0.5] * len(specs),
+    )
+    assert times.forward == pytest.approx(3 * 2e-3)  # no bytes: the loss's scalars
+    assert times.backward == pytest.approx(2 * (1000 / 2 / 1e3 + 1e-3))  # its input's gradient
