@@ -93,6 +93,7 @@ class GPTBlock(nn.Module):
 
     residual_params: tuple[str, ...] = ("attn.o_proj.weight", "mlp.proj.weight")
     tp_plan: ClassVar[dict[str, str]] = {
+        "attn": "shared_input",
         "attn.q_proj": "colwise",
         "attn.k_proj": "colwise",
         "attn.v_proj": "colwise",

@@ -137,10 +137,12 @@ class LlamaBlock(nn.Module):
 
     residual_params: tuple[str, ...] = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
     tp_plan: ClassVar[dict[str, str]] = {
+        "self_attn": "shared_input",
         "self_attn.q_proj": "colwise",
         "self_attn.k_proj": "colwise",
         "self_attn.v_proj": "colwise",
         "self_attn.o_proj": "rowwise",
+        "mlp": "shared_input",
         "mlp.gate_proj": "colwise",
         "mlp.up_proj": "colwise",
         "mlp.down_proj": "rowwise",

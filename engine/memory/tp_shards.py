@@ -26,6 +26,8 @@ def shard_for_tp(layers: Iterable[nn.Module], tp: int) -> None:
         return
     for layer in layers:
         for name, role in getattr(layer, "tp_plan", {}).items():
+            if role == "shared_input":  # splits no weight: its Linears have roles of their own
+                continue
             target = layer if name == "" else layer.get_submodule(name)
             weight = target.weight
             assert isinstance(weight, nn.Parameter), f"{name} of a tp_plan has no weight"

@@ -76,8 +76,8 @@ def sequence_style(role: str) -> ParallelStyle:
     if role == "sequence_norm":
         return SequenceParallel(use_local_output=True)
     if role == "sequence_gather":
-        return PrepareModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        return PrepareModuleInput(  # a DTensor in: the Linears' gradients sum, one scatter
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=False
         )
     if role == "sequence_positions":
         return SequencePositions()

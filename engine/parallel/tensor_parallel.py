@@ -57,15 +57,23 @@ __all__ = [
     "stage_layers",
 ]
 
-ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
-"""What a layer's `tp_plan` may say of a submodule."""
+ROLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "shared_input")
+"""What a layer's `tp_plan` may say of a submodule. `shared_input` marks a module whose
+column-wise Linears read one input (attention's q, k and v; SwiGLU's gate and up): it arrives
+there as one replicated DTensor, so their input gradients sum on each rank and one all-reduce
+makes the sum whole, where each Linear's own would run one apiece (Megatron's single
+all-reduce before a fused QKV)."""
 
 
 def _style(role: str, sequence_parallel: bool = False) -> ParallelStyle:
     """The torch style of a role; under sequence parallelism the activations around the split
     layers are sequence shards (`Shard(1)`) instead of whole (`Replicate`)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
 
     from engine.parallel.sequence_parallel import sequence_style
 
@@ -79,6 +87,10 @@ def _style(role: str, sequence_parallel: bool = False) -> ParallelStyle:
     if role == "vocab_head":
         return ColwiseParallel(
             input_layouts=around, output_layouts=Shard(-1), use_local_output=False
+        )
+    if role == "shared_input":
+        return PrepareModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=False
         )
     if sequence_parallel:
         return sequence_style(role)

@@ -10,8 +10,8 @@ backward at I: a stage that recomputes, or holds both ends of a tied weight.
 Communication, from message sizes and the `Hardware` bandwidths:
 - tensor parallelism: as DTensor's plans run them (`tp_all_reduces`), in each forward an
   all-reduce of a hidden state per row-wise Linear and vocabulary-split embedding, and three of
-  per-token scalars for a vocabulary-split head's loss; in each backward one per column-wise
-  Linear (each sums its input's gradient: q, k and v three times) and one for the head's input;
+  per-token scalars for a vocabulary-split head's loss; in each backward one per input that
+  column-wise Linears read (q, k and v share one) and one for the head's input;
 - pipeline: each boundary's activation (split `tp` ways along the sequence), the simulator's
   send-to-receive delay;
 - data parallelism, after a rank's last backward: the fp32 gradient all-reduce (ZeRO-0/1),
@@ -84,26 +84,34 @@ def input_share(spec: LayerSpec, seq_len: int) -> float:
 
 
 class TpAllReduces(NamedTuple):
-    """All-reduces one tensor-parallel micro-batch of a layer runs, as DTensor's plans run
-    them (counted with torch's `CommDebugMode` in tests/unit/test_plan_tp_comm.py)."""
+    """All-reduces one tensor-parallel micro-batch of a layer runs, as the engine's DTensor
+    plans run them (counted with torch's `CommDebugMode` in tests/unit/test_plan_tp_comm.py)."""
 
     forward: int
     """Of a hidden state: one per row-wise Linear (its partial sums) and per vocabulary-split
     embedding."""
     backward: int
-    """Of a hidden state: one per column-wise Linear (the gradient of its replicated input;
-    q, k and v each sum their own) and per vocabulary-split head (the same)."""
+    """Of a hidden state: the gradient of each replicated input of column-wise Linears, one
+    per module whose Linears share it (`shared_input`: q, k and v together), one per
+    column-wise Linear outside such a module, and the vocabulary-split head's input."""
     loss: int
     """Of per-token scalars, in the forward: a vocabulary-split head's loss (the logits' max,
     the sum of their exponentials and the target's logit)."""
 
 
 def tp_all_reduces(spec: LayerSpec) -> TpAllReduces:
-    roles = list(getattr(spec.module_cls, "tp_plan", {}).values())
+    plan: dict[str, str] = getattr(spec.module_cls, "tp_plan", {})
+    shared = [name for name, role in plan.items() if role == "shared_input"]
+    alone = [
+        name
+        for name, role in plan.items()
+        if role == "colwise" and not any(name.startswith(s + ".") for s in shared)
+    ]
+    roles = list(plan.values())
     heads = roles.count("vocab_head")
     return TpAllReduces(
         forward=roles.count("rowwise") + roles.count("vocab_embedding"),
-        backward=roles.count("colwise") + heads,
+        backward=len(shared) + len(alone) + heads,
         loss=3 * heads,
     )
 

@@ -12,32 +12,45 @@ from engine.plan.timing import stage_times, tp_all_reduces
 from models import layer_specs
 from partitioners.costs import backward_root
 
-_ALL_REDUCE = "c10d_functional.all_reduce"
-
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-def _counted(model: str, index: int) -> tuple[int, int]:
-    """(forward, backward) all-reduces of one micro-batch of the layer split over tp 2."""
+def _collectives(
+    model: str, index: int, sequence_parallel: bool = False
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) collectives of one micro-batch of the layer split over tp 2."""
     specs = layer_specs(model)
     last = index == len(specs) - 1
     with stage_grid(1, 2) as grid:
+        assert grid.tp_mesh is not None
         stack = build_sharded_layers(
-            specs, range(index, index + 1), seed=0, device="cpu", tp_mesh=grid.tp_mesh
+            specs,
+            range(index, index + 1),
+            seed=0,
+            device="cpu",
+            tp_mesh=grid.tp_mesh,
+            sequence_parallel=sequence_parallel,
         )
         x = specs[index].example_input(2, 16, device="cpu")
         if x.is_floating_point():
-            x = torch.randn(x.shape).requires_grad_()
+            x = torch.randn(x[:, : 16 // (2 if sequence_parallel else 1)].shape)
+            x.requires_grad_()
         with sharded_loss_scope(last):
             with CommDebugMode() as forward:
                 root = backward_root(stack(x), last)
             with CommDebugMode() as backward:
                 root.backward()
-    counts = [
-        sum(n for op, n in mode.get_comm_counts().items() if str(op) == _ALL_REDUCE)
-        for mode in (forward, backward)
-    ]
-    return counts[0], counts[1]
+    return _named(forward), _named(backward)
+
+
+def _named(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).removeprefix("c10d_functional."): n for op, n in mode.get_comm_counts().items()}
+
+
+def _counted(model: str, index: int) -> tuple[int, int]:
+    """(forward, backward) all-reduces of one micro-batch of the layer split over tp 2."""
+    forward, backward = _collectives(model, index)
+    return forward.get("all_reduce", 0), backward.get("all_reduce", 0)
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
@@ -49,9 +62,10 @@ def test_each_layers_all_reduces_are_the_ones_dtensor_runs(model: str, where: st
     assert _counted(model, index) == (priced.forward + priced.loss, priced.backward)
 
 
-def test_a_llama_blocks_backward_sums_five_input_gradients_against_two_in_its_forward() -> None:
-    block = layer_specs("llama-tiny")[1]
-    assert tp_all_reduces(block) == (2, 5, 0)  # q, k, v, gate and up each sum their own
+def test_a_blocks_column_wise_linears_sum_their_gradients_before_one_all_reduce() -> None:
+    """q, k and v read one input, as gate and up do: one all-reduce each, not one per Linear."""
+    assert tp_all_reduces(layer_specs("llama-tiny")[1]) == (2, 2, 0)
+    assert tp_all_reduces(layer_specs("gpt-tiny")[1]) == (2, 2, 0)
 
 
 def test_a_stages_backward_pays_its_column_wise_all_reduces() -> None:
@@ -70,8 +84,8 @@ def test_a_stages_backward_pays_its_column_wise_all_reduces() -> None:
     )
     one = 2 * latency  # a ring all-reduce over 2 ranks: 2 steps
     assert times.forward == pytest.approx(2 * one)
-    assert times.backward == pytest.approx(5 * one) == times.input_grad
-    assert times.tp_comm == pytest.approx(7 * one)
+    assert times.backward == pytest.approx(2 * one) == times.input_grad
+    assert times.tp_comm == pytest.approx(4 * one)
 
 
 def test_a_vocabulary_split_heads_loss_reduces_scalars_at_the_latency() -> None:
@@ -90,3 +104,13 @@ def test_a_vocabulary_split_heads_loss_reduces_scalars_at_the_latency() -> None:
     )
     assert times.forward == pytest.approx(3 * 2e-3)  # no bytes: the loss's scalars
     assert times.backward == pytest.approx(2 * (1000 / 2 / 1e3 + 1e-3))  # its input's gradient
+
+
+def test_under_sequence_parallelism_a_blocks_backward_reduce_scatters_once_per_shared_input() -> (
+    None
+):
+    """The gathered input reaches q, k and v as one DTensor: their summed gradient is
+    reduce-scattered back to the sequence shard once, not all-reduced once per Linear."""
+    forward, backward = _collectives("llama-tiny", 1, sequence_parallel=True)
+    assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert backward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}

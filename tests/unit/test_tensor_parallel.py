@@ -70,10 +70,15 @@ def test_a_tp_below_one_is_refused() -> None:
 def test_every_plan_names_a_submodule_with_a_known_role(model: str) -> None:
     for spec in layer_specs(model):
         layer = spec.build("meta")
-        for name, role in getattr(layer, "tp_plan", {}).items():
+        plan = getattr(layer, "tp_plan", {})
+        for name, role in plan.items():
             assert role in ROLES
             target = layer if name == "" else layer.get_submodule(name)
-            assert isinstance(target, torch.nn.Linear | torch.nn.Embedding)
+            if role == "shared_input":  # a module whose column-wise Linears read its input
+                inside = [r for n, r in plan.items() if n.startswith(name + ".")]
+                assert inside.count("colwise") >= 2
+            else:
+                assert isinstance(target, torch.nn.Linear | torch.nn.Embedding)
 
 
 def test_tp_not_dividing_the_heads_is_refused_with_the_choices() -> None:
