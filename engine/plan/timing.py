@@ -99,6 +99,7 @@ class TpAllReduces(NamedTuple):
     the sum of their exponentials and the target's logit)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def tp_all_reduces(spec: LayerSpec) -> TpAllReduces:
     plan: dict[str, str] = getattr(spec.module_cls, "tp_plan", {})
     shared = [name for name, role in plan.items() if role == "shared_input"]
@@ -148,7 +149,7 @@ def stage_times(
     resharded per micro-batch, the gather before each forward and the gather plus gradient
     reduce-scatter around each backward."""
     f = sum(forward[i] for i in layers)
-    tp_f, tp_b = _tp_seconds([specs[i] for i in layers], activation_bytes, tp, hardware)
+    tp_f, tp_b = _tp_seconds(specs[layers.start : layers.stop], activation_bytes, tp, hardware)
     extra = f + tp_f if recompute else 0.0
     weight = 0.0
     if not runs_whole_backward_at_input(specs, layers, "full" if recompute else "none"):
@@ -168,6 +169,8 @@ def _tp_seconds(
 ) -> tuple[float, float]:
     """Seconds of the stage's tensor-parallel all-reduces in a forward and in a backward
     (the loss's per-token scalars priced at the latency alone: a hidden state's 1/d_model)."""
+    if tp <= 1:
+        return 0.0, 0.0
     counts = [tp_all_reduces(spec) for spec in specs]
     bw, latency = hardware.link_bandwidth, hardware.latency
     hidden = all_reduce_time(activation_bytes, tp, bw, latency)
