@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,10 @@ F, B, I, W = 0, 1, 2, 3  # noqa: E741 - the kinds' own names
 _CODES = {
     kind: code for code, kind in enumerate((ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W))
 }
+
+
+_STAGE, _KIND, _MICRO_BATCH = (operator.itemgetter(k) for k in range(3))
+"""An `Action`'s fields by position."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,16 +73,19 @@ class FlatArrays:
 
 
 def flat_arrays(schedule: Schedule) -> FlatArrays:
-    """Every rank's compute actions as arrays, read in one pass over the actions (each a
-    named tuple, transposed in C)."""
+    """Every rank's compute actions as arrays, each field read in one pass over the actions
+    (named tuples, read by `itemgetter` in C). Not `zip(*actions)`: that makes an iterator
+    per action, and the collector's passes over them cost 20 times the reading (76 ms against
+    3 ms for ZB-H1 at 64 ranks and 256 micro-batches)."""
     actions = list(itertools.chain.from_iterable(schedule.rows))
     lengths = np.array([len(row) for row in schedule.rows], dtype=np.int64)
-    stage, kind, micro_batch = zip(*actions, strict=True) if actions else ((), (), ())
-    codes = np.fromiter(map(_CODES.get, kind, itertools.repeat(-1)), np.int8, len(actions))
+    n = len(actions)
+    kinds = map(_CODES.get, map(_KIND, actions), itertools.repeat(-1))
+    codes = np.fromiter(kinds, np.int8, n)
     rank = np.repeat(np.arange(len(lengths)), lengths)
     compute = codes >= 0
-    stages = np.array(stage, dtype=np.int64).reshape(-1)[compute]
-    micro_batches = np.array(micro_batch, dtype=np.int64).reshape(-1)[compute]
+    stages = np.fromiter(map(_STAGE, actions), np.int64, n)[compute]
+    micro_batches = np.fromiter(map(_MICRO_BATCH, actions), np.int64, n)[compute]
     rank, codes = rank[compute], codes[compute]
     starts = np.zeros(len(lengths) + 1, dtype=np.int64)
     starts[1:] = np.cumsum(np.bincount(rank, minlength=len(lengths)))
