@@ -85,7 +85,8 @@ def input_share(spec: LayerSpec, seq_len: int) -> float:
 
 class TpAllReduces(NamedTuple):
     """All-reduces one tensor-parallel micro-batch of a layer runs, as the engine's DTensor
-    plans run them (counted with torch's `CommDebugMode` in tests/unit/test_plan_tp_comm.py)."""
+    plans run them without sequence parallelism, which the planner does not choose (counted
+    with torch's `CommDebugMode` in tests/unit/test_plan_tp_comm.py)."""
 
     forward: int
     """Of a hidden state: one per row-wise Linear (its partial sums) and per vocabulary-split
