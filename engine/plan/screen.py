@@ -125,14 +125,28 @@ def _states_floor(state: SearchContext, c: Candidate) -> int:
 
 
 def _trace_ahead(
-    state: SearchContext, candidates: Sequence[Candidate], progress: Progress | None
+    state: SearchContext,
+    candidates: Sequence[Candidate],
+    progress: Progress | None,
+    *,
+    count: bool = False,
 ) -> None:
     """The layer traces the screen will read made at once (`trace_ahead`): those of every
-    candidate whose states alone fit, whose `floor` traces its layers."""
+    candidate whose states alone fit, whose `floor` traces its layers. With `count`, their
+    schedules' counts handed to the workers behind the traces, to be counted while this
+    process works out the floors (`SearchContext.count_ahead`): a few more schedules than
+    the floors would leave (a 405b search's 424 for 346), about 1 % more actions."""
     budget = state.request.device_memory
-    read = {(state.layout(c), c.split) for c in candidates if _states_floor(state, c) <= budget}
+    fitting = [c for c in candidates if _states_floor(state, c) <= budget]
+    read = {(state.layout(c), c.split) for c in fitting}
     requests = (r for layout, split in read for r in state.layer_requests(layout, split))
-    trace_ahead(requests, reporting(progress, "tracing layers"))
+    keys = (key for c in fitting for key in state.count_keys(c))
+    counted = reporting(progress, "counting schedules")
+    trace_ahead(
+        requests,
+        reporting(progress, "tracing layers"),
+        (lambda: state.count_ahead(keys, counted)) if count else None,
+    )
 
 
 def all_candidates(state: SearchContext) -> list[Candidate]:
@@ -194,12 +208,8 @@ def screen_memory(state: SearchContext, progress: Progress | None = None) -> Mem
     peaks, and how many are over the budget."""
     budget = state.request.device_memory
     candidates = all_candidates(state)
-    _trace_ahead(state, candidates, progress)
+    _trace_ahead(state, candidates, progress, count=True)
     floored = sorted(((floor(state, c), c) for c in candidates), key=lambda x: x[0])
-    state.count_ahead(
-        (key for low, c in floored if low <= budget for key in state.count_keys(c)),
-        reporting(progress, "counting schedules"),
-    )
     fitted: list[Fitted] = []
     deferred: list[tuple[int, Candidate]] = []
     over, least = 0, math.inf
@@ -218,6 +228,7 @@ def screen_memory(state: SearchContext, progress: Progress | None = None) -> Mem
             over, least = over + 1, min(least, found)
             continue
         fitted.append(found)
+    state.stop_counting()
     return MemoryScreen(
         fitted=fitted, considered=len(floored), over=over, least=least, deferred=deferred
     )
