@@ -172,15 +172,12 @@ def _traced(request: TraceRequest) -> StageTrace:
 
 
 def trace_ahead(
-    requests: Iterable[TraceRequest],
-    progress: Callable[[int, int], None] | None = None,
-    meanwhile: Callable[[], object] | None = None,
+    requests: Iterable[TraceRequest], progress: Callable[[int, int], None] | None = None
 ) -> None:
     """Trace the requests this process does not hold yet (a local edge's remote stage, to
     derive it from), so that `cached_trace` finds them made: in worker processes where the
     machine has the cores, longest first; else here, in turn. `progress(done, total)` after
-    each; `meanwhile()` once they are handed to the workers, before any is waited for (more
-    work to hand them behind the traces, inside `kept_workers`).
+    each.
 
     A search knows every trace it will ask for before it asks, each is independent of the
     others, and a first search spends most of its time in them (`engine.memory.workers`).
@@ -192,8 +189,6 @@ def trace_ahead(
     missing = [r for r in missing if r.mixed not in traced]  # derived from it (`first_style`)
     missing.sort(key=lambda r: len(r.specs), reverse=True)
     made = in_workers(_traced, missing)
-    if meanwhile is not None:
-        meanwhile()
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):
             _keep(request, trace)

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
@@ -15,7 +16,7 @@ from engine.memory.states import StateLayout
 from engine.memory.trace_cache import load_payload, store_payload, trace_key
 from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
-from engine.memory.workers import Ahead
+from engine.memory.workers import in_workers
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
 from engine.plan.counts import (
@@ -154,8 +155,6 @@ class SearchContext:
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
         self._counted: dict[CountKey, StageCounts] = {}
-        self._ahead: Ahead[CountKey, StageCounts] = Ahead(_count_in_worker)
-        self._progress: tuple[int, int, Callable[[int, int], None] | None] = (0, 0, None)
         self.programs = Programs()
         """The schedules simulated, compiled (ahead, in the workers: `search._rank`)."""
 
@@ -186,11 +185,8 @@ class SearchContext:
     def counts(self, name: str, pp: int, m: int, v: int) -> StageCounts:
         """A schedule's in-flight counts, kept on disk beside the traces (`store_payload`):
         they follow from the code alone, and counting a 405b search's schedules takes
-        seconds. Collected if they were handed to the workers (`count_ahead`); a stored
-        payload that does not read back is counted again."""
+        seconds. A stored payload that does not read back is counted again."""
         key = (name, pp, m, v)
-        if self._ahead.waiting(key):
-            self._collect(key)
         known = self._known(key)
         if known is None:
             known = stage_counts(self.built(name, pp, m, v))
@@ -216,33 +212,19 @@ class SearchContext:
     def count_ahead(
         self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None
     ) -> None:
-        """Hand the schedules of `keys` neither held nor on disk to the worker processes,
-        longest first, to be collected as `counts` asks for them while this process goes on
-        (a first 405b search counts hundreds of schedules of up to 100k actions, each on its
-        own); counted here at once where there are no workers. `progress(done, total)` as
-        each is collected."""
+        """Count the schedules of `keys` neither held nor on disk at once, in worker processes
+        where the machine has the cores (`engine.memory.workers`), longest first: a first
+        405b search counts hundreds of schedules of up to 100k actions, each on its own."""
         missing = [key for key in dict.fromkeys(keys) if self._known(key) is None]
         missing.sort(key=lambda k: k[1] * k[2] * k[3], reverse=True)
-        self._progress = (0, len(missing), progress)
-        if not self._ahead.start(missing):
-            for key in missing:
-                self._keep(key, _count_in_worker(key))
-                self._reported()
-
-    def _collect(self, until: CountKey) -> None:
-        for key, counts in self._ahead.collect(until):
-            self._keep(key, counts)
-            self._reported()
-
-    def _reported(self) -> None:
-        done, total, progress = self._progress
-        self._progress = (done + 1, total, progress)
-        if progress is not None:
-            progress(done + 1, total)
-
-    def stop_counting(self) -> None:
-        """Cancel the counts handed over not begun (their schedules were not asked for)."""
-        self._ahead.stop()
+        try:
+            made = zip(missing, in_workers(_count_in_worker, missing), strict=True)
+            for done, (key, counts) in enumerate(made, start=1):
+                self._keep(key, counts)
+                if progress is not None:
+                    progress(done, len(missing))
+        except BrokenProcessPool:
+            return  # a worker died (out of memory?): `counts` counts the rest here, when asked
 
     def count_keys(self, c: Candidate) -> list[CountKey]:
         """The schedules whose counts `pipeline` and `floor_pipeline` read for `c`."""

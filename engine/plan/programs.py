@@ -10,9 +10,10 @@ crosses processes in a few hundredths of a second.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
+from concurrent.futures.process import BrokenProcessPool
 
-from engine.memory.workers import Ahead
+from engine.memory.workers import in_workers, worker_count
 from engine.schedule import Program, compiled_program, make_schedule
 
 __all__ = ["ProgramKey", "Programs"]
@@ -33,20 +34,35 @@ class Programs:
 
     def __init__(self) -> None:
         self._known: dict[ProgramKey, Program] = {}
-        self._ahead: Ahead[ProgramKey, Program] = Ahead(compile_key)
+        self._order: list[ProgramKey] = []
+        self._coming: Generator[Program, None, None] | None = None
 
     def ahead(self, keys: Iterable[ProgramKey]) -> None:
         """Start compiling `keys` in the workers, in this order (the order they will be asked
         for); nothing where there are no workers to spare."""
-        self._ahead.start([key for key in dict.fromkeys(keys) if key not in self._known])
+        self.stop()
+        missing = [key for key in dict.fromkeys(keys) if key not in self._known]
+        if worker_count() <= 1 or len(missing) < 2:
+            return
+        self._order = missing[::-1]
+        self._coming = in_workers(compile_key, missing)
 
     def stop(self) -> None:
         """Cancel what has not started (the workers are wanted for other work)."""
-        self._ahead.stop()
+        coming, self._coming, self._order = self._coming, None, []
+        if coming is not None:
+            coming.close()
 
     def of(self, key: ProgramKey) -> Program:
         """The compiled schedule: waited for if it is coming, else compiled here."""
-        self._known.update(self._ahead.collect(key))
+        while key not in self._known and key in self._order:
+            assert self._coming is not None
+            try:
+                program = next(self._coming)
+            except (StopIteration, BrokenProcessPool):
+                self.stop()  # a worker died (out of memory?): compile the rest here
+                break
+            self._known[self._order.pop()] = program
         if key not in self._known:
             self._known[key] = compile_key(key)
         return self._known[key]

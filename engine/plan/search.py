@@ -226,15 +226,8 @@ def search(
     """The best `request.top` layouts, and why every other candidate lost; with `timeline`,
     the best one's simulated timeline too (`Prediction.simulated`, what `plot_plan` draws:
     a second, slower simulation, a second of a 405b search)."""
-    with _no_cycle_collection(), kept_workers(_import_dynamo):
+    with _no_cycle_collection(), kept_workers():
         return _search(request, progress, timeline)
-
-
-def _import_dynamo() -> None:
-    """What a worker's first trace imports (fake tensors' dispatch is wrapped by
-    `torch._disable_dynamo`, which imports `torch._dynamo` on its first call): about a
-    second a worker, imported as the search starts instead of in its first trace."""
-    import torch._dynamo  # noqa: F401
 
 
 @contextlib.contextmanager

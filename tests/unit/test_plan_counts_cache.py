@@ -122,27 +122,9 @@ def test_counts_made_ahead_in_workers_equal_those_counted_here(
     ahead = SearchContext(_REQUEST)
     reports: list[tuple[int, int]] = []
     ahead.count_ahead(_KEYS, progress=lambda done, total: reports.append((done, total)))
+    assert reports == [(1, 4), (2, 4), (3, 4), (4, 4)]
     _refuse_building(monkeypatch)
     assert [ahead.counts(*key) for key in _KEYS] == expected
-    assert reports == [(1, 4), (2, 4), (3, 4), (4, 4)]
-
-
-def test_counts_handed_to_the_workers_are_collected_as_they_are_asked_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Handed over longest first and collected in that order, each when asked for (with
-    those before it): the search works out its floors meanwhile."""
-    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
-    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "2")
-    ahead = SearchContext(_REQUEST)
-    reports: list[tuple[int, int]] = []
-    ahead.count_ahead(_KEYS, progress=lambda done, total: reports.append((done, total)))
-    assert reports == []
-    _refuse_building(monkeypatch)
-    ahead.counts("dualpipe_v", 4, 8, 2)  # the longest: handed over first
-    assert reports == [(1, 4)]
-    ahead.counts("zb_v", 2, 6, 2)  # the third, after v_min's
-    assert reports == [(1, 4), (2, 4), (3, 4)]
 
 
 def test_counts_held_or_on_disk_are_not_counted_ahead(

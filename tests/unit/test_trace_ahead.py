@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
@@ -128,10 +128,8 @@ def _counting_pools(monkeypatch: pytest.MonkeyPatch) -> list[ProcessPoolExecutor
     """Every pool `in_workers` starts from now on."""
     started: list[ProcessPoolExecutor] = []
 
-    def counted(
-        workers: int, mp_context: BaseContext, initializer: Callable[[], object] | None = None
-    ) -> ProcessPoolExecutor:
-        started.append(ProcessPoolExecutor(workers, mp_context=mp_context, initializer=initializer))
+    def counted(workers: int, mp_context: BaseContext) -> ProcessPoolExecutor:
+        started.append(ProcessPoolExecutor(workers, mp_context=mp_context))
         return started[-1]
 
     monkeypatch.setattr(engine.memory.workers, "ProcessPoolExecutor", counted)
