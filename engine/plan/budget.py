@@ -98,8 +98,7 @@ def _stage_parts(
     stashed = after * kept
     if awaiting is not None:
         before_i, before_w = awaiting
-        waiting = np.maximum(waiting_w, kept)[:, None]  # as `StageCounts.awaiting` prunes
-        stashed = (before_i * kept[:, None] + before_w * waiting).max(axis=1)
+        stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
     return _Parts(
         fixed=arrays.fixed_sums[stop] - arrays.fixed_sums[first],
         kept=kept,
@@ -243,10 +242,7 @@ def _per_rank(parts: _Parts, placement: tuple[int, ...], counts: StageCounts) ->
     if mine.shape[1] == 1:
         return tuple(parts.peak[mine[:, 0]].tolist())
     states = _stacked(placement, counts.together or (None,) * mine.shape[0])
-    fused = parts.fused_kept
-    kept = np.maximum(parts.kept, fused)
-    waiting = np.maximum(parts.waiting_w, kept)  # so that a covered state holds no more
-    each = (waiting - kept, kept - fused, fused, parts.grads)
+    each = (parts.waiting_w, parts.kept, parts.fused_kept, parts.grads)  # `counts.State`
     bytes_per = np.concatenate([part[mine] for part in each], axis=1)[:, None, :]
     reached = (states.states * bytes_per).sum(axis=2)
     stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))

@@ -20,11 +20,11 @@ from engine.schedule.delivery import held_in
 __all__ = ["StageCounts", "State", "counts_from_payload", "counts_payload", "stage_counts"]
 
 State = tuple[int, ...]
-"""Four columns of a rank's stages each: micro-batches awaiting their W; those and the ones
-awaiting their I; those and the ones awaiting a fused B (every stash); then 1 for each stage
-whose gradients exist. Counted that way, a state another covers holds no more bytes whenever
-an awaiting-W stash costs at least an awaiting-I one and that at least a fused one
-(`budget._per_rank` prices them so), and the states no other covers stay few."""
+"""Four columns of a rank's stages each: micro-batches awaiting their W, those awaiting their
+I, those awaiting a fused B, then 1 for each stage whose gradients exist. A state another
+covers (no larger in any column) holds no more bytes whatever each stash costs: a split
+micro-batch can hold less awaiting its W than awaiting its I (W needs only its Linears'
+inputs and output gradients)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,19 +123,17 @@ def _awaiting(
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, the (awaiting I or B, awaiting W) counts after each of its actions from
     its first backward on (`_in_flight`'s running sums, split in two), those no other covers
-    as (awaiting W, all awaiting): what a W-awaiting stash costing at least an I-awaiting one
-    holds at most (`budget._stage_parts` prices them so). Without an I every stage's one
-    state is its `after`."""
+    (no larger in either): one of them holds the most, whatever each stash costs
+    (`budget._stage_parts`). Without an I every stage's one state is its `after`."""
     if rows is None or not (rows.kind == I).any():
         return tuple(((n, 0),) for n in after)
     stage, kind, starts, began = rows.stage, rows.kind, rows.starts, rows.began
     before_i = running_sums((kind == F).astype(np.int64) - ((kind == B) | (kind == I)), starts)
     before_w = running_sums((kind == I).astype(np.int64) - (kind == W), starts)
-    states = np.column_stack([before_w, before_w + before_i])[began]
+    states = np.column_stack([before_i, before_w])[began]
     found = _uncovered_per_rank(stage[began], states, stages)
     return tuple(
-        tuple(sorted(((every - w, w) for w, every in pairs), reverse=True)) or ((0, 0),)
-        for pairs in found
+        tuple(sorted(((i, w) for i, w in pairs), reverse=True)) or ((0, 0),) for pairs in found
     )
 
 
@@ -185,7 +183,7 @@ def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State
     )
     backward = (kind == B) | (kind == I)
     on_b, on_i, on_w = (_running_per_rank(flat, column, step, k) for step in steps)
-    stashes = [on_w, on_w + on_i, on_w + on_i + on_b]
+    stashes = [on_w, on_i, on_b]
     seen = _running_per_rank(flat, column, backward.astype(np.int64), k)
     first = backward & (seen[np.arange(len(kind)), column] == 1)
     grown = (kind == F) | (kind == I) | first

@@ -166,7 +166,7 @@ class PipelineStage:
         is freed after the forward, as in a fused backward, instead of living until I."""
         if self._capture is None or not output.requires_grad:
             return
-        plain = self.precision == "fp32" and not is_dtensor(output)
+        plain = not is_dtensor(output)
         self._capture.append((module, inputs[0], get_gradient_edge(output) if plain else output))
 
     @property
@@ -372,7 +372,7 @@ class PipelineStage:
                 state.inputs,
                 state.weight_nodes,
                 eager,
-                manual=self.precision == "fp32",
+                manual=not self.tensor_parallel,
             )
         self._fold_gradients()
         self._pending_w[micro_batch] = pending

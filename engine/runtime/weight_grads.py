@@ -76,9 +76,16 @@ def split_input_grads(
     cut = len(wanted) + len(nodes)
     input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
     accumulate(eager, found[cut:])
+    narrowed: dict[int, torch.Tensor] = {}
+
+    def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A Linear's input in its GEMM's dtype (autocast's cast), once per input: q, k and v
+        share one."""
+        return narrowed.setdefault(id(x), x.detach().to(dtype))
+
     pending = PendingWeightGrad(
         [
-            (m, x.detach(), None, g) if manual else (m, x, _tensor(out), g)
+            (m, narrow(x, g.dtype), None, g) if manual else (m, x, _tensor(out), g)
             for (m, x, out), g in zip(recorded, node_grads, strict=True)
             if g is not None
         ]

@@ -359,7 +359,6 @@ def test_layout_fields_name_every_stage_recomputed_as_all() -> None:
         (ParallelConfig(pp=2, dp=2, tp=1), "zb_v", 0, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "interleaved_1f1b", 0, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "zb_h1", 0, 0),
-        (ParallelConfig(pp=2, dp=2, tp=1), "zb_h2", 1, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "dualpipe_v", 3, 0),
         (ParallelConfig(pp=2, dp=2, tp=1), "dualpipe_v", 0, 0),
     ],
@@ -392,6 +391,30 @@ def test_the_memory_screen_is_within_ten_percent_of_the_replay(
         assert fast == pytest.approx(exact, rel=tolerance)
 
 
+def test_the_memory_screen_of_zb_h2s_last_stage_is_over_the_replay_within_twenty_percent() -> None:
+    """Its W needs only each Linear's input and output gradient, so a micro-batch awaiting its
+    W holds less than one awaiting its I, and the head's I transient (the logits' gradient)
+    is the most of the stage: the screen adds the largest transient to the largest stash,
+    which the replay's stage does not reach at once (+17 % here: over, so no layout that fits
+    is screened out for it; the first stage within 2 %)."""
+    request = PlanRequest(
+        model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
+    )
+    layout = Candidate(
+        mesh=ParallelConfig(pp=2, dp=2, tp=1),
+        schedule="zb_h2",
+        stages_per_rank=1,
+        micro_batches=4,
+        micro_batch_size=2,
+        zero=1,
+    )
+    screened = predict(request, layout)
+    (by_replay,) = replayed(request, [screened])
+    (first, last), (first_exact, last_exact) = screened.rank_peaks, by_replay.rank_peaks
+    assert first == pytest.approx(first_exact, rel=0.02)
+    assert last_exact < last <= 1.2 * last_exact
+
+
 def test_a_ranks_stashes_are_counted_by_the_backward_each_awaits() -> None:
     """DualPipeV's overlapped pairs run fused B and its last micro-batches split I and W, and
     the three stashes differ (awaiting W holds the Linears' inputs and output gradients), so a
@@ -400,10 +423,8 @@ def test_a_ranks_stashes_are_counted_by_the_backward_each_awaits() -> None:
     schedule = make_schedule("dualpipe_v", num_ranks=2, micro_batches=4, stages_per_rank=2)
     states = stage_counts(schedule).together[0]
     assert states is not None
-    on_w, on_w_or_i, every = ([state[c : c + 2] for state in states] for c in (0, 2, 4))
-    assert any(sum(w) for w in on_w)
-    assert any(sum(i) > sum(w) for w, i in zip(on_w, on_w_or_i, strict=True))
-    assert any(sum(f) > sum(i) for i, f in zip(on_w_or_i, every, strict=True))
+    on_w, on_i, on_b = ([state[c : c + 2] for state in states] for c in (0, 2, 4))
+    assert any(sum(w) for w in on_w) and any(sum(i) for i in on_i) and any(sum(b) for b in on_b)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
@@ -446,9 +467,12 @@ def test_the_states_counted_for_all_ranks_at_once_are_each_ranks_own(name: str, 
         assert stage_counts(schedule).together == each
 
 
+_AWAITING = (ActionKind.W, ActionKind.I, ActionKind.B)
+
+
 def _states_walked(row: Sequence[Action], mine: Sequence[int]) -> frozenset[tuple[int, ...]]:
     """A rank's states after each forward, each I and each stage's first backward (`State`:
-    its stages' micro-batches awaiting W, those and the ones awaiting I, every stash, then 1
+    its stages' micro-batches awaiting W, those awaiting I, those awaiting a fused B, then 1
     for each stage whose gradients exist), without those another covers."""
     split = {(a.stage, a.micro_batch) for a in row if a.kind is ActionKind.I}
     waiting = {kind: dict.fromkeys(mine, 0) for kind in (ActionKind.B, ActionKind.I, ActionKind.W)}
@@ -466,10 +490,8 @@ def _states_walked(row: Sequence[Action], mine: Sequence[int]) -> frozenset[tupl
         if action.kind in (ActionKind.B, ActionKind.I) and not started[action.stage]:
             started[action.stage], grew = 1, True
         if grew:
-            on_w = [waiting[ActionKind.W][s] for s in mine]
-            on_i = [w + waiting[ActionKind.I][s] for w, s in zip(on_w, mine, strict=True)]
-            every = [i + waiting[ActionKind.B][s] for i, s in zip(on_i, mine, strict=True)]
-            states.append((*on_w, *on_i, *every, *(started[s] for s in mine)))
+            stashes = [[waiting[kind][s] for s in mine] for kind in _AWAITING]
+            states.append((*(n for kind in stashes for n in kind), *(started[s] for s in mine)))
     return frozenset(a for a in states if not any(b != a and _covered(a, b) for b in states))
 
 
@@ -498,7 +520,7 @@ def test_a_ranks_stages_are_counted_together_not_each_at_its_most() -> None:
     states = counts.together[0]
     assert states is not None
     most_each = sum(max(counts.before[s], counts.after[s]) for s in schedule.stages_of(0))
-    assert (max(sum(state[4:6]) for state in states), most_each) == (2, 3)
+    assert (max(sum(state[0:6]) for state in states), most_each) == (2, 3)
     assert stage_counts(make_schedule("1f1b", num_ranks=2, micro_batches=4)).together == (
         None,
         None,
@@ -778,10 +800,16 @@ def test_the_screen_keeps_a_fused_stash_on_the_split_schedules_stage_that_runs_n
 def test_a_split_stage_counts_its_micro_batches_awaiting_i_and_awaiting_w_apart() -> None:
     """ZB-H1 at pp 4, m 8: the first stage runs fused backwards, each later one holds more
     micro-batches past their I and waiting for W the later it is (the last: four). Stage 1
-    reaches (3, 1) and (2, 2) too; (2, 2) holds at least as much wherever awaiting W costs at
-    least awaiting I, as the screen prices it, so only it is kept."""
+    reaches (3, 1) and (2, 2): which holds more depends on what awaiting W costs against
+    awaiting I (less, now that W needs only each Linear's input and output gradient), so
+    both are kept."""
     schedule = make_schedule("zb_h1", num_ranks=4, micro_batches=8, stages_per_rank=1)
-    assert stage_counts(schedule).awaiting == (((4, 0),), ((2, 2),), ((1, 3),), ((0, 4),))
+    assert stage_counts(schedule).awaiting == (
+        ((4, 0),),
+        ((3, 1), (2, 2)),
+        ((2, 2), (1, 3)),
+        ((1, 3), (0, 4)),
+    )
 
 
 def test_a_fused_schedule_awaits_no_w() -> None:
