@@ -18,7 +18,6 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from engine.comm.dtensor import is_dtensor
 from engine.config import recompute_groups
 from engine.parallel import local_tensor, sharded_loss_scope, stage_layers
 from engine.runtime.micro_batches import LossFn
@@ -41,8 +40,8 @@ class _InFlight:
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
     weight_nodes: list[Recorded]
-    """(Linear, its input, its output) of every Linear, in forward order; in fp32 the output's
-    gradient edge instead of the output itself (see `_record_output`)."""
+    """(Linear, its input, its output's gradient edge) of every Linear, in forward order
+    (see `_record_output`)."""
     documents: torch.Tensor | None = None
     """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
 
@@ -160,14 +159,16 @@ class PipelineStage:
     def _record_output(
         self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
     ) -> None:
-        """Record a Linear for its W. In fp32 W needs only the output's gradient, so I asks for
-        it by the output's gradient edge and the output itself is not kept: a Linear output
-        autograd does not save (the LM head's logits, every projection before a residual add)
-        is freed after the forward, as in a fused backward, instead of living until I."""
+        """Record a Linear for its W, which needs only its input and its output's gradient: I
+        asks for that gradient by the output's gradient edge, so the output itself is not
+        kept (a Linear output autograd does not save, the LM head's logits, every projection
+        before a residual add, is freed after the forward, as in a fused backward). Under
+        tensor parallelism the hook runs before the plan's output hook: the edge is the GEMM's
+        own output's (a DTensor), whose gradient is what the shard's W needs even where the
+        plan reduce-scatters the output along the sequence."""
         if self._capture is None or not output.requires_grad:
             return
-        plain = not is_dtensor(output)
-        self._capture.append((module, inputs[0], get_gradient_edge(output) if plain else output))
+        self._capture.append((module, inputs[0], get_gradient_edge(output)))
 
     @property
     def is_first(self) -> bool:
@@ -372,7 +373,6 @@ class PipelineStage:
                 state.inputs,
                 state.weight_nodes,
                 eager,
-                manual=not self.tensor_parallel,
             )
         self._fold_gradients()
         self._pending_w[micro_batch] = pending

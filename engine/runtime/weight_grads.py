@@ -29,16 +29,15 @@ __all__ = [
     "split_input_grads",
 ]
 
-Recorded = tuple[nn.Module, torch.Tensor, torch.Tensor | GradientEdge]
-"""A Linear recorded for its W: the module, its input, its output (or in fp32 its output's
-gradient edge, `PipelineStage._record_output`)."""
+Recorded = tuple[nn.Module, torch.Tensor, GradientEdge]
+"""A Linear recorded for its W: the module, its input, its output's gradient edge
+(`PipelineStage._record_output`)."""
 
 
 @dataclass
 class PendingWeightGrad:
-    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None, torch.Tensor]]
-    """(Linear, input, output, gradient at the output) waiting for their W; the output only
-    when W goes through autograd (it keeps the graph alive)."""
+    nodes: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
+    """(Linear, input in the GEMM's dtype, gradient at the output) waiting for their W."""
 
 
 def runs_whole_backward_at_input(specs: Sequence[LayerSpec], layers: range, recompute: str) -> bool:
@@ -57,22 +56,15 @@ def split_input_grads(
     inputs: Sequence[torch.Tensor],
     recorded: Sequence[Recorded],
     eager: Sequence[nn.Parameter],
-    *,
-    manual: bool,
 ) -> tuple[tuple[torch.Tensor, ...], PendingWeightGrad]:
     """The I pass: one autograd call for the gradients of the stage's inputs, of every recorded
     Linear's output (kept for W) and of the `eager` parameters (accumulated now); returns the
-    input gradients found and what the micro-batch's W needs.
-
-    `manual` (fp32): W computes each Linear's weight gradient itself from (input, output
-    gradient), so the graph is freed here; otherwise W goes through autograd and keeps it.
-    """
+    input gradients found and what the micro-batch's W needs. W computes each Linear's weight
+    gradient itself from (input, output gradient), so the graph is freed here."""
     wanted = [x for x in inputs if x.requires_grad]
     nodes = [out for _, _, out in recorded]
     targets: list[Any] = [*wanted, *nodes, *eager]  # autograd takes tensors and edges mixed
-    found = torch.autograd.grad(
-        roots, targets, grad_outputs=grads, retain_graph=not manual, allow_unused=True
-    )
+    found = torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
     cut = len(wanted) + len(nodes)
     input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
     accumulate(eager, found[cut:])
@@ -85,17 +77,12 @@ def split_input_grads(
 
     pending = PendingWeightGrad(
         [
-            (m, narrow(x, g.dtype), None, g) if manual else (m, x, _tensor(out), g)
-            for (m, x, out), g in zip(recorded, node_grads, strict=True)
+            (m, narrow(x, g.dtype), g)
+            for (m, x, _), g in zip(recorded, node_grads, strict=True)
             if g is not None
         ]
     )
     return tuple(g for g in input_grads if g is not None), pending
-
-
-def _tensor(out: torch.Tensor | GradientEdge) -> torch.Tensor:
-    assert isinstance(out, torch.Tensor), "only fp32 records a Linear output by its edge"
-    return out
 
 
 def run_weight_grads(
@@ -104,17 +91,14 @@ def run_weight_grads(
     """Each Linear's parameter gradients from its output's gradient, into `master(p)` (the
     fp32 parameter behind a low-precision copy) or `p` itself.
 
-    Modules go last-to-first, the order a fused backward reaches them; in fp32 each is the
-    very GEMM autograd would run (same operands, same bits), otherwise one autograd call
-    that stops at the module's own parameters, so no gradient flows twice.
+    Modules go last-to-first, the order a fused backward reaches them; each is the very GEMM
+    autograd would run (same operands, same bits): in the compute dtype under autocast, on
+    the local shards under tensor parallelism.
     """
-    for module, x, out, grad in reversed(pending.nodes):
+    for module, x, grad in reversed(pending.nodes):
+        assert isinstance(module, nn.Linear), "only Linears defer their W"
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        if out is None:
-            assert isinstance(module, nn.Linear), "only Linears defer their W without graph"
-            values = linear_weight_grads(module, x, grad)
-        else:
-            values = list(torch.autograd.grad(out, params, grad))
+        values = linear_weight_grads(module, x, grad)
         accumulate(params if master is None else [master(p) for p in params], values)
 
 
