@@ -73,7 +73,9 @@ def split_input_grads(
     def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A Linear's input in its GEMM's dtype (autocast's cast), once per input: q, k and v
         share one."""
-        return narrowed.setdefault(id(x), x.detach().to(dtype))
+        if id(x) not in narrowed:
+            narrowed[id(x)] = x.detach().to(dtype)
+        return narrowed[id(x)]
 
     pending = PendingWeightGrad(
         [
