@@ -10,7 +10,7 @@ against the hand choice (balanced split, 1F1B, no recompute, the largest micro-b
     PYTHONPATH=$PWD python scripts/plan_check.py --model gpt-bench --devices 4 --zero-levels
 
 With `--own-costs` each run is traced, and its schedule simulated again with the run's own
-median action times (`engine.plan.run_costs`): where that lands near the measured step and the
+mean action times (`engine.plan.run_costs`): where that lands near the measured step and the
 prediction does not, the prices were off, not the simulator's structure.
 
 A GPU run: add `--device cuda --device-memory 80GB` on a machine with the GPUs (the layer

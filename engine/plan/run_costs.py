@@ -30,8 +30,12 @@ def run_costs(
     trace: str | Path, placement: Sequence[int]
 ) -> tuple[tuple[StageTimes, ...], tuple[float, ...]]:
     """(each stage's action costs, each pipeline rank's seconds after its last backward): the
-    medians over the run's steps after its first (its warm-up), the work after the last
-    backward the slowest replica's. `placement[s]`: the pipeline rank of stage s."""
+    means over the run's steps after its first (its warm-up), the work after the last
+    backward the slowest replica's. `placement[s]`: the pipeline rank of stage s.
+
+    Means, not medians: a step pays every action, its slow ones too. On this VM an action's
+    times skew high, and the medians put the simulated step 2-6 % under the measured one
+    where the means put it within 2 % (docs/BENCHMARKS.md, session 54)."""
     events = json.loads(Path(trace).read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     spans = [e for e in events if e.get("ph") == "X"]
@@ -52,7 +56,7 @@ def run_costs(
     stages = tuple(_stage(compute, s) for s in range(len(placement)))
     tails = [0.0] * (max(placement) + 1)
     for rank, phases in after.items():
-        seconds = sum(statistics.median(durations) for durations in phases.values())
+        seconds = sum(statistics.fmean(durations) for durations in phases.values())
         tails[ranks[rank]] = max(tails[ranks[rank]], seconds)
     return stages, tuple(tails)
 
@@ -68,14 +72,14 @@ def _first_step_ends(spans: list[dict[str, Any]], names: dict[int, str]) -> dict
 
 
 def _stage(compute: dict[tuple[int, str], list[float]], stage: int) -> StageTimes:
-    """The stage's median F, B, I, W; a fused B where it ran none split, and the reverse."""
-    med = {k: statistics.median(compute[stage, k]) for k in _COMPUTE if compute[stage, k]}
-    backward = med.get("B", med.get("I", 0.0) + med.get("W", 0.0))
+    """The stage's mean F, B, I, W; a fused B where it ran none split, and the reverse."""
+    mean = {k: statistics.fmean(compute[stage, k]) for k in _COMPUTE if compute[stage, k]}
+    backward = mean.get("B", mean.get("I", 0.0) + mean.get("W", 0.0))
     return StageTimes(
-        forward=med.get("F", 0.0),
+        forward=mean.get("F", 0.0),
         backward=backward,
-        input_grad=med.get("I", backward),
-        weight_grad=med.get("W", 0.0),
+        input_grad=mean.get("I", backward),
+        weight_grad=mean.get("W", 0.0),
         tp_comm=0.0,
         recompute=0.0,
     )

@@ -28,13 +28,13 @@ def _thread(tid: int, name: str) -> dict[str, object]:
 
 def _trace(path: Path) -> Path:
     """Two ranks, two steps: stage 0 fused on rank 0, stage 1 split on rank 1; the first step
-    (the warm-up) twice as slow."""
+    (the warm-up) twice as slow; stage 0's forwards skewed (10, 12, 17 ms: median 12, mean 13)."""
     events = [_thread(0, "rank 0"), _thread(1, "rank 1"), _thread(2, "rank 0 communication")]
     events.append(_thread(3, "rank 1 communication"))
     for step, scale in ((0, 2.0), (1, 1.0)):
         t = 1000.0 * step
         events += [_span(0, "0F0", "F", t, 10 * scale), _span(0, "0B0", "B", t + 50, 20 * scale)]
-        events += [_span(0, "0F1", "F", t + 80, 12 * scale)]
+        events += [_span(0, "0F1", "F", t + 80, 12 * scale), _span(0, "0F2", "F", t + 95, 17)]
         events += [_span(1, "1F0", "F", t + 20, 11 * scale), _span(1, "1I0", "I", t + 35, 9)]
         events += [_span(1, "1W0", "W", t + 45, 7 * scale)]
         events += [_span(2, "dp all-reduce", "dp all-reduce", t + 200, 4 * scale)]
@@ -45,10 +45,10 @@ def _trace(path: Path) -> Path:
     return path
 
 
-def test_a_runs_costs_are_its_steady_steps_medians_per_stage(tmp_path: Path) -> None:
+def test_a_runs_costs_are_its_steady_steps_means_per_stage(tmp_path: Path) -> None:
     stages, after = run_costs(_trace(tmp_path / "t.json"), placement=(0, 1))
     fused, split = stages
-    assert (fused.forward, fused.backward) == pytest.approx((0.011, 0.020))  # 10 and 12 ms
+    assert (fused.forward, fused.backward) == pytest.approx((0.013, 0.020))  # a step pays all
     assert fused.input_grad == fused.backward and fused.weight_grad == 0.0
     assert (split.forward, split.input_grad, split.weight_grad) == pytest.approx(
         (0.011, 0.009, 0.007)
