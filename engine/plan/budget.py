@@ -87,14 +87,15 @@ def _stage_parts(
         kept = np.where(fused, fused_kept, kept)
         transient = np.where(fused, fused_transient, transient)
         transient = np.where(fused & ~recomputed, later, transient)
-    transient += np.maximum.reduceat(arrays.turn, first)  # a layer's turn lives as it computes
     if recomputed.any():
-        runs, longest = _runs(arrays.kept_sums, arrays.kept, first, stop, every)
+        runs = _runs(first, stop, every)
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         fused_kept = np.where(recomputed, kept, fused_kept)
         waiting_w = np.where(recomputed, kept, waiting_w)  # the replay reads no more
-        transient = transient + np.where(recomputed, micro_batch_size * longest, 0)
+        regenerated = micro_batch_size * _regenerated(sums, first, stop, every, fused)
+        transient = np.where(recomputed, regenerated, transient)
+    transient += np.maximum.reduceat(arrays.turn, first)  # a layer's turn lives as it computes
     stashed = after * kept
     if awaiting is not None:
         before_i, before_w = awaiting
@@ -141,21 +142,31 @@ def _past_later_layers(sums: LayerBytes, first: np.ndarray, stop: np.ndarray) ->
     return np.maximum.reduceat(less, first - first[0])
 
 
-def _runs(
-    kept_sums: np.ndarray, kept_each: np.ndarray, first: np.ndarray, stop: np.ndarray, every: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage, its recompute runs of `every` layers (0: one run): how many, and the most
-    one run keeps."""
+def _regenerated(
+    sums: LayerBytes, first: np.ndarray, stop: np.ndarray, every: int, fused: np.ndarray | None
+) -> np.ndarray:
+    """Per recomputing stage, its highest transient of one sequence with a run regenerated:
+    while layer j runs its backward, its run holds the regenerated layers up to j (the later
+    ones have run theirs and freed them), so layer j's transient rides on that part of the run,
+    not on all of it (in `every`-layer runs, 0: the whole stage)."""
+    arrays = sums.arrays
+    sizes = stop - first
+    layer = np.arange(int(first[0]), int(stop[-1]))
+    starts = np.repeat(first, sizes)
+    if every:
+        starts = starts + (layer - starts) // every * every
+    held = arrays.kept_sums[layer + 1] - arrays.kept_sums[starts]
+    each = arrays.transient[layer]
+    if fused is not None:
+        each = np.where(np.repeat(fused, sizes), arrays.fused_transient[layer], each)
+    return np.maximum.reduceat(held + each, first - first[0])
+
+
+def _runs(first: np.ndarray, stop: np.ndarray, every: int) -> np.ndarray:
+    """Per stage, how many recompute runs of `every` layers it has (0: one run)."""
     if every == 0:
-        return np.ones_like(first), kept_sums[stop] - kept_sums[first]
-    if every == 1:
-        return stop - first, np.maximum.reduceat(kept_each, first)
-    starts = [range(a, b, every) for a, b in zip(first.tolist(), stop.tolist(), strict=True)]
-    longest = [
-        max(int(kept_sums[min(s + every, b)] - kept_sums[s]) for s in run)
-        for run, b in zip(starts, stop.tolist(), strict=True)
-    ]
-    return np.array([len(run) for run in starts]), np.array(longest, dtype=np.int64)
+        return np.ones_like(first)
+    return -(-(stop - first) // every)
 
 
 def _choices(stages: int, recompute_runs: Sequence[int]) -> list[tuple[np.ndarray, int]]:
