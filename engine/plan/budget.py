@@ -148,7 +148,8 @@ def _regenerated(
     """Per recomputing stage, its highest transient of one sequence with a run regenerated:
     while layer j runs its backward, its run holds the regenerated layers up to j (the later
     ones have run theirs and freed them), so layer j's transient rides on that part of the run,
-    not on all of it (in `every`-layer runs, 0: the whole stage)."""
+    not on all of it (in `every`-layer runs, 0: the whole stage), its inner boundaries counted
+    once (`_shared_per_stage`)."""
     arrays = sums.arrays
     sizes = stop - first
     layer = np.arange(int(first[0]), int(stop[-1]))
@@ -156,6 +157,7 @@ def _regenerated(
     if every:
         starts = starts + (layer - starts) // every * every
     held = arrays.kept_sums[layer + 1] - arrays.kept_sums[starts]
+    held += (layer - starts) * (sums.received - sums.residual)  # `_shared_per_stage`
     each = arrays.transient[layer]
     if fused is not None:
         each = np.where(np.repeat(fused, sizes), arrays.fused_transient[layer], each)
