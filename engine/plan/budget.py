@@ -92,7 +92,9 @@ def _stage_parts(
         inputs = runs - (first == 0)  # the model's first layer receives tokens
         kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
         fused_kept = np.where(recomputed, kept, fused_kept)
-        waiting_w = np.where(recomputed, kept, waiting_w)  # the replay reads no more
+        # A recomputing stage runs its whole backward at I (`PipelineStage.backward_input`):
+        # nothing of a micro-batch waits for its (empty) W.
+        waiting_w = np.where(recomputed, 0, waiting_w)
         regenerated = micro_batch_size * _regenerated(sums, first, stop, every, fused)
         transient = np.where(recomputed, regenerated, transient)
     transient += np.maximum.reduceat(arrays.turn, first)  # a layer's turn lives as it computes

@@ -384,8 +384,9 @@ class PipelineStage:
         """The I half: gradients of the stage input (to send upstream at once), of every
         Linear's output (kept for W) and of every other parameter (accumulated now).
 
-        In fp32 W computes each Linear's weight gradient itself from (input, output gradient),
-        so the graph is freed here; under autocast W goes through autograd and keeps it.
+        W computes each Linear's weight gradient itself from (input, output gradient), so the
+        graph is freed here. A stage whose W cannot be taken per module (a tie inside it, or
+        recompute) runs its whole backward here and leaves W nothing.
         """
         if self._fused_weight_grads:
             input_grads = self.backward(micro_batch, output_grads)

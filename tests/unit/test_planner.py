@@ -400,16 +400,27 @@ def _screened_and_replayed(
     return screened.rank_peaks, by_replay.rank_peaks
 
 
-def test_the_memory_screen_of_zb_h2s_last_stage_is_over_the_replay_within_twenty_percent() -> None:
+def test_the_memory_screen_of_zb_h2s_last_stage_is_over_the_replay_within_ten_percent() -> None:
     """Its W needs only each Linear's input and output gradient, so a micro-batch awaiting its
     W holds less than one awaiting its I, and the head's I transient (the logits' gradient)
     is the most of the stage: the screen adds the largest transient to the largest stash,
-    which the replay's stage does not reach at once (+17 % here: over, so no layout that fits
-    is screened out for it; the first stage within 2 %)."""
+    which the replay's stage does not reach at once (+6.7 % here: over, so no layout that fits
+    is screened out for it; the first stage within 2 %). +17 % until session 54, when a split
+    forward kept the norms' fp32 outputs besides."""
     mesh = ParallelConfig(pp=2, dp=2, tp=1)
     (first, last), (first_exact, last_exact) = _screened_and_replayed(mesh, "zb_h2", 1)
     assert first == pytest.approx(first_exact, rel=0.02)
-    assert last_exact < last <= 1.2 * last_exact
+    assert last_exact < last <= 1.1 * last_exact
+
+
+def test_a_recomputing_split_stage_holds_nothing_awaiting_its_empty_w() -> None:
+    """A recomputing stage runs its whole backward at I, so its micro-batches hold nothing
+    between I and W: ZB-H1 and ZB-H2 recomputed per layer, the last stage +6.8 % over the
+    replay (+12.3 % and +17.6 % while the screen kept each one's inputs until W)."""
+    mesh = ParallelConfig(pp=2, dp=2, tp=1)
+    for schedule in ("zb_h1", "zb_h2"):
+        (_, last), (_, last_exact) = _screened_and_replayed(mesh, schedule, 1, every=1)
+        assert last_exact < last <= 1.08 * last_exact
 
 
 def test_a_ranks_stashes_are_counted_by_the_backward_each_awaits() -> None:
