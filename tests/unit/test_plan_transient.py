@@ -109,12 +109,12 @@ def test_in_runs_of_one_layer_each_layer_rides_on_its_own_regenerated_activation
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_a_recomputing_head_stages_screen_is_over_the_replay_within_eight_percent(
+def test_a_recomputing_head_stages_screen_is_over_the_replay_within_six_percent(
     schedule: str,
 ) -> None:
     """gpt-small recomputed whole at pp 2: the head's transient on its run regenerated up to
-    it (6.3 % over the replay for 1F1B's last stage, 7.8 % before session 54; interleaved's
-    rank 1 7.1 %, 8.8 % before)."""
+    it, the run's inner boundaries counted once (3.9 % over the replay for 1F1B's last stage,
+    7.8 % before session 54; interleaved's rank 1 5.3 %, 8.8 % before)."""
     request = PlanRequest(
         model="gpt-small", devices=4, device_memory=2**40, global_batch=16, seq_len=256
     )
@@ -130,7 +130,7 @@ def test_a_recomputing_head_stages_screen_is_over_the_replay_within_eight_percen
     screened = predict(request, layout)
     (by_replay,) = replayed(request, [screened])
     over = screened.rank_peaks[-1] / by_replay.rank_peaks[-1] - 1
-    assert 0 <= over < 0.08
+    assert 0 <= over < 0.06
 
 
 @pytest.mark.parametrize("pp", [2, 4])
