@@ -8,19 +8,18 @@ backward the stage stashes its inputs and outputs — the micro-batch is *in fli
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import recompute_groups
 from engine.parallel import local_tensor, sharded_loss_scope, stage_layers
+from engine.runtime.linear_records import LinearRecorder
 from engine.runtime.micro_batches import LossFn
 from engine.runtime.precision import autocast, compute_dtype, step_casts
 from engine.runtime.stage_errors import StageError, input_message
@@ -42,7 +41,7 @@ class _InFlight:
     outputs: tuple[torch.Tensor, ...]
     weight_nodes: list[Recorded]
     """(Linear, its input, its output's gradient edge) of every Linear, in forward order
-    (see `_record_output`)."""
+    (`LinearRecorder`)."""
     documents: torch.Tensor | None = None
     """The micro-batch's document ids (packed documents): a recomputing backward needs them."""
 
@@ -99,10 +98,7 @@ class PipelineStage:
         ]
         self._in_flight: dict[int, _InFlight] = {}
         self._pending_w: dict[int, PendingWeightGrad] = {}
-        self._capture: list[Recorded] | None = None
-        self._casts: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        """A split forward's Linear inputs narrowed by `_narrow_input`, by the wider input."""
-        self._kept_input: dict[nn.Module, torch.Tensor] = {}
+        self._linears = LinearRecorder()
         self._hooks_on = False
         self._fused_weight_grads = False
         self._eager_modules: list[nn.Module] = []
@@ -126,13 +122,11 @@ class PipelineStage:
         """Prepare the split backward: I now, the weight GEMMs later in W.
 
         Only a GEMM's weight gradient (gᵀ·x of every `nn.Linear`) is worth deferring; forward
-        hooks record each Linear's input and output. Under tensor parallelism the hook runs
-        before the plan's output hook: it sees the GEMM's own output (a DTensor), whose
-        gradient is what the shard's W needs even where the plan reduce-scatters the output
-        along the sequence and hands on only this rank's part. The I pass asks autograd for
-        the stage input's gradient, each Linear output's gradient and, at once, the gradients
-        of every other parameter (norms, embeddings: cheap reductions that would otherwise need
-        a second pass over their inputs in W). Every kernel runs once, as in a fused backward.
+        hooks record each Linear's input and output's gradient edge (`LinearRecorder`). The
+        I pass asks autograd for the stage input's gradient, each Linear output's gradient
+        and, at once, the gradients of every other parameter (norms, embeddings: cheap
+        reductions that would otherwise need a second pass over their inputs in W). Every
+        kernel runs once, as in a fused backward.
         """
         if self._hooks_on or self._fused_weight_grads:
             return
@@ -155,52 +149,10 @@ class PipelineStage:
             return
         for module in owners:
             if isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(self._narrow_input)
-                module.register_forward_hook(self._record_output, prepend=True)
+                self._linears.install(module)
             else:
                 self._eager_modules.append(module)
         self._hooks_on = True
-
-    def _narrow_input(
-        self, module: nn.Module, args: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, ...] | None:
-        """Under autocast, a split micro-batch's Linear gets its input already in the GEMM's
-        dtype, cast as autocast casts it (per Linear, the same bits): the copy autograd saves
-        is then one the record can keep for W. Recording the wider input held it from F to I
-        besides (the norms' fp32 outputs: 15 % of a llama3-70b block's stash awaiting I).
-        Linears reading one input (q, k and v) each get their own cast, as under autocast,
-        and W keeps the first of them for all (`_casts`). Registered after a tensor-parallel
-        plan's input hook, so it narrows what the GEMM reads."""
-        x = args[0]
-        if self._capture is None or not x.is_floating_point():
-            return None
-        device = x.device.type
-        if not torch.is_autocast_enabled(device):
-            return None
-        dtype = torch.get_autocast_dtype(device)
-        if x.dtype == dtype:
-            return None
-        narrowed = x.to(dtype)
-        known = self._casts.get(id(x))
-        if known is None or known[0]() is not x:  # an id reused once its tensor was freed
-            known = self._casts[id(x)] = (weakref.ref(x), narrowed)
-        self._kept_input[module] = known[1]
-        return (narrowed, *args[1:])
-
-    def _record_output(
-        self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
-    ) -> None:
-        """Record a Linear for its W, which needs only its input and its output's gradient: I
-        asks for that gradient by the output's gradient edge, so the output itself is not
-        kept (a Linear output autograd does not save, the LM head's logits, every projection
-        before a residual add, is freed after the forward, as in a fused backward). Under
-        tensor parallelism the hook runs before the plan's output hook: the edge is the GEMM's
-        own output's (a DTensor), whose gradient is what the shard's W needs even where the
-        plan reduce-scatters the output along the sequence."""
-        if self._capture is None or not output.requires_grad:
-            return
-        x = self._kept_input.pop(module, inputs[0])  # `_narrow_input`'s, where it narrowed
-        self._capture.append((module, x, get_gradient_edge(output)))
 
     @property
     def is_first(self) -> bool:
@@ -260,7 +212,7 @@ class PipelineStage:
         """
         self._check_sequence(micro_batch, inputs[0])
         capture: list[Recorded] = []
-        self._capture = capture if training and split and self._hooks_on else None
+        recording = capture if training and split and self._hooks_on else None
         if training and self._in_step and self._copies is not None:
             self._copies.install()
         with (
@@ -268,7 +220,8 @@ class PipelineStage:
             autocast(self.precision, self.device),
             document_scope(documents),
         ):
-            out = self._run_checked(micro_batch, inputs, training)
+            with self._linears.recording(recording):
+                out = self._run_checked(micro_batch, inputs, training)
             outputs, result = self._outputs(out, targets, loss_divisor, loss_scale, training)
         if training:
             self._in_flight[micro_batch] = _InFlight(inputs, outputs, capture, documents)
@@ -292,10 +245,6 @@ class PipelineStage:
                 error=error,
             )
             raise StageError(message) from error
-        finally:
-            self._capture = None
-            self._casts.clear()
-            self._kept_input.clear()
 
     def _outputs(
         self,

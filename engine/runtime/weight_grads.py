@@ -30,8 +30,8 @@ __all__ = [
 ]
 
 Recorded = tuple[nn.Module, torch.Tensor, GradientEdge]
-"""A Linear recorded for its W: the module, its input, its output's gradient edge
-(`PipelineStage._record_output`)."""
+"""A Linear recorded for its W: the module, its input in the GEMM's dtype (detached), its
+output's gradient edge (`engine.runtime.linear_records`)."""
 
 
 @dataclass
@@ -68,21 +68,8 @@ def split_input_grads(
     cut = len(wanted) + len(nodes)
     input_grads, node_grads = found[: len(wanted)], found[len(wanted) : cut]
     accumulate(eager, found[cut:])
-    narrowed: dict[int, torch.Tensor] = {}
-
-    def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A Linear's input in its GEMM's dtype (autocast's cast), once per input: q, k and v
-        share one."""
-        if id(x) not in narrowed:
-            narrowed[id(x)] = x.detach().to(dtype)
-        return narrowed[id(x)]
-
     pending = PendingWeightGrad(
-        [
-            (m, narrow(x, g.dtype), g)
-            for (m, x, _), g in zip(recorded, node_grads, strict=True)
-            if g is not None
-        ]
+        [(m, x, g) for (m, x, _), g in zip(recorded, node_grads, strict=True) if g is not None]
     )
     return tuple(g for g in input_grads if g is not None), pending
 
