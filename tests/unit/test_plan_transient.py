@@ -34,7 +34,7 @@ def _layers(kept: tuple[int, ...], transient: tuple[int, ...], residual: int = 4
 
 
 def _transients(
-    sums: LayerBytes, *, fused: bool | None, recomputed: bool = False, mbs: int = 1
+    sums: LayerBytes, *, fused: bool | None, recomputed: bool = False, mbs: int = 1, every: int = 0
 ) -> list[int]:
     stages = 2
     return _stage_parts(
@@ -44,7 +44,7 @@ def _transients(
         after=np.ones(stages, dtype=np.int64),
         micro_batch_size=mbs,
         recomputed=np.full(stages, recomputed),
-        every=0,
+        every=every,
         reduce_copy=False,
         held=np.zeros(stages, dtype=np.int64),
         fused=None if fused is None else np.full(stages, fused),
@@ -93,19 +93,8 @@ def test_a_recomputed_layers_transient_rides_on_its_run_regenerated_up_to_it() -
 
 def test_in_runs_of_one_layer_each_layer_rides_on_its_own_regenerated_activations() -> None:
     sums = _layers(kept=(10, 40, 10, 10), transient=(100, 5, 5, 30))
-    parts = _stage_parts(
-        sums,
-        (0, 3, 4),
-        before=np.ones(2, dtype=np.int64),
-        after=np.ones(2, dtype=np.int64),
-        micro_batch_size=1,
-        recomputed=np.full(2, True),
-        every=1,
-        reduce_copy=False,
-        held=np.zeros(2, dtype=np.int64),
-        fused=np.full(2, True),
-    )
-    assert parts.transient.tolist() == [110, 40]  # not the longest run's 40 + 100
+    transients = _transients(sums, fused=True, recomputed=True, every=1)
+    assert transients == [110, 40]  # not the longest run's 40 + 100
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
