@@ -92,7 +92,11 @@ def _payload(trace: Any) -> dict[str, Any]:
 
 
 def _digest(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return _sha256(json.dumps(payload, sort_keys=True))
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def store_trace(key: str, trace: Any) -> None:
@@ -128,7 +132,8 @@ def store_payload(key: str, kind: str, payload: Any) -> None:
     folder = trace_folder()
     if folder is None:
         return
-    text = json.dumps({"sha256": _digest(payload), kind: payload})
+    body = json.dumps(payload, sort_keys=True)  # what `_digest` reads back: encoded once
+    text = f'{{"sha256": "{_sha256(body)}", {json.dumps(kind)}: {body}}}'
     temporary: str | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

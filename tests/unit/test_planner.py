@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.cli.main import build_parser, main
@@ -30,7 +31,7 @@ from engine.plan import (
 )
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
 from engine.plan.context import FLOOR_ROUNDS, SearchContext
-from engine.plan.counts import StageCounts, stage_counts
+from engine.plan.counts import StageCounts, _uncovered_pairs, stage_counts
 from engine.plan.exact import replayed
 from engine.plan.hardware import all_reduce_time
 from engine.plan.request import layout_fields
@@ -823,3 +824,25 @@ def test_a_split_stage_counts_its_micro_batches_awaiting_i_and_awaiting_w_apart(
 def test_a_fused_schedule_awaits_no_w() -> None:
     counts = stage_counts(make_schedule("1f1b", num_ranks=4, micro_batches=8))
     assert counts.awaiting == tuple(((n, 0),) for n in counts.after)
+
+
+def test_the_awaiting_pairs_no_other_covers_are_found_by_one_sort() -> None:
+    """`_uncovered_pairs` (one sort and a running maximum) against the definition: per group,
+    each distinct pair that no other distinct pair of the group is at least as large as in
+    both places; duplicates, negatives and empty groups included."""
+    rng = random.Random(0)
+    for _ in range(500):
+        groups = rng.randint(1, 4)
+        rows = sorted(
+            (rng.randrange(groups), (rng.randint(-2, 5), rng.randint(-2, 5)))
+            for _ in range(rng.randint(0, 30))
+        )
+        found = _uncovered_pairs(
+            np.array([g for g, _ in rows], dtype=np.int64).reshape(-1),
+            np.array([p for _, p in rows], dtype=np.int64).reshape(-1, 2),
+            groups,
+        )
+        for group in range(groups):
+            mine = {p for g, p in rows if g == group}
+            covered = {p for p in mine for q in mine if q != p and q[0] >= p[0] and q[1] >= p[1]}
+            assert found[group] == frozenset(mine - covered)
