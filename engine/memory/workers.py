@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from engine.config import require
 
-__all__ = ["in_workers", "kept_workers", "worker_count"]
+__all__ = ["in_workers", "kept_workers", "submitted", "worker_count"]
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
@@ -99,3 +99,18 @@ def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Generator[_
         kept.shutdown(wait=False, cancel_futures=True)
         _Kept.pool = None
         raise
+
+
+def submitted(work: Callable[[_In], _Out], items: Sequence[_In]) -> list[Future[_Out]] | None:
+    """Inside `kept_workers`, with cores to spare: `work` of each item handed to the kept
+    workers now, in order, and each result to take when it is wanted, so the caller works on
+    beside them (cancel those it never wants). Else None: the caller works them itself."""
+    if not _Kept.active or worker_count() <= 1 or not items:
+        return None
+    kept = _Kept.pool = _Kept.pool or _pool(worker_count())
+    try:
+        return [kept.submit(work, item) for item in items]
+    except BrokenProcessPool:
+        kept.shutdown(wait=False, cancel_futures=True)
+        _Kept.pool = None
+        return None

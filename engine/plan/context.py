@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import CancelledError, Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from engine.memory.states import StateLayout
 from engine.memory.trace_cache import load_payload, store_payload, trace_key
 from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
-from engine.memory.workers import in_workers
+from engine.memory.workers import in_workers, submitted
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
 from engine.plan.counts import (
@@ -106,6 +107,16 @@ def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...],
     return ties
 
 
+@dataclass
+class _Taking:
+    """The counts `count_ahead` handed to the workers: how many, how many taken so far, and
+    whom to tell."""
+
+    progress: Callable[[int, int], None] | None = None
+    total: int = 0
+    done: int = 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """A schedule as the search uses it: its placement and in-flight counts, known without
@@ -155,6 +166,9 @@ class SearchContext:
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
         self._counted: dict[CountKey, StageCounts] = {}
+        self._coming: dict[CountKey, Future[StageCounts]] = {}
+        """Counts handed to the workers, not yet taken (`count_ahead`)."""
+        self._taking = _Taking()
         self.programs = Programs()
         """The schedules simulated, compiled (ahead, in the workers: `search._rank`)."""
 
@@ -194,8 +208,11 @@ class SearchContext:
         return known
 
     def _known(self, key: CountKey) -> StageCounts | None:
-        """The counts this search holds, or the disk has (then held from now on), else None."""
+        """The counts this search holds, or is counting in its workers (then waited for), or
+        the disk has (then held from now on), else None."""
         known = self._counted.get(key)
+        if known is None and key in self._coming:
+            return self._taken(key)
         if known is None:
             stored = load_payload(trace_key("stage_counts", *key), "counts")
             with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -203,6 +220,19 @@ class SearchContext:
             if known is not None:
                 self._counted[key] = known
         return known
+
+    def _taken(self, key: CountKey) -> StageCounts | None:
+        """A count coming from the workers, waited for and kept; None where a worker died
+        (out of memory?) or it was cancelled: `counts` counts it here."""
+        try:
+            made = self._coming.pop(key).result()
+        except (BrokenProcessPool, CancelledError):
+            return None
+        self._keep(key, made)
+        self._taking.done += 1
+        if self._taking.progress is not None:
+            self._taking.progress(self._taking.done, self._taking.total)
+        return made
 
     def _keep(self, key: CountKey, counts: StageCounts) -> None:
         """Counts just made: held by this search and written to the disk cache."""
@@ -212,10 +242,19 @@ class SearchContext:
     def count_ahead(
         self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None
     ) -> None:
-        """Count the schedules of `keys` neither held nor on disk at once, in worker processes
-        where the machine has the cores (`engine.memory.workers`), longest first: a first
-        405b search counts hundreds of schedules of up to 100k actions, each on its own."""
-        missing = [key for key in dict.fromkeys(keys) if self._known(key) is None]
+        """Count the schedules of `keys` neither held, coming nor on disk, in worker processes
+        where the machine has the cores (`engine.memory.workers`): a first 405b search counts
+        hundreds of schedules of up to 100k actions, each on its own. Inside `kept_workers`
+        (a search) they are handed to its workers in the order of `keys` and taken as `counts`
+        asks for them, so the screen runs beside the counting (`stop_counting` after it);
+        `progress(done, total)` as each is taken. Elsewhere, counted at once, longest first."""
+        wanted = dict.fromkeys(k for k in keys if k not in self._coming)
+        missing = [key for key in wanted if self._known(key) is None]
+        coming = submitted(_count_in_worker, missing)
+        if coming is not None:
+            self._coming.update(zip(missing, coming, strict=True))
+            self._taking = _Taking(progress=progress, total=len(self._coming))
+            return
         missing.sort(key=lambda k: k[1] * k[2] * k[3], reverse=True)
         try:
             made = zip(missing, in_workers(_count_in_worker, missing), strict=True)
@@ -226,12 +265,22 @@ class SearchContext:
         except BrokenProcessPool:
             return  # a worker died (out of memory?): `counts` counts the rest here, when asked
 
+    def stop_counting(self) -> None:
+        """Cancel the counts handed to the workers and never asked for (the workers are
+        wanted for other work), and report the counting done."""
+        for coming in self._coming.values():
+            coming.cancel()
+        self._coming.clear()
+        if self._taking.progress is not None and self._taking.total:
+            self._taking.progress(self._taking.total, self._taking.total)
+        self._taking = _Taking()
+
     def count_keys(self, c: Candidate) -> list[CountKey]:
         """The schedules whose counts `pipeline` and `floor_pipeline` read for `c`."""
         name, pp, v = c.schedule, c.mesh.pp, c.stages_per_rank
         lengths = list(_lengths(pp, c.micro_batches))
         if c.micro_batches > _fewest(c):
-            lengths += _lengths(pp, _fewest(c))
+            lengths = [*_lengths(pp, _fewest(c)), *lengths]  # the screen reads it first
         return [(name, pp, m, v) for m in lengths]
 
     @functools.cache  # noqa: B019

@@ -218,6 +218,8 @@ def screen_memory(state: SearchContext, progress: Progress | None = None) -> Mem
             over, least = over + 1, min(least, found)
             continue
         fitted.append(found)
+    if fitted:  # else `least_peak` reads the deferred ones' counts
+        state.stop_counting()
     return MemoryScreen(
         fitted=fitted, considered=len(floored), over=over, least=least, deferred=deferred
     )
@@ -248,6 +250,7 @@ def least_peak(state: SearchContext, screen: MemoryScreen) -> float:
         lowest = fit(state, c, state.request.device_memory)
         assert isinstance(lowest, int), "over the budget at fewer micro-batches, over at more"
         least = min(least, lowest)
+    state.stop_counting()
     return least
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import engine.memory.workers
 from engine.config import ParallelConfig
+from engine.memory.workers import kept_workers
 from engine.plan.candidates import Candidate
 from engine.plan.context import SearchContext
 from engine.plan.counts import counts_from_payload, counts_payload, stage_counts
@@ -125,6 +126,38 @@ def test_counts_made_ahead_in_workers_equal_those_counted_here(
     assert reports == [(1, 4), (2, 4), (3, 4), (4, 4)]
     _refuse_building(monkeypatch)
     assert [ahead.counts(*key) for key in _KEYS] == expected
+
+
+def test_inside_a_search_counts_are_handed_to_the_workers_and_taken_as_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`count_ahead` returns at once, the screen's process builds none of them, and each is
+    reported as the screen takes it."""
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
+    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "2")
+    expected = [SearchContext(_REQUEST).counts(*key) for key in _KEYS]
+    ahead = SearchContext(_REQUEST)
+    reports: list[tuple[int, int]] = []
+    with kept_workers():
+        ahead.count_ahead(_KEYS, progress=lambda done, total: reports.append((done, total)))
+        assert reports == []
+        _refuse_building(monkeypatch)
+        assert [ahead.counts(*key) for key in _KEYS] == expected
+        ahead.stop_counting()
+    assert reports == [(1, 4), (2, 4), (3, 4), (4, 4), (4, 4)]
+
+
+def test_counts_handed_to_the_workers_and_stopped_are_counted_here_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", "off")
+    monkeypatch.setenv("MESHPIPE_TRACE_WORKERS", "2")
+    expected = [SearchContext(_REQUEST).counts(*key) for key in _KEYS]
+    ahead = SearchContext(_REQUEST)
+    with kept_workers():
+        ahead.count_ahead(_KEYS)
+        ahead.stop_counting()
+        assert [ahead.counts(*key) for key in _KEYS] == expected
 
 
 def test_counts_held_or_on_disk_are_not_counted_ahead(
