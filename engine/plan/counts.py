@@ -238,7 +238,7 @@ def _uncovered_pairs(
     first column and then the second, both descending, a pair is covered by none other
     exactly when its second column is above every earlier pair's (each earlier one's first
     column is at least its own), so one running maximum finds them all (a duplicate's
-    second copy is not above the first: one is kept). A third of a 405b search's counting
+    second copy is not above the first: one is kept). A quarter of a 405b search's counting
     went to `_uncovered_per_rank`'s passes over the awaiting pairs."""
     kept: list[set[State]] = [set() for _ in range(num_groups)]
     if not len(pairs):
