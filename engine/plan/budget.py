@@ -66,6 +66,7 @@ def _stage_parts(
     held: np.ndarray,
     fused: np.ndarray | None = None,
     awaiting: tuple[np.ndarray, np.ndarray] | None = None,
+    warm: np.ndarray | None = None,
 ) -> _Parts:
     """Each stage's peak: states, then the larger of its step and its gradient reduction,
     plus `held`, the sends kept to the step's end (counted whole: a bound). Stages
@@ -102,13 +103,16 @@ def _stage_parts(
     if awaiting is not None:
         before_i, before_w = awaiting
         stashed = (before_i * kept[:, None] + before_w * waiting_w[:, None]).max(axis=1)
+    during = np.maximum(before * kept, grads + stashed)
+    if sums.gradients_first:  # held beside the warm-up's stashes too (`warm`: else `before`)
+        during = grads + np.maximum((before if warm is None else warm) * kept, stashed)
     return _Parts(
         fixed=arrays.fixed_sums[stop] - arrays.fixed_sums[first],
         kept=kept,
         fused_kept=fused_kept,
         waiting_w=waiting_w,
         grads=grads,
-        during=np.maximum(before * kept, grads + stashed),
+        during=during,
         transient=transient,
         tail=2 * grads if reduce_copy else grads,
         held=held,
@@ -244,23 +248,30 @@ def rank_floor(
             ),
             placement,
             counts,
+            gradients_first=sums.gradients_first,
         )
         for recomputed, every in _choices(len(placement), recompute_runs)
     ]
     return max(min(peaks) for peaks in zip(*per_rank, strict=True))
 
 
-def _per_rank(parts: _Parts, placement: tuple[int, ...], counts: StageCounts) -> tuple[int, ...]:
+def _per_rank(
+    parts: _Parts, placement: tuple[int, ...], counts: StageCounts, *, gradients_first: bool
+) -> tuple[int, ...]:
     """Each rank's peak from its stages' parts, at the states they reach together (without
-    them, each stage's most in flight) and the largest transient."""
+    them, each stage's most in flight) and the largest transient; the gradients in every
+    state where they exist from the step's start (`LayerBytes.gradients_first`)."""
     mine = rank_stages(placement)
     if mine.shape[1] == 1:
         return tuple(parts.peak[mine[:, 0]].tolist())
     states = _stacked(placement, counts.together or (None,) * mine.shape[0])
-    each = (parts.waiting_w, parts.kept, parts.fused_kept, parts.grads)  # `counts.State`
+    grads = np.zeros_like(parts.grads) if gradients_first else parts.grads
+    each = (parts.waiting_w, parts.kept, parts.fused_kept, grads)  # `counts.State`
     bytes_per = np.concatenate([part[mine] for part in each], axis=1)[:, None, :]
-    reached = (states.states * bytes_per).sum(axis=2)
-    stashes = np.where(states.known, reached.max(axis=1), parts.during[mine].sum(axis=1))
+    reached = (states.states * bytes_per).sum(axis=2).max(axis=1)
+    if gradients_first:
+        reached = reached + parts.grads[mine].sum(axis=1)
+    stashes = np.where(states.known, reached, parts.during[mine].sum(axis=1))
     top = np.maximum(stashes + parts.transient[mine].max(axis=1), parts.tail[mine].sum(axis=1))
     return tuple(((parts.fixed + parts.held)[mine].sum(axis=1) + top).tolist())
 
@@ -334,8 +345,10 @@ def rank_peaks(
         held=_held(sums, placement, counts, micro_batch_size),
         fused=np.asarray(counts.fused, dtype=bool) if counts.fused else None,
         awaiting=_awaiting_arrays(counts.awaiting) if counts.awaiting else None,
+        warm=np.asarray(counts.warm, dtype=np.int64) if counts.warm else None,
     )
-    return tuple(parts.peak.tolist()), _per_rank(parts, placement, counts)
+    peaks = _per_rank(parts, placement, counts, gradients_first=sums.gradients_first)
+    return tuple(parts.peak.tolist()), peaks
 
 
 @functools.lru_cache(maxsize=1024)

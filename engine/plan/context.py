@@ -193,6 +193,7 @@ class SearchContext:
                 sent_back=_extend(low.sent_back, high.sent_back, m, pp),
                 fused=tuple(a and b for a, b in zip(low.fused, high.fused, strict=True)),
                 awaiting=low.awaiting if low.awaiting == high.awaiting else (),
+                warm=_extend(low.warm, high.warm, m, pp),
             ),
         )
 

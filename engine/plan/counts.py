@@ -48,6 +48,9 @@ class StageCounts:
     """Per stage, from its first backward on, the (awaiting I or B, awaiting W) micro-batch
     counts it reaches, none another covers: a split micro-batch holds other bytes between
     its I and its W than before its I. Empty: unknown (`after` of either kind)."""
+    warm: tuple[int, ...] = ()
+    """Per stage, the micro-batches in flight when its first backward (B or I) begins: all
+    it holds before it runs one (`before` counts those awaiting a W too). Empty: unknown."""
 
 
 def stage_counts(schedule: Schedule) -> StageCounts:
@@ -56,10 +59,11 @@ def stage_counts(schedule: Schedule) -> StageCounts:
     actions), each rank's states together, and the input gradients held (`held_in`)."""
     flat = flat_arrays(schedule)
     rows = _by_stage(flat)
-    before, after = _in_flight(rows, schedule.num_stages)
+    before, after, warm = _in_flight(rows, schedule.num_stages)
     return StageCounts(
         before=before,
         after=after,
+        warm=warm,
         together=_all_together(flat, schedule),
         sent_back=held_in(flat, schedule.placement),
         fused=_fused(flat, schedule.num_stages),
@@ -76,6 +80,7 @@ def counts_payload(counts: StageCounts) -> dict[str, Any]:
         "sent_back": list(counts.sent_back),
         "fused": list(counts.fused),
         "awaiting": [[list(pair) for pair in pairs] for pairs in counts.awaiting],
+        "warm": list(counts.warm),
     }
 
 
@@ -92,6 +97,7 @@ def counts_from_payload(payload: dict[str, Any]) -> StageCounts:
         sent_back=tuple(int(n) for n in payload["sent_back"]),
         fused=tuple(bool(x) for x in payload["fused"]),
         awaiting=tuple(tuple((int(i), int(w)) for i, w in pairs) for pairs in payload["awaiting"]),
+        warm=tuple(int(n) for n in payload["warm"]),
     )
 
 
@@ -144,20 +150,24 @@ def _fused(flat: FlatArrays, stages: int) -> tuple[bool, ...]:
     return tuple((~split).tolist())
 
 
-def _in_flight(rows: _StageRows | None, stages: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _in_flight(
+    rows: _StageRows | None, stages: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Per stage, the most micro-batches in flight (a forward opens one, B or W closes it),
-    and the most from its first backward (B or I) on: running sums over each stage's own
-    actions."""
+    the most from its first backward (B or I) on, and the most before it (its warm-up):
+    running sums over each stage's own actions."""
     before, after = np.zeros(stages, np.int64), np.zeros(stages, np.int64)
+    warm = np.zeros(stages, np.int64)
     if rows is None:
-        return tuple(before.tolist()), tuple(after.tolist())
+        return tuple(before.tolist()), tuple(after.tolist()), tuple(warm.tolist())
     stage, kind, starts = rows.stage, rows.kind, rows.starts
     step = (kind == F).astype(np.int64) - ((kind == B) | (kind == W))
     live = running_sums(step, starts)
     before[stage[starts]] = np.maximum(np.maximum.reduceat(live, starts), 0)
     gradients = np.where(rows.began, live, 0)
     after[stage[starts]] = np.maximum(np.maximum.reduceat(gradients, starts), 0)
-    return tuple(before.tolist()), tuple(after.tolist())
+    warm[stage[starts]] = np.maximum(np.maximum.reduceat(np.where(rows.began, 0, live), starts), 0)
+    return tuple(before.tolist()), tuple(after.tolist()), tuple(warm.tolist())
 
 
 def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:

@@ -55,6 +55,10 @@ class LayerBytes:
     no I (ZB-H1's first) keep these; the same as `kept` and `transient` where not split."""
     awaiting_w: tuple[int, ...]
     """What a split micro-batch holds from its I to its W (`LayerSums.awaiting_w`)."""
+    gradients_first: bool = False
+    """ZeRO-1/2: the gradients live in flat fp32 buffers kept across steps
+    (`ShardedOptimizer`), so a stage holds them from its step's start, beside every stash it
+    reaches before its first backward too (as the replay counts them, `compose`)."""
 
     @functools.cached_property
     def least(self) -> LayerBytes:
@@ -150,6 +154,7 @@ def layer_bytes(
         fused_kept=fused.kept,
         fused_transient=fused.transient,
         awaiting_w=sums.awaiting_w,
+        gradients_first=states.zero in (1, 2),
     )
 
 

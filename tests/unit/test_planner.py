@@ -43,7 +43,13 @@ from engine.plan.search import (
     _tie_sums,
     predict,
 )
-from engine.schedule import ActionCosts, make_schedule, simulate
+from engine.schedule import (
+    V_SCHEDULES,
+    VIRTUAL_SCHEDULES,
+    ActionCosts,
+    make_schedule,
+    simulate,
+)
 from engine.schedule.actions import Action, ActionKind
 from engine.training.config import TrainConfig
 from tests.unit.cli_error import cli_error
@@ -405,13 +411,45 @@ def test_the_memory_screen_of_zb_h2s_last_stage_is_over_the_replay_within_ten_pe
     """Its W needs only each Linear's input and output gradient, so a micro-batch awaiting its
     W holds less than one awaiting its I, and the head's I transient (the logits' gradient)
     is the most of the stage: the screen adds the largest transient to the largest stash,
-    which the replay's stage does not reach at once (+6.7 % here: over, so no layout that fits
-    is screened out for it; the first stage within 2 %). +17 % until session 54, when a split
-    forward kept the norms' fp32 outputs besides."""
+    which the replay's stage does not reach at once (+1.5 % here under ZeRO-1, +5.9 % under
+    ZeRO-0: over; the first stage within 2 %). +17 % until session 54, when a split forward
+    kept the norms' fp32 outputs besides; +6.7 % under ZeRO-1 until session 55, when the
+    warm-up's count replaced the step's most in flight (`StageCounts.warm`)."""
     mesh = ParallelConfig(pp=2, dp=2, tp=1)
-    (first, last), (first_exact, last_exact) = _screened_and_replayed(mesh, "zb_h2", 1)
-    assert first == pytest.approx(first_exact, rel=0.02)
-    assert last_exact < last <= 1.1 * last_exact
+    for zero in (0, 1):
+        (first, last), (first_exact, last_exact) = _screened_and_replayed(mesh, "zb_h2", zero)
+        assert first == pytest.approx(first_exact, rel=0.02)
+        assert last_exact < last <= 1.1 * last_exact
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_hold_their_gradients_beside_every_stash_of_the_step(zero: int) -> None:
+    """ZeRO-1/2 keep their flat fp32 gradient buffers across steps (`ShardedOptimizer`), so
+    GPipe's stages hold them beside all four forwards' stashes, before any backward: the
+    screen read 4.8 and 5.7 % under the replay while it added them from the first backward
+    on, as ZeRO-0's grow; within 2 % over now."""
+    mesh = ParallelConfig(pp=2, dp=2, tp=1)
+    screened, exact = _screened_and_replayed(mesh, "gpipe", zero)
+    for fast, by_replay in zip(screened, exact, strict=True):
+        assert by_replay <= fast <= 1.02 * by_replay
+
+
+def test_a_stages_warm_up_is_what_it_holds_before_its_first_backward() -> None:
+    """ZB-H1 at pp 4: stage s runs 4 - s forwards before its first I, though up to four of its
+    micro-batches are in flight later (those awaiting W among them); GPipe runs all eight."""
+    zb_h1 = stage_counts(make_schedule("zb_h1", num_ranks=4, micro_batches=8))
+    assert (zb_h1.before, zb_h1.warm) == ((4, 4, 4, 4), (4, 3, 2, 1))
+    assert stage_counts(make_schedule("gpipe", num_ranks=4, micro_batches=8)).warm == (8,) * 4
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_a_long_steps_warm_up_is_extended_from_the_two_samples(name: str) -> None:
+    v = 2 if name in VIRTUAL_SCHEDULES or name in V_SCHEDULES else 1
+    for pp in (2, 3, 4):
+        m = 7 * pp
+        extended = SearchContext(SMALL).schedule(name, pp, m, v).counts.warm
+        built = stage_counts(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
+        assert extended == built.warm, (pp, m)
 
 
 def test_a_recomputing_split_stage_holds_nothing_awaiting_its_empty_w() -> None:
