@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 from engine.comm.dtensor import is_dtensor
 
@@ -90,8 +90,11 @@ class BucketedAllReduce:
         """Wait for the reductions and write the sums back into `.grad`."""
         for work, flat, bucket, some_missing in self._inflight:
             work.wait()
-            shapes = [torch.empty_like(_local(p)) for p in bucket]
-            *summed, counts = _unflatten_dense_tensors(flat, [*shapes, flat[: len(bucket)]])
+            # views of `flat` by the parameters' shapes (templates made with `empty_like`
+            # held another copy of the bucket's gradients while it was written back)
+            shapes = [_local(p).shape for p in bucket]
+            *pieces, counts = torch.split(flat, [*(s.numel() for s in shapes), len(bucket)])
+            summed = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
             held = counts.tolist() if some_missing else [1.0] * len(bucket)  # a sync, if any
             for param, grad, count in zip(bucket, summed, held, strict=True):
                 param.grad = _like(param, grad) if count > 0 else None

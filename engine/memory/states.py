@@ -190,9 +190,9 @@ def tail_peak(
     weight copies included; the copies, `cached` bytes, go when the schedule ends).
 
     With dp > 1 the last backward posts every bucket's flat copy at once while the sends are
-    still held and the weight copies alive; after the sends complete, each reduced bucket
-    allocates shapes for its views and replaces its gradients. The optimizer step follows, its
-    temporaries the size of the largest parameter the replica steps.
+    still held and the weight copies alive; after the sends complete, each reduced bucket's
+    views replace its gradients (`BucketedAllReduce.finish`), which frees them. The optimizer
+    step follows, its temporaries the size of the largest parameter the replica steps.
     """
     block = states.block
     largest = max((p.numel for shard in _own(params, states) for p in shard), default=0)
@@ -203,11 +203,7 @@ def tail_peak(
     # each flat bucket also carries one count per gradient: which replicas held it
     flat = sum(round_up(4 * (sum(p.numel for p in b) + len(b)), block) for b in buckets)
     after_sends = live_end - held - cached + flat
-    return max(
-        live_end + flat,
-        after_sends + max(_fp32(bucket, block) for bucket in buckets),
-        after_sends - _fp32(params, block) + step,
-    )
+    return max(live_end + flat, after_sends - _fp32(params, block) + step)
 
 
 def deepspeed_zero2_model_states(params: int, num_gpus: int) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from engine.cli.memory import add_parsers, run
+from engine.comm.grad_sync import BucketedAllReduce
 from engine.config import replace_flat
 from engine.config.sizes import parse_size
 from engine.memory.estimate import MemoryConfig, estimate_memory, resolve, stage_trace
@@ -162,6 +163,30 @@ def test_prediction_equals_a_real_run_on_cpu_to_the_byte(
     model: str, schedule: str, impl: str
 ) -> None:
     config = _tiny(model=model, schedule=schedule, optimizer_impl=impl)
+    predicted, measured = estimate_memory(config), measure_memory(config)
+    assert predicted.stages == measured.stages
+    assert predicted.rank_peaks == measured.rank_peaks
+
+
+def test_the_dp_reduction_writes_its_sums_back_without_allocating() -> None:
+    """`BucketedAllReduce.finish` hands each parameter a view of its bucket's flat sum, and
+    the write-back allocates nothing: templates of the gradients' shapes once held a third
+    copy of them, the step's peak where the reduction is (gpt-tiny, pp 2 × dp 2, recomputed
+    per layer: 1,496,712 → 1,197,448 B on stage 0, the prediction equal to the run)."""
+    with stage_grid(2, 1) as grid:
+        layer = torch.nn.Linear(64, 64)
+        for param in layer.parameters():
+            param.grad = torch.ones_like(param)
+        reduction = BucketedAllReduce(list(layer.parameters()), grid.dp_group)
+        with MemoryTracker() as tracker:
+            reduction.start()
+            write_back = tracker.measure(reduction.finish)
+    assert write_back.peak == 0
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
+
+
+def test_a_dp_step_whose_reduction_is_its_peak_is_predicted_to_the_byte() -> None:
+    config = _tiny(model="gpt-tiny", dp=2, recompute="every:1")
     predicted, measured = estimate_memory(config), measure_memory(config)
     assert predicted.stages == measured.stages
     assert predicted.rank_peaks == measured.rank_peaks
