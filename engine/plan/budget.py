@@ -90,8 +90,10 @@ def _stage_parts(
         transient = np.where(fused & ~recomputed, later, transient)
     if recomputed.any():
         runs = _runs(first, stop, every)
-        inputs = runs - (first == 0)  # the model's first layer receives tokens
-        kept = np.where(recomputed, micro_batch_size * sums.received * inputs, kept)
+        # each run keeps its input: the first as the stage received it (the model's first
+        # layer receives tokens), the later ones from the stage's fp32 residual stream
+        inputs = sums.received * (first != 0) + sums.residual * (runs - 1)
+        kept = np.where(recomputed, micro_batch_size * inputs, kept)
         fused_kept = np.where(recomputed, kept, fused_kept)
         # A recomputing stage runs its whole backward at I (`PipelineStage.backward_input`):
         # nothing of a micro-batch waits for its (empty) W.
