@@ -36,6 +36,13 @@ def _like(param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
 
 
+def _views(flat: torch.Tensor, bucket: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's part of a flat bucket (its counts last), shaped as its local shard."""
+    shapes = [_local(p).shape for p in bucket]
+    pieces = torch.split(flat, [*(s.numel() for s in shapes), len(bucket)])
+    return [piece.view(shape) for piece, shape in zip(pieces[:-1], shapes, strict=True)]
+
+
 class BucketedAllReduce:
     """Sum a set of parameters' gradients over a group, bucket by bucket, asynchronously;
     or, given `reduce` (a fault-tolerant replica's torchft average over its quorum), reduce
@@ -66,7 +73,10 @@ class BucketedAllReduce:
     def start(self) -> None:
         """Post every bucket's all-reduce. A missing gradient counts as zeros, and each bucket
         also sums how many ranks held each gradient, so one no rank produced stays None (as
-        in one process: AdamW leaves such a parameter alone, zeros would decay it)."""
+        in one process: AdamW leaves such a parameter alone, zeros would decay it). Each
+        gradient becomes a view of its bucket's flat copy as soon as the bucket is made, so
+        the flat copies replace the gradients (the sums land in them in place) instead of
+        doubling them until the reduction ends."""
         self.window = (time.perf_counter(), time.perf_counter())
         for bucket in self._buckets:
             if not bucket:
@@ -78,6 +88,9 @@ class BucketedAllReduce:
             held = [float(p.grad is not None) for p in bucket]
             counts = torch.tensor(held, dtype=grads[0].dtype, device=grads[0].device)
             flat = _flatten_dense_tensors([*grads, counts])
+            del grads
+            for param, view in zip(bucket, _views(flat, bucket), strict=True):
+                param.grad = _like(param, view)
             work = self._reduce(flat)
             self._inflight.append((work, flat, bucket, 0.0 in held))
 
@@ -87,17 +100,15 @@ class BucketedAllReduce:
         return work
 
     def finish(self) -> None:
-        """Wait for the reductions and write the sums back into `.grad`."""
+        """Wait for the reductions (each gradient, a view of its bucket, then holds the sum);
+        a gradient no rank held goes back to None."""
         for work, flat, bucket, some_missing in self._inflight:
             work.wait()
-            # views of `flat` by the parameters' shapes (templates made with `empty_like`
-            # held another copy of the bucket's gradients while it was written back)
-            shapes = [_local(p).shape for p in bucket]
-            *pieces, counts = torch.split(flat, [*(s.numel() for s in shapes), len(bucket)])
-            summed = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
-            held = counts.tolist() if some_missing else [1.0] * len(bucket)  # a sync, if any
-            for param, grad, count in zip(bucket, summed, held, strict=True):
-                param.grad = _like(param, grad) if count > 0 else None
+            if some_missing:
+                counts = flat[flat.numel() - len(bucket) :].tolist()  # a sync
+                for param, count in zip(bucket, counts, strict=True):
+                    if count == 0:
+                        param.grad = None
         if self._inflight and self.window is not None:
             self.window = (self.window[0], time.perf_counter())
         self._inflight = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from engine.memory.replay import StageShape, backward_styles, in_flight, stage_actions
-from engine.memory.states import stage_params
+from engine.memory.states import DP_BUCKET_BYTES, stage_params
 from engine.memory.trace_store import TraceRequest, cached_trace
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import Action, ActionKind
@@ -139,8 +139,9 @@ def stage_bytes(
     """`bytes(stage, first, stop)`: layers `[first, stop)` as stage `stage` of `schedule`.
 
     Gradients exist only from the stage's first backward, so a stage that runs every forward
-    first is not charged them on top of every stash. With dp > 1 the step ends with every
-    gradient bucket flattened for the all-reduce at once: the gradients twice.
+    first is not charged them on top of every stash. With dp > 1 the step ends with the
+    gradients flattened for the all-reduce bucket by bucket, each bucket's views replacing
+    them as it is made (`BucketedAllReduce.start`): the gradients and one bucket.
     """
     rows = [stage_actions(schedule, s) for s in range(schedule.num_stages)]
     before = [in_flight(row) for row in rows]
@@ -154,7 +155,7 @@ def stage_bytes(
     def held(stage: int, first: int, stop: int) -> int:
         grads, kept = pg[stop] - pg[first], pk[stop] - pk[first]
         fixed = ps[stop] - ps[first] + pc[stop] - pc[first]
-        tail = 2 * grads if dp > 1 else 0
+        tail = grads + min(grads, DP_BUCKET_BYTES) if dp > 1 else 0
         during = max(before[stage] * kept, grads + after[stage] * kept) + peaks[first][stop]
         return fixed + max(during, tail)
 

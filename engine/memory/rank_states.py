@@ -84,6 +84,9 @@ class RankStates:
         self.module = nn.ModuleList(stage.module for stage in stages)
         self.fsdp: FullyShardedLayers | None = None
         self._reduce: BucketedAllReduce | None = None
+        self._masters: list[nn.Parameter] = []
+        """The parameters the reduction sums, taken before a step scope swaps weight copies
+        in: their gradients are noted as the reduction starts, which makes them views."""
         self.sharded: ShardedOptimizer | None = None
         dtype = compute_dtype(precision)
         if zero == 3:
@@ -104,7 +107,8 @@ class RankStates:
         else:
             self.optimizer = build_from_spec(spec, self.module)
             if zero == 0 and grid.dp > 1:
-                self._reduce = BucketedAllReduce(list(self.module.parameters()), grid.dp_group)
+                self._masters = list(self.module.parameters())
+                self._reduce = BucketedAllReduce(self._masters, grid.dp_group)
         self._tp = grid.tp > 1
         self._prime()
         self.gradients: dict[int, int] = {}
@@ -137,6 +141,10 @@ class RankStates:
         reduction."""
         if self.sharded is not None or self.fsdp is not None:
             self._note_gradients()
+        if self._reduce is not None:  # before its buckets replace them
+            self._note_gradients(
+                [local_tensor(p.grad) for p in self._masters if p.grad is not None]
+            )
         start: Callable[[], None] = self._reduce.start if self._reduce else lambda: None
         if self._tp:
             start = functools.partial(align_gradients, self.params(), then=start)
@@ -146,14 +154,13 @@ class RankStates:
             start = self.sharded.start_reduction
         start()
 
-    def _note_gradients(self) -> None:
-        self.gradients = {
-            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self._gradients()
-        }
+    def _note_gradients(self, gradients: Sequence[torch.Tensor] | None = None) -> None:
+        made = self._gradients() if gradients is None else gradients
+        self.gradients = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in made}
 
     def step(self) -> None:
         """After the sends: wait for the reduction, then step (ZeRO-1/2 all-gather after)."""
-        if self.sharded is None and self.fsdp is None:
+        if self.sharded is None and self.fsdp is None and self._reduce is None:
             self._note_gradients()
         if self.sharded is not None:
             self.sharded.finish_reduction()

@@ -189,21 +189,24 @@ def tail_peak(
     """Peak after the schedule, from the replay's final live bytes (gradients and the step's
     weight copies included; the copies, `cached` bytes, go when the schedule ends).
 
-    With dp > 1 the last backward posts every bucket's flat copy at once while the sends are
-    still held and the weight copies alive; after the sends complete, each reduced bucket's
-    views replace its gradients (`BucketedAllReduce.finish`), which frees them. The optimizer
-    step follows, its temporaries the size of the largest parameter the replica steps.
+    With dp > 1 the last backward posts each bucket's flat copy while the sends are still held
+    and the weight copies alive, and the bucket's gradients become views of it
+    (`BucketedAllReduce.start`): a bucket is made beside its gradients, which it then
+    replaces. The sends complete, the optimizer steps, its temporaries the size of the
+    largest parameter the replica steps.
     """
     block = states.block
     largest = max((p.numel for shard in _own(params, states) for p in shard), default=0)
     step = states.temporaries * round_up(4 * largest, block)
     if states.dp == 1:
         return live_end - held - cached + step
-    buckets = dp_buckets(params)
-    # each flat bucket also carries one count per gradient: which replicas held it
-    flat = sum(round_up(4 * (sum(p.numel for p in b) + len(b)), block) for b in buckets)
-    after_sends = live_end - held - cached + flat
-    return max(live_end + flat, after_sends - _fp32(params, block) + step)
+    grown = posting = 0
+    for bucket in dp_buckets(params):
+        # each flat bucket also carries one count per gradient: which replicas held it
+        flat = round_up(4 * (sum(p.numel for p in bucket) + len(bucket)), block)
+        posting = max(posting, grown + flat)
+        grown += flat - _fp32(bucket, block)
+    return max(live_end + posting, live_end + grown - held - cached + step)
 
 
 def deepspeed_zero2_model_states(params: int, num_gpus: int) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.memory.states import DP_BUCKET_BYTES
 from engine.plan.counts import StageCounts
 from engine.plan.layer_bytes import LayerBytes
 from engine.schedule.arrays import rank_stages
@@ -45,7 +46,8 @@ class _Parts:
     """The step's stashes and gradients, without the transient."""
     transient: np.ndarray
     tail: np.ndarray
-    """The gradient reduction's buffers after the step."""
+    """The gradient reduction's buffers after the step: under ZeRO-0 with replicas the
+    gradients and the flat bucket being made beside them (`BucketedAllReduce.start`)."""
     held: np.ndarray
 
     @property
@@ -116,7 +118,7 @@ def _stage_parts(
         grads=grads,
         during=during,
         transient=transient,
-        tail=2 * grads if reduce_copy else grads,
+        tail=grads + np.minimum(grads, DP_BUCKET_BYTES) if reduce_copy else grads,
         held=held,
     )
 
@@ -326,7 +328,7 @@ def rank_peaks(
     reduce_copy: bool,
     every: int = 0,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat copies.
+    """(per stage, per rank) peak bytes; `reduce_copy`: the DP all-reduce's flat bucket.
 
     Sends are whole hidden states, as the replay counts them under tensor parallelism too.
     An output sent forward is kept until its gradient arrives, an input gradient sent back

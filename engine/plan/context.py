@@ -13,7 +13,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
-from engine.memory.states import StateLayout
+from engine.memory.states import DP_BUCKET_BYTES, StateLayout
 from engine.memory.trace_cache import load_payload, store_payload, trace_key
 from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
@@ -105,6 +105,11 @@ def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...],
             numel = spec.build("meta").get_parameter(spec.tied_param).numel()
         ties[spec.tie_key] = ((*held, i), numel)
     return ties
+
+
+def _with_bucket(gradients: int, reduced: bool) -> int:
+    """A stage's gradients, with the flat bucket its dp all-reduce makes beside them."""
+    return gradients + min(gradients, DP_BUCKET_BYTES) if reduced else gradients
 
 
 @dataclass
@@ -373,13 +378,13 @@ class SearchContext:
 
     @functools.cache  # noqa: B019
     def stage_floors(self, states: StateLayout, stages: int, twice: bool) -> tuple[int, int | None]:
-        """Of the balanced split into `stages`: stage 0's states and gradients (counted twice
-        where `twice`: the dp all-reduce's copy), and the most of any later stage's, None for
-        a single stage."""
+        """Of the balanced split into `stages`: stage 0's states and gradients (with, where
+        `twice`, the dp all-reduce's flat bucket made beside them: a copy of at most one
+        bucket), and the most of any later stage's, None for a single stage."""
         fixed, grads = self.state_sums(states)
         bounds = self.boundaries(stages)
         each = [
-            fixed[b] - fixed[a] + (2 if twice else 1) * (grads[b] - grads[a])
+            fixed[b] - fixed[a] + _with_bucket(grads[b] - grads[a], twice)
             for a, b in itertools.pairwise(bounds)
         ]
         return each[0], max(each[1:], default=None)

@@ -185,6 +185,25 @@ def test_the_dp_reduction_writes_its_sums_back_without_allocating() -> None:
     assert all(p.grad is not None and p.grad.shape == p.shape for p in layer.parameters())
 
 
+def test_the_dp_reduction_replaces_each_buckets_gradients_with_its_flat_copy() -> None:
+    """`BucketedAllReduce.start` makes each bucket's gradients views of its flat copy as it
+    makes it, so posting four buckets rises by one bucket and leaves only the counts behind
+    (16,400 and 16 B here), where flattening them beside the gradients held a second copy of
+    all of them until the reduction ended (65,552 and 65,552 B)."""
+    with stage_grid(2, 1) as grid:
+        layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(4)))
+        bucket = 64 * 64 * 4
+        reduction = BucketedAllReduce(list(layers.parameters()), grid.dp_group, bucket_bytes=bucket)
+        with MemoryTracker() as tracker:
+            for param in layers.parameters():
+                param.grad = torch.ones_like(param)
+            posting = tracker.measure(reduction.start)
+            reduction.finish()
+    counts = 4 * 4  # each bucket's one count of replicas (fp32), which stays
+    assert posting.peak == bucket + counts and posting.net == counts
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in layers.parameters())
+
+
 def test_a_dp_step_whose_reduction_is_its_peak_is_predicted_to_the_byte() -> None:
     config = _tiny(model="gpt-tiny", dp=2, recompute="every:1")
     predicted, measured = estimate_memory(config), measure_memory(config)
