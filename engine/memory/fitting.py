@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from engine.memory.replay import StageShape, backward_styles, in_flight, stage_actions
-from engine.memory.states import DP_BUCKET_BYTES, stage_params
+from engine.memory.states import dp_bucket_copy, stage_params
 from engine.memory.trace_store import TraceRequest, cached_trace
 from engine.memory.tracker import CUDA_BLOCK, round_up
 from engine.schedule.actions import Action, ActionKind
@@ -155,7 +155,7 @@ def stage_bytes(
     def held(stage: int, first: int, stop: int) -> int:
         grads, kept = pg[stop] - pg[first], pk[stop] - pk[first]
         fixed = ps[stop] - ps[first] + pc[stop] - pc[first]
-        tail = grads + min(grads, DP_BUCKET_BYTES) if dp > 1 else 0
+        tail = grads + dp_bucket_copy(grads) if dp > 1 else 0
         during = max(before[stage] * kept, grads + after[stage] * kept) + peaks[first][stop]
         return fixed + max(during, tail)
 

@@ -27,6 +27,7 @@ __all__ = [
     "ParamInfo",
     "StateLayout",
     "deepspeed_zero2_model_states",
+    "dp_bucket_copy",
     "dp_buckets",
     "megatron_activations",
     "optimizer_bytes",
@@ -38,6 +39,13 @@ __all__ = [
 
 DP_BUCKET_BYTES = 25 * 2**20
 """`BucketedAllReduce`'s bucket size: a bucket closes once its gradients reach 25 MiB."""
+
+
+def dp_bucket_copy(gradients: int) -> int:
+    """What ZeRO-0's dp all-reduce holds beside a stage's gradients at most: the one flat
+    bucket it makes before that bucket's views replace them (`BucketedAllReduce.start`)."""
+    return min(gradients, DP_BUCKET_BYTES)
+
 
 OPTIMIZER_IMPLS = ("fused", "per_tensor")
 """AdamW implementations of `engine.optim` whose states live on the device."""

@@ -1,32 +1,22 @@
 """The search's shared state: schedules (or their two samples, extended), in-flight
-counts (kept on disk too), boundaries, per-layer bytes and times, and simulations, each
+counts (`engine.plan.count_store`), boundaries, per-layer bytes and times, and simulations, each
 computed once."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import CancelledError, Future
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
-from engine.memory.states import DP_BUCKET_BYTES, StateLayout
-from engine.memory.trace_cache import load_payload, store_payload, trace_key
+from engine.memory.states import StateLayout, dp_bucket_copy
 from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
-from engine.memory.workers import in_workers, submitted
 from engine.plan.budget import highest_stage_floor
 from engine.plan.candidates import Candidate
-from engine.plan.counts import (
-    StageCounts,
-    State,
-    counts_from_payload,
-    counts_payload,
-    stage_counts,
-)
+from engine.plan.count_store import CountKey, CountStore
+from engine.plan.counts import StageCounts, State, stage_counts
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.programs import Programs
 from engine.plan.request import PlanRequest
@@ -51,10 +41,6 @@ elsewhere): interleaved 1F1B at one per rank runs as GPipe, DualPipeV needs two.
 every schedule (`test_counts_grow_with_the_micro_batches_from_the_floor_rounds`)."""
 
 
-CountKey = tuple[str, int, int, int]
-"""A schedule whose in-flight counts the search reads: (name, pp, micro-batches, v)."""
-
-
 def _lengths(pp: int, m: int) -> tuple[int, ...]:
     """The lengths a pipeline of `m` micro-batches is counted and simulated at: its own, or
     the two `SAMPLED` ones it is extended from."""
@@ -68,7 +54,7 @@ def _fewest(c: Candidate) -> int:
 
 
 def _count_in_worker(key: CountKey) -> StageCounts:
-    """One schedule's counts, in a worker (`SearchContext.count_ahead`)."""
+    """One schedule's counts, in a worker (`CountStore.ahead`)."""
     name, pp, m, v = key
     return stage_counts(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
 
@@ -105,21 +91,6 @@ def _tied_layers(specs: Sequence[LayerSpec]) -> dict[str, tuple[tuple[int, ...],
             numel = spec.build("meta").get_parameter(spec.tied_param).numel()
         ties[spec.tie_key] = ((*held, i), numel)
     return ties
-
-
-def _with_bucket(gradients: int, reduced: bool) -> int:
-    """A stage's gradients, with the flat bucket its dp all-reduce makes beside them."""
-    return gradients + min(gradients, DP_BUCKET_BYTES) if reduced else gradients
-
-
-@dataclass
-class _Taking:
-    """The counts `count_ahead` handed to the workers: how many, how many taken so far, and
-    whom to tell."""
-
-    progress: Callable[[int, int], None] | None = None
-    total: int = 0
-    done: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,10 +141,7 @@ class SearchContext:
         self.params = tuple(spec.num_parameters() for spec in self.specs)
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
-        self._counted: dict[CountKey, StageCounts] = {}
-        self._coming: dict[CountKey, Future[StageCounts]] = {}
-        """Counts handed to the workers, not yet taken (`count_ahead`)."""
-        self._taking = _Taking()
+        self._counts = CountStore(_count_in_worker)
         self.programs = Programs()
         """The schedules simulated, compiled (ahead, in the workers: `search._rank`)."""
 
@@ -203,83 +171,19 @@ class SearchContext:
         )
 
     def counts(self, name: str, pp: int, m: int, v: int) -> StageCounts:
-        """A schedule's in-flight counts, kept on disk beside the traces (`store_payload`):
-        they follow from the code alone, and counting a 405b search's schedules takes
-        seconds. A stored payload that does not read back is counted again."""
-        key = (name, pp, m, v)
-        known = self._known(key)
-        if known is None:
-            known = stage_counts(self.built(name, pp, m, v))
-            self._keep(key, known)
-        return known
-
-    def _known(self, key: CountKey) -> StageCounts | None:
-        """The counts this search holds, or is counting in its workers (then waited for), or
-        the disk has (then held from now on), else None."""
-        known = self._counted.get(key)
-        if known is None and key in self._coming:
-            return self._taken(key)
-        if known is None:
-            stored = load_payload(trace_key("stage_counts", *key), "counts")
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                known = None if stored is None else counts_from_payload(stored)
-            if known is not None:
-                self._counted[key] = known
-        return known
-
-    def _taken(self, key: CountKey) -> StageCounts | None:
-        """A count coming from the workers, waited for and kept; None where a worker died
-        (out of memory?) or it was cancelled: `counts` counts it here."""
-        try:
-            made = self._coming.pop(key).result()
-        except (BrokenProcessPool, CancelledError):
-            return None
-        self._keep(key, made)
-        self._taking.done += 1
-        if self._taking.progress is not None:
-            self._taking.progress(self._taking.done, self._taking.total)
-        return made
-
-    def _keep(self, key: CountKey, counts: StageCounts) -> None:
-        """Counts just made: held by this search and written to the disk cache."""
-        self._counted[key] = counts
-        store_payload(trace_key("stage_counts", *key), "counts", counts_payload(counts))
+        """A schedule's in-flight counts (`CountStore`: held, from the workers, on disk, or
+        counted here from the schedule the simulations build too)."""
+        return self._counts.get((name, pp, m, v), lambda: stage_counts(self.built(name, pp, m, v)))
 
     def count_ahead(
         self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None
     ) -> None:
-        """Count the schedules of `keys` neither held, coming nor on disk, in worker processes
-        where the machine has the cores (`engine.memory.workers`): a first 405b search counts
-        hundreds of schedules of up to 100k actions, each on its own. Inside `kept_workers`
-        (a search) they are handed to its workers in the order of `keys` and taken as `counts`
-        asks for them, so the screen runs beside the counting (`stop_counting` after it);
-        `progress(done, total)` as each is taken. Elsewhere, counted at once, longest first."""
-        wanted = dict.fromkeys(k for k in keys if k not in self._coming)
-        missing = [key for key in wanted if self._known(key) is None]
-        coming = submitted(_count_in_worker, missing)
-        if coming is not None:
-            self._coming.update(zip(missing, coming, strict=True))
-            self._taking = _Taking(progress=progress, total=len(self._coming))
-            return
-        missing.sort(key=lambda k: k[1] * k[2] * k[3], reverse=True)
-        try:
-            made = zip(missing, in_workers(_count_in_worker, missing), strict=True)
-            for done, (key, counts) in enumerate(made, start=1):
-                self._keep(key, counts)
-                if progress is not None:
-                    progress(done, len(missing))
-        except BrokenProcessPool:
-            return  # a worker died (out of memory?): `counts` counts the rest here, when asked
+        """`CountStore.ahead`: inside a search, handed to its workers and taken as `counts`
+        asks for them (`stop_counting` after)."""
+        self._counts.ahead(keys, progress)
 
     def stop_counting(self) -> None:
-        """Cancel the counts handed to the workers and never asked for (the workers are
-        wanted for other work), and report the counting done."""
-        for coming in self._coming.values():
-            coming.cancel()
-        self._coming.clear()
-        if self._taking.progress is not None and self._taking.total:
-            self._taking.progress(self._taking.total, self._taking.total)
-        self._taking = _Taking()
+        self._counts.stop()
 
     def count_keys(self, c: Candidate) -> list[CountKey]:
         """The schedules whose counts `pipeline` and `floor_pipeline` read for `c`."""
@@ -383,10 +287,11 @@ class SearchContext:
         bucket), and the most of any later stage's, None for a single stage."""
         fixed, grads = self.state_sums(states)
         bounds = self.boundaries(stages)
-        each = [
-            fixed[b] - fixed[a] + _with_bucket(grads[b] - grads[a], twice)
-            for a, b in itertools.pairwise(bounds)
-        ]
+        each = []
+        for a, b in itertools.pairwise(bounds):
+            gradients = grads[b] - grads[a]
+            copy = dp_bucket_copy(gradients) if twice else 0
+            each.append(fixed[b] - fixed[a] + gradients + copy)
         return each[0], max(each[1:], default=None)
 
     @functools.cache  # noqa: B019
