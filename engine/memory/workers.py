@@ -92,12 +92,11 @@ def in_workers(work: Callable[[_In], _Out], items: Sequence[_In]) -> Generator[_
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return
-    kept = _Kept.pool = _Kept.pool or _pool(worker_count())
+    kept = _kept_pool()
     try:
         yield from kept.map(work, items)
     except BrokenProcessPool:
-        kept.shutdown(wait=False, cancel_futures=True)
-        _Kept.pool = None
+        _discard(kept)
         raise
 
 
@@ -107,10 +106,21 @@ def submitted(work: Callable[[_In], _Out], items: Sequence[_In]) -> list[Future[
     beside them (cancel those it never wants). Else None: the caller works them itself."""
     if not _Kept.active or worker_count() <= 1 or not items:
         return None
-    kept = _Kept.pool = _Kept.pool or _pool(worker_count())
+    kept = _kept_pool()
     try:
         return [kept.submit(work, item) for item in items]
     except BrokenProcessPool:
-        kept.shutdown(wait=False, cancel_futures=True)
-        _Kept.pool = None
+        _discard(kept)
         return None
+
+
+def _kept_pool() -> ProcessPoolExecutor:
+    """The pool `kept_workers` holds, started on first use."""
+    _Kept.pool = _Kept.pool or _pool(worker_count())
+    return _Kept.pool
+
+
+def _discard(kept: ProcessPoolExecutor) -> None:
+    """A kept pool a worker died in: shut down, so the next call starts new workers."""
+    kept.shutdown(wait=False, cancel_futures=True)
+    _Kept.pool = None
