@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from engine.memory.workers import kept_workers
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
-from engine.plan.context import SAMPLED, Pipeline, SearchContext
+from engine.plan.context import Pipeline, SearchContext
 from engine.plan.exact import replayed
 from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
 from engine.plan.request import (
@@ -196,18 +196,18 @@ def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Pre
 
 
 def _simulate(search: SearchContext, s: _Screened) -> Timed:
-    """The step simulated, or extended from its two samples (`SAMPLED`)."""
+    """The step simulated, or extended from its two samples (`Pipeline.lengths`)."""
     pipeline = search.pipeline(s.candidate)
     after = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
     samples = search.sample_keys(pipeline)
     timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in samples]
     if len(timed) == 1:
         return timed[0]
-    low, high = timed
+    (low, high), (shorter, longer) = timed, pipeline.lengths
     pp, m = pipeline.num_ranks, pipeline.micro_batches
-    per_micro_batch = (high.step - low.step) / pp
-    step = low.step + per_micro_batch * (m - SAMPLED[0] * pp)
-    busy = high.busy * m / (SAMPLED[1] * pp)
+    per_micro_batch = (high.step - low.step) / (longer - shorter)
+    step = low.step + per_micro_batch * (m - shorter)
+    busy = high.busy * m / longer
     return Timed(step=step, bubble=1 - busy / (pp * step), busy=busy)
 
 

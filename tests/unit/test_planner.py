@@ -30,7 +30,13 @@ from engine.plan import (
     write_plan,
 )
 from engine.plan.candidates import SCHEDULES, Candidate, candidates, meshes
-from engine.plan.context import FLOOR_ROUNDS, SearchContext
+from engine.plan.context import (
+    COUNT_SAMPLES,
+    FLOOR_ROUNDS,
+    SAMPLED,
+    TIME_SAMPLES,
+    SearchContext,
+)
 from engine.plan.counts import StageCounts, _uncovered_pairs, stage_counts
 from engine.plan.exact import replayed
 from engine.plan.hardware import all_reduce_time
@@ -105,35 +111,59 @@ def test_the_plans_are_fastest_first_and_fit_the_exact_replay(small_result: Plan
     assert all(max(p.rank_peaks) <= SMALL.device_memory for p in small_result.plans)
 
 
-@pytest.mark.parametrize(
-    ("name", "v"),
-    [
-        ("1f1b", 1),
-        ("gpipe", 1),
-        ("zb_h1", 1),
-        ("zb_h2", 1),
-        ("looped_bfs", 2),
-        ("zb_v", 2),
-        ("v_half", 2),
-        ("v_min", 2),
-        ("dualpipe_v", 2),
-    ],
-)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_a_long_step_extended_from_two_samples_is_its_full_simulation_within_half_a_percent(
-    name: str, v: int
+    name: str,
 ) -> None:
+    """Under uneven stages, at each schedule's `TIME_SAMPLES` (interleaved 1F1B's and
+    ZB-drain's, at 3 and 4 per rank, within 1 %)."""
+    v = 2 if name in VIRTUAL_SCHEDULES or name in V_SCHEDULES else 1
     rng = random.Random(0)
     costs = ActionCosts(
         per_stage=tuple((f, 2 * f, f, f) for f in (rng.uniform(0.8, 1.2) for _ in range(4 * v))),
         comm=0.05,
     )
     full = simulate(make_schedule(name, num_ranks=4, micro_batches=40, stages_per_rank=v), costs)
+    shorter, longer = (4 * k for k in TIME_SAMPLES.get(name, SAMPLED))
     low, high = (
         simulate(make_schedule(name, num_ranks=4, micro_batches=k, stages_per_rank=v), costs)
-        for k in (12, 16)
+        for k in (shorter, longer)
     )
-    extended = low.step_time + (high.step_time - low.step_time) / 4 * (40 - 12)
-    assert extended == pytest.approx(full.step_time, rel=5e-3)
+    extended = low.step_time + (high.step_time - low.step_time) / 4 * (40 - shorter)
+    settles_later = name in ("interleaved_1f1b", "zb_drain")  # 0.8 and 1.0 % here
+    assert extended == pytest.approx(full.step_time, rel=1e-2 if settles_later else 5e-3)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_long_steps_counts_are_extended_exactly_from_their_samples(name: str) -> None:
+    """Every count the screen reads of a step longer than its samples (`COUNT_SAMPLES`) is
+    the built step's: fewer samples per rank would save nothing if one count drifted. Only a
+    fused schedule's split pairs may be unknown (its `after` counts them), and a rank's
+    states together only where every length leaves them so (looped BFS: the screen then
+    sums each stage's most)."""
+    v = 2 if name in VIRTUAL_SCHEDULES or name in V_SCHEDULES else 1
+    upper = COUNT_SAMPLES.get(name, SAMPLED)[1]
+    checked = 0
+    for pp in (2, 3, 4, 5, 8):
+        state = SearchContext(SMALL)
+        for m in sorted({upper * pp + 1, (upper + 1) * pp, 5 * pp + 1, 7 * pp, 9 * pp + 3}):
+            try:
+                built = stage_counts(
+                    make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v)
+                )
+            except ValueError:
+                continue
+            extended = state.schedule(name, pp, m, v).counts
+            split = not all(built.fused)
+            assert extended.awaiting == built.awaiting or not split, (pp, m)
+            unknown = None in extended.together and name == "looped_bfs"
+            assert extended == replace(
+                built,
+                awaiting=extended.awaiting,
+                together=extended.together if unknown else built.together,
+            ), (pp, m)
+            checked += 1
+    assert checked >= 10
 
 
 def _gpt_small_on_two_stages() -> tuple[PlanRequest, Candidate]:
@@ -572,8 +602,8 @@ def _states_walked(row: Sequence[Action], mine: Sequence[int]) -> frozenset[tupl
     [("interleaved_1f1b", 2), ("zb_v", 2), ("v_half", 2), ("v_min", 2), ("dualpipe_v", 2)],
 )
 def test_a_long_steps_states_together_are_extended_from_the_two_samples(name: str, v: int) -> None:
-    """The screen counts a step of more than 4 micro-batches per rank from the samples at 3
-    and 4 (`SAMPLED`): each rank's states together are the built step's, known for every
+    """The screen counts a step longer than its samples from them (`COUNT_SAMPLES`): each
+    rank's states together are the built step's, known for every
     rank (not left to the coarser sum of each stage's most)."""
     for pp in (2, 3, 4):
         state = SearchContext(SMALL)
