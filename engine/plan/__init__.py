@@ -1,7 +1,7 @@
 """Planning a layout: the search over meshes, schedules, micro-batching, ZeRO and recompute
 (`search`), its plan file (`write_plan`, `read_plan`), its picture, and measured costs."""
 
-from engine.plan.figure import plot_plan
+from engine.plan.figure import plan_figure, plot_plan
 from engine.plan.hardware import ACCELERATORS, Accelerator, Hardware, accelerator
 from engine.plan.link import fitted_link, measured_link
 from engine.plan.plan_file import (
@@ -45,6 +45,7 @@ __all__ = [
     "measured_split_forward",
     "merge_plan",
     "plan_fields",
+    "plan_figure",
     "plot_plan",
     "predict",
     "profile_stage_costs",

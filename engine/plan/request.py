@@ -102,6 +102,9 @@ class Prediction:
     stage_peaks: tuple[int, ...]
     rank_peaks: tuple[int, ...]
     simulated: SimResult | None = None
+    tails: tuple[float, ...] = ()
+    """With `simulated`: each pipeline rank's seconds after its last backward (its
+    data-parallel reduction and optimizer update), which the step ends with."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -192,7 +192,8 @@ def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Predic
 def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Prediction:
     """The plan with its simulated timeline: the step's, or its longer sample's."""
     sample = search.samples(search.pipeline(s.candidate))[-1]
-    return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p))
+    tails = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
+    return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p), tails=tails)
 
 
 def _simulate(search: SearchContext, s: _Screened) -> Timed:

@@ -66,19 +66,35 @@ def timeline_figure(result: SimResult, *, title: str) -> Any:
     return fig
 
 
-def draw_timeline(ax: Any, result: SimResult, *, labels: bool = True) -> list[ActionKind]:
-    """Draw the Gantt chart's bars (labelled unless `labels` is off) on matplotlib axes;
-    the action kinds drawn, for a legend."""
+def draw_timeline(
+    ax: Any, result: SimResult, *, labels: bool = True, end: float | None = None
+) -> list[ActionKind]:
+    """Draw the Gantt chart's bars on matplotlib axes, from 0 to `end` (the step's), each
+    labelled where its label fits (unless `labels` is off); the action kinds drawn, for a
+    legend."""
     ranks = len(result.timeline)
     chunks = _chunks(result)
     drawn = [(r, timed) for r, row in enumerate(result.timeline) for timed in row if _drawn(timed)]
+    span = end if end is not None else result.step_time
+    ax.set_xlim(0, span)
+    per_char = _char_width(ax, span)
     for rank, timed in drawn:
-        _draw(ax, rank, timed, chunks, labels)
+        _draw(ax, rank, timed, chunks, per_char, labels)
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, result.step_time)
+    ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_xlabel("time")
     return [kind for kind in KIND_COLOURS if any(t.action.kind == kind for _, t in drawn)]
+
+
+_CHAR_INCHES = 0.055
+"""About the width of one character of the labels (7 pt) on the page."""
+
+
+def _char_width(ax: Any, span: float) -> float:
+    """A label character's width in the axes' time units: a bar narrower than its label
+    goes unlabelled rather than printing over its neighbours."""
+    inches = ax.figure.get_figwidth() * ax.get_position().width
+    return span * _CHAR_INCHES / inches if inches > 0 and span > 0 else 0.0
 
 
 def _drawn(timed: TimedAction) -> bool:
@@ -97,22 +113,40 @@ def _chunks(result: SimResult) -> dict[int, int] | None:
 
 
 def _draw(
-    ax: Any, rank: int, timed: TimedAction, chunks: dict[int, int] | None, labels: bool
+    ax: Any,
+    rank: int,
+    timed: TimedAction,
+    chunks: dict[int, int] | None,
+    per_char: float,
+    labels: bool,
 ) -> None:
+    """One action's bar, edged in white where it is wide enough to keep a gap from the
+    next; a narrow one unedged and not antialiased (white edges, or thin bars blended into
+    the background, would paint a busy rank pale)."""
     action = timed.action
     width = timed.end - timed.start
-    ax.barh(rank, width, left=timed.start, color=KIND_COLOURS[action.kind], edgecolor="white")
+    wide = width >= 2 * per_char
+    ax.barh(
+        rank,
+        width,
+        left=timed.start,
+        color=KIND_COLOURS[action.kind],
+        edgecolor="white",
+        linewidth=1.0 if wide else 0.0,
+        antialiased=wide,
+    )
     if not labels:
         return
     kind, micro_batch = action.kind.value, action.micro_batch
     if chunks is not None:
         chunk = chunks[action.stage]
-        label = f"{micro_batch}·c{chunk}" if width < 1.5 else f"{kind}{micro_batch}·c{chunk}"
+        long, short = f"{kind}{micro_batch}·c{chunk}", f"{micro_batch}·c{chunk}"
     else:
-        label = f"{micro_batch}" if width < 1.5 else f"{action.stage}{kind}{micro_batch}"
-    ax.text(
-        timed.start + width / 2, rank, label, ha="center", va="center", fontsize=7, color="white"
-    )
+        long, short = f"{action.stage}{kind}{micro_batch}", f"{micro_batch}"
+    label = next((text for text in (long, short) if (len(text) + 0.5) * per_char <= width), None)
+    if label is not None:
+        middle = timed.start + width / 2
+        ax.text(middle, rank, label, ha="center", va="center", fontsize=7, color="white")
 
 
 TRACKS = ("compute", "communication")

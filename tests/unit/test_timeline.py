@@ -298,3 +298,11 @@ def test_schedule_load_refuses_generator_flags_it_would_ignore(
     with pytest.raises(SystemExit):
         main(["schedule", "--load", str(tmp_path / "s.csv"), "--schedule", "gpipe", "--pp", "2"])
     assert "drop --schedule, --pp" in capsys.readouterr().err
+
+
+def test_a_bar_narrower_than_its_label_goes_unlabelled() -> None:
+    """Forwards a hundredth of a backward: their labels would print over each other."""
+    pytest.importorskip("matplotlib")
+    result = simulate(one_f_one_b(2, 8), ActionCosts(forward=0.01, backward=4))
+    texts, _ = _figure_labels(result)
+    assert texts and all("B" in text for text in texts)
