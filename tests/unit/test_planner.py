@@ -138,9 +138,9 @@ def test_a_long_step_extended_from_two_samples_is_its_full_simulation_within_hal
 def test_a_long_steps_counts_are_extended_exactly_from_their_samples(name: str) -> None:
     """Every count the screen reads of a step longer than its samples (`COUNT_SAMPLES`) is
     the built step's: fewer samples per rank would save nothing if one count drifted. Only a
-    fused schedule's split pairs may be unknown (its `after` counts them), and a rank's
-    states together only where every length leaves them so (looped BFS: the screen then
-    sums each stage's most)."""
+    fused schedule's split pairs may be unknown (its `after` counts them), and looped BFS's
+    states together (unknown from 3 and 4 per rank as well: the screen then sums each
+    stage's most)."""
     v = 2 if name in VIRTUAL_SCHEDULES or name in V_SCHEDULES else 1
     upper = COUNT_SAMPLES.get(name, SAMPLED)[1]
     checked = 0
