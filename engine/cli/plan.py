@@ -23,6 +23,7 @@ from engine.plan import (
     Progress,
     accelerator,
     fewest_devices,
+    measured_device_flops,
     measured_forward,
     measured_input_shares,
     measured_link,
@@ -197,8 +198,8 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
 
 def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     """The devices' rates: the flags given, over the named accelerator's (--accelerator), over
-    the defaults (an H100 SXM's); with --profile, the memory bandwidth and the links measured
-    here unless given."""
+    the defaults (an H100 SXM's); with --profile, the memory bandwidth, the GEMM peak (what
+    MFU is reported against) and the links measured here unless given."""
     require(
         not (args.profile and args.accelerator is not None),
         f"--accelerator {args.accelerator} with --profile: the profile times the layers on this "
@@ -213,6 +214,8 @@ def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     hardware = Hardware(**rates)
     if args.profile and "memory_bandwidth" not in given:
         hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
+    if args.profile and "device_flops" not in given:
+        hardware = replace(hardware, device_flops=measured_device_flops(args.precision))
     if args.profile:
         hardware = _profiled_links(hardware, given)
     return hardware

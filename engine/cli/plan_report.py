@@ -62,7 +62,7 @@ def _priced(r: PlanRequest) -> str:
     which were measured here."""
     hw = r.hardware
     compute = (
-        "layers timed on this CPU"
+        f"layers timed on this CPU, MFU against its {_flops(hw.device_flops)} GEMM peak"
         if r.measured is not None
         else f"{hw.device_flops / 1e12:g} TFLOP/s × {hw.compute_efficiency:g} per device"
     )
@@ -71,6 +71,10 @@ def _priced(r: PlanRequest) -> str:
         f"{_rate(hw.inter_node_bandwidth)} across, {_duration(hw.latency)} latency; "
         f"memory {_rate(hw.memory_bandwidth)}"
     )
+
+
+def _flops(per_s: float) -> str:
+    return f"{per_s / 1e12:.3g} TFLOP/s" if per_s >= 1e12 else f"{per_s / 1e9:.3g} GFLOP/s"
 
 
 def _rate(bytes_per_s: float) -> str:

@@ -13,6 +13,7 @@ from engine.plan.plan_file import (
     write_plan,
 )
 from engine.plan.profile import (
+    measured_device_flops,
     measured_forward,
     measured_input_shares,
     measured_memory_bandwidth,
@@ -38,6 +39,7 @@ __all__ = [
     "apply_plan",
     "fewest_devices",
     "fitted_link",
+    "measured_device_flops",
     "measured_forward",
     "measured_input_shares",
     "measured_link",

@@ -36,6 +36,7 @@ from engine.memory.states import stage_params
 from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
 from engine.plan.hardware import ADAMW_BYTES_PER_PARAMETER
 from engine.runtime.host_memory import keep_freed_host_memory
+from engine.runtime.precision import compute_dtype
 from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
@@ -44,6 +45,7 @@ from partitioners.costs import activation_costs, backward_root, measured_costs, 
 
 __all__ = [
     "available_memory",
+    "measured_device_flops",
     "measured_forward",
     "measured_input_shares",
     "measured_memory_bandwidth",
@@ -243,6 +245,16 @@ def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> 
     weight.grad = torch.full((parameters,), 1e-3)
     optimizer = torch.optim.AdamW([weight], fused=True)
     return ADAMW_BYTES_PER_PARAMETER * parameters / median_seconds(optimizer.step, repeats)
+
+
+def measured_device_flops(precision: str, size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of one `size`-square matrix product in the precision's compute dtype on this CPU
+    (the median of `repeats` after a warm-up): with `--profile` the layers are timed here, so
+    the MFU a plan reports is against what this host's GEMMs reach, not an H100's peak."""
+    require(repeats >= 1 and size >= 1, f"repeats={repeats}, size={size}")
+    keep_freed_host_memory()
+    a, b = (torch.randn(size, size).to(compute_dtype(precision)) for _ in range(2))
+    return 2 * size**3 / median_seconds(partial(torch.matmul, a, b), repeats)
 
 
 def measured_split_forward(

@@ -10,7 +10,7 @@ import pytest
 import engine.cli.plan
 from engine.cli.main import build_parser, main
 from engine.cli.plan import request_from_args
-from engine.plan import Hardware, PlanRequest, fitted_link, measured_link
+from engine.plan import Hardware, PlanRequest, fitted_link, measured_device_flops, measured_link
 from engine.plan.hardware import all_reduce_time
 from engine.plan.link import LINK_SIZES
 
@@ -81,14 +81,31 @@ def test_the_plan_says_what_it_was_priced_with(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: (2e-3, 1.5e9))
-    assert main(["plan", *_RUN, *_QUICK, "--profile", "--memory-bandwidth", "4e10"]) == 0
+    given = ["--memory-bandwidth", "4e10", "--device-flops", "8e10"]
+    assert main(["plan", *_RUN, *_QUICK, "--profile", *given]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last == (
-        "priced with: layers timed on this CPU; links 1.5 GB/s within a node, 1.5 GB/s across, "
-        "2 ms latency; memory 40 GB/s"
+        "priced with: layers timed on this CPU, MFU against its 80 GFLOP/s GEMM peak; links "
+        "1.5 GB/s within a node, 1.5 GB/s across, 2 ms latency; memory 40 GB/s"
     )
     assert main(["plan", *_RUN, *_QUICK]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
         "priced with: 989 TFLOP/s × 0.5 per device; links 50 GB/s within a node, 25 GB/s "
         "across, 10 µs latency; memory 3.35 TB/s"
     )
+
+
+def test_profile_reports_mfu_against_the_gemm_peak_measured_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layers are timed on this CPU, so an H100's 989 TFLOP/s would put every plan's MFU
+    at 0.0 %: the peak is a matrix product's rate here, unless --device-flops is given."""
+    monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: (2e-3, 1.5e9))
+    monkeypatch.setattr(engine.cli.plan, "measured_device_flops", lambda precision: 5e10)
+    assert _request("--profile").hardware.device_flops == 5e10
+    assert _request("--profile", "--device-flops", "7e10").hardware.device_flops == 7e10
+
+
+def test_a_matrix_products_rate_is_measured_in_the_plans_precision() -> None:
+    assert 0 < measured_device_flops("fp32", size=64, repeats=1) < math.inf
+    assert 0 < measured_device_flops("bf16", size=64, repeats=1) < math.inf
