@@ -247,14 +247,26 @@ def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> 
     return ADAMW_BYTES_PER_PARAMETER * parameters / median_seconds(optimizer.step, repeats)
 
 
-def measured_device_flops(precision: str, size: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of one `size`-square matrix product in the precision's compute dtype on this CPU
-    (the median of `repeats` after a warm-up): with `--profile` the layers are timed here, so
-    the MFU a plan reports is against what this host's GEMMs reach, not an H100's peak."""
-    require(repeats >= 1 and size >= 1, f"repeats={repeats}, size={size}")
+def measured_device_flops(precision: str, largest: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of a square matrix product in the precision's compute dtype on this CPU (the
+    median of `repeats` after a warm-up): with `--profile` the layers are timed here, so the
+    MFU a plan reports is against what this host's GEMMs reach, not an H100's peak. The side
+    doubles from 128 until a product takes `_LONG_ENOUGH` or the side reaches `largest`: a
+    large GEMM's rate where the dtype is fast, and no minute of products where it is not
+    (fp16 on a CPU without its kernels: about 1 GFLOP/s)."""
+    require(repeats >= 1 and largest >= 1, f"repeats={repeats}, largest={largest}")
     keep_freed_host_memory()
-    a, b = (torch.randn(size, size).to(compute_dtype(precision)) for _ in range(2))
-    return 2 * size**3 / median_seconds(partial(torch.matmul, a, b), repeats)
+    dtype, size = compute_dtype(precision), min(128, largest)
+    while True:
+        a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+        seconds = median_seconds(partial(torch.matmul, a, b), repeats)
+        if seconds >= _LONG_ENOUGH or size >= largest:
+            return 2 * size**3 / seconds
+        size = min(2 * size, largest)
+
+
+_LONG_ENOUGH = 0.01
+"""Seconds one timed matrix product should last for its rate to be a large GEMM's."""
 
 
 def measured_split_forward(
