@@ -13,16 +13,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from engine.memory.workers import kept_workers
 from engine.plan.budget import rank_peaks
 from engine.plan.candidates import Candidate
-from engine.plan.context import Pipeline, SearchContext
+from engine.plan.context import SearchContext
 from engine.plan.exact import replayed
-from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
+from engine.plan.pricing import Priced, prediction, priced, simulated_step, with_timeline
 from engine.plan.request import (
     LOSSES,
     PlanRequest,
@@ -31,185 +30,9 @@ from engine.plan.request import (
     Progress,
 )
 from engine.plan.screen import least_peak, screen_memory
-from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
+from engine.plan.timing import StageTimes
 
 __all__ = ["predict", "search", "step_with_costs"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Screened:
-    candidate: Candidate
-    boundaries: tuple[int, ...]
-    stages: tuple[StageTimes, ...]
-    p2p: float
-    tails: tuple[float, ...]
-    """Per rank, its communication after its last backward: the sum of tied weights'
-    gradients across the pipeline and the data-parallel reduction."""
-    updates: tuple[float, ...]
-    """Per rank, its optimizer update (of its shard under ZeRO), after the tail."""
-    bound: float
-    stage_peaks: tuple[int, ...]
-    rank_peaks: tuple[int, ...]
-
-
-def _stage_costs(
-    search: SearchContext, c: Candidate, layers: Sequence[range], params: Sequence[float]
-) -> list[StageTimes]:
-    """Each stage's action costs: compute, tp all-reduces, ZeRO-3's per-micro-batch turns."""
-    r, hw, mesh = search.request, search.request.hardware, c.mesh
-    forward = search.forward(c.micro_batch_size, mesh.tp)
-    hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
-    dp_bw = hw.bandwidth((mesh.dp - 1) * mesh.tp + 1)
-    stages = []
-    for s, stage in enumerate(layers):
-        turn = (0.0, 0.0)
-        if c.zero == 3 and c.zero_reshard == "micro-batch":
-            gather = all_gather_time(search.size * params[s], mesh.dp, dp_bw, hw.latency)
-            scatter = reduce_scatter_time(4 * params[s], mesh.dp, dp_bw, hw.latency)
-            turn = (gather, gather + scatter)
-        stages.append(
-            stage_times(
-                forward,
-                search.specs,
-                stage,
-                hardware=hw,
-                activation_bytes=hidden_bytes,
-                tp=mesh.tp,
-                recompute=s in c.recompute,
-                input_shares=search.input_shares(c.micro_batch_size),
-                zero_turn=turn,
-            )
-        )
-    return stages
-
-
-def _tie_sums(
-    search: SearchContext, c: Candidate, pipeline: Pipeline, bounds: Sequence[int]
-) -> list[float]:
-    """Per rank, its share of summing tied weights' fp32 gradients over the ranks holding a
-    copy (GPT-2's embedding on the first stage, its head on the last), before the optimizer:
-    an all-reduce across the pipeline, nothing where one rank holds every copy (V placement,
-    pp 1)."""
-    hw, mesh = search.request.hardware, c.mesh
-    sums = [0.0] * mesh.pp
-    for layers, numel in search.ties.values():
-        ranks = {pipeline.rank_of(bisect_right(bounds, i) - 1) for i in layers}
-        if len(ranks) < 2:
-            continue
-        width = (mesh.pp - 1) * mesh.dp * mesh.tp + 1
-        seconds = all_reduce_time(4 * numel / mesh.tp, len(ranks), hw.bandwidth(width), hw.latency)
-        for rank in ranks:
-            sums[rank] += seconds
-    return sums
-
-
-def _screen(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> _Screened:
-    """Action costs, transfers, data-parallel tails and the step's lower bound."""
-    r, hw, mesh = search.request, search.request.hardware, c.mesh
-    pipeline = search.pipeline(c)
-    hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
-    layers = [range(bounds[s], bounds[s + 1]) for s in range(pipeline.num_stages)]
-    params = [sum(search.params[i] for i in stage) / mesh.tp for stage in layers]
-    width = (mesh.dp - 1) * mesh.tp + 1
-    stages = _stage_costs(search, c, layers, params)
-    ties = _tie_sums(search, c, pipeline, bounds)
-    held = [sum(params[s] for s in pipeline.stages_of(rank)) for rank in range(mesh.pp)]
-    tails = tuple(
-        dp_tail(
-            held[rank],
-            size=search.size,
-            dp=mesh.dp,
-            zero=c.zero,
-            reshard=c.zero_reshard,
-            hardware=hw,
-            width=width,
-        )
-        + ties[rank]
-        for rank in range(mesh.pp)
-    )
-    shards = mesh.dp if c.zero else 1
-    updates = tuple(hw.update_time(rank_params / shards) for rank_params in held)
-    p2p = 0.0
-    if mesh.pp > 1:
-        p2p = hidden_bytes / mesh.tp / hw.bandwidth(mesh.dp * mesh.tp + 1) + hw.latency
-    # the last rank waits for the first micro-batch to pass every rank before it
-    fill = (mesh.pp - 1) * (min(s.forward for s in stages) + p2p)
-    bound = max(
-        c.micro_batches * sum(stages[s].forward + stages[s].backward for s in pipeline.stages_of(k))
-        + tails[k]
-        + updates[k]
-        + (fill if k == mesh.pp - 1 else 0.0)
-        for k in range(mesh.pp)
-    )
-    return _Screened(
-        candidate=c,
-        boundaries=tuple(bounds),
-        stages=tuple(stages),
-        p2p=p2p,
-        tails=tails,
-        updates=updates,
-        bound=bound,
-        stage_peaks=(),
-        rank_peaks=(),
-    )
-
-
-def _costs(search: SearchContext, s: _Screened) -> tuple[float, float]:
-    """(communication, recompute) seconds of the busiest rank's step."""
-    c = s.candidate
-    pipeline = search.pipeline(c)
-    comm, recompute = 0.0, 0.0
-    for rank in range(c.mesh.pp):
-        mine = pipeline.stages_of(rank)
-        transfers = 2 * (c.mesh.pp - 1) * c.stages_per_rank * s.p2p
-        turns = sum(s.stages[k].tp_comm for k in mine) * c.micro_batches
-        comm = max(comm, s.tails[rank] + turns + transfers)
-        recompute = max(recompute, c.micro_batches * sum(s.stages[k].recompute for k in mine))
-    return comm, recompute
-
-
-def _predict(search: SearchContext, s: _Screened, timed: Timed | None) -> Prediction:
-    """The screened candidate's prediction, timed by the simulator or else at its bound; its
-    timeline is drawn for the plans shown only (`_with_timeline`)."""
-    r = search.request
-    step = timed.step if timed is not None else s.bound
-    comm, recompute = _costs(search, s)
-    model_flops = 3 * sum(search.flops) * r.global_batch
-    return Prediction(
-        candidate=s.candidate,
-        boundaries=s.boundaries,
-        step_time=step,
-        bubble=timed.bubble if timed is not None else 0.0,
-        tokens_per_s=r.global_batch * r.seq_len / step,
-        mfu=model_flops / (step * r.devices * r.hardware.device_flops),
-        communication=comm,
-        recompute=recompute,
-        stage_peaks=s.stage_peaks,
-        rank_peaks=s.rank_peaks,
-    )
-
-
-def _with_timeline(search: SearchContext, s: _Screened, plan: Prediction) -> Prediction:
-    """The plan with its simulated timeline: the step's, or its longer sample's."""
-    sample = search.samples(search.pipeline(s.candidate))[-1]
-    tails = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
-    return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p), tails=tails)
-
-
-def _simulate(search: SearchContext, s: _Screened) -> Timed:
-    """The step simulated, or extended from its two samples (`Pipeline.lengths`)."""
-    pipeline = search.pipeline(s.candidate)
-    after = tuple(tail + update for tail, update in zip(s.tails, s.updates, strict=True))
-    samples = search.sample_keys(pipeline)
-    timed = [with_tails(search.run(x, s.stages, s.p2p), after) for x in samples]
-    if len(timed) == 1:
-        return timed[0]
-    (low, high), (shorter, longer) = timed, pipeline.lengths
-    pp, m = pipeline.num_ranks, pipeline.micro_batches
-    per_micro_batch = (high.step - low.step) / (longer - shorter)
-    step = low.step + per_micro_batch * (m - shorter)
-    busy = high.busy * m / longer
-    return Timed(step=step, bubble=1 - busy / (pp * step), busy=busy)
 
 
 def _loss(plan: Prediction, best: Prediction) -> str:
@@ -250,7 +73,7 @@ def _search(request: PlanRequest, progress: Progress | None, timeline: bool) -> 
     screen = screen_memory(state, progress)
     survivors = [
         replace(
-            _screen(state, f.candidate, f.boundaries),
+            priced(state, f.candidate, f.boundaries),
             stage_peaks=f.stage_peaks,
             rank_peaks=f.rank_peaks,
         )
@@ -291,8 +114,10 @@ def predict(request: PlanRequest, candidate: Candidate) -> Prediction:
         reduce_copy=candidate.mesh.dp > 1 and candidate.zero == 0,
         every=candidate.recompute_every,
     )
-    screened = replace(_screen(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
-    return _with_timeline(state, screened, _predict(state, screened, _simulate(state, screened)))
+    screened = replace(priced(state, candidate, bounds), stage_peaks=stage_peaks, rank_peaks=peaks)
+    return with_timeline(
+        state, screened, prediction(state, screened, simulated_step(state, screened))
+    )
 
 
 def step_with_costs(
@@ -306,9 +131,9 @@ def step_with_costs(
     reductions and optimizer update): a run's own, read from its trace, to tell the
     simulator's structure apart from the prices the search gave it."""
     state = SearchContext(request)
-    screened = _screen(state, plan.candidate, plan.boundaries)
+    screened = priced(state, plan.candidate, plan.boundaries)
     given = replace(screened, stages=tuple(stages), tails=tuple(after), updates=(0.0,) * len(after))
-    return _simulate(state, given).step
+    return simulated_step(state, given).step
 
 
 def _check_batch(request: PlanRequest, c: Candidate) -> None:
@@ -344,7 +169,7 @@ class _Ranked:
 
 
 def _rank(
-    state: SearchContext, screened: list[_Screened], progress: Progress | None, timeline: bool
+    state: SearchContext, screened: list[Priced], progress: Progress | None, timeline: bool
 ) -> _Ranked:
     """Survivors simulated in the order of their lower bound while it could still enter the
     best `top`; then the best of distinct keys not replayed yet replayed exactly, together
@@ -360,7 +185,7 @@ def _rank(
     done = 0
     while True:
         while done < len(order) and order[done].bound < _kth(simulated, dropped, request.top):
-            simulated.append(_predict(state, order[done], _simulate(state, order[done])))
+            simulated.append(prediction(state, order[done], simulated_step(state, order[done])))
             done += 1
             if progress is not None:
                 progress("timing layouts", done, len(order))
@@ -381,8 +206,8 @@ def _rank(
     by_id = {id(s.candidate): s for s in order}
     best = tuple(exact[id(p.candidate)] for p in chosen if id(p.candidate) in exact)
     if timeline and best:
-        best = (_with_timeline(state, by_id[id(best[0].candidate)], best[0]), *best[1:])
-    rest = [_predict(state, s, None) for s in order[done:]]
+        best = (with_timeline(state, by_id[id(best[0].candidate)], best[0]), *best[1:])
+    rest = [prediction(state, s, None) for s in order[done:]]
     return _Ranked(plans=simulated + rest, best=best, over=over)
 
 

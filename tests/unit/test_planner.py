@@ -40,15 +40,10 @@ from engine.plan.context import (
 from engine.plan.counts import StageCounts, _uncovered_pairs, stage_counts
 from engine.plan.exact import replayed
 from engine.plan.hardware import all_reduce_time
+from engine.plan.pricing import prediction, priced, simulated_step, tie_sums
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
-from engine.plan.search import (
-    _predict,
-    _screen,
-    _simulate,
-    _tie_sums,
-    predict,
-)
+from engine.plan.search import predict
 from engine.schedule import (
     V_SCHEDULES,
     VIRTUAL_SCHEDULES,
@@ -89,11 +84,11 @@ def _brute_force_best(request: PlanRequest) -> float:
         if isinstance(fitted, int):
             continue
         screened = replace(
-            _screen(state, fitted.candidate, fitted.boundaries),
+            priced(state, fitted.candidate, fitted.boundaries),
             stage_peaks=fitted.stage_peaks,
             rank_peaks=fitted.rank_peaks,
         )
-        timed.append(_predict(state, screened, _simulate(state, screened)))
+        timed.append(prediction(state, screened, simulated_step(state, screened)))
     timed.sort(key=lambda p: p.step_time)
     fitting = (
         p for p in timed if max(replayed(request, [p])[0].rank_peaks) <= request.device_memory
@@ -823,7 +818,7 @@ def test_zero_shards_the_update_over_the_data_parallel_replicas() -> None:
 def _tie_sums_of(request: PlanRequest, c: Candidate) -> list[float]:
     context = SearchContext(request)
     pipeline = context.pipeline(c)
-    return _tie_sums(context, c, pipeline, context.boundaries(pipeline.num_stages))
+    return tie_sums(context, c, pipeline, context.boundaries(pipeline.num_stages))
 
 
 def _layout(pp: int, schedule: str = "1f1b", v: int = 1) -> Candidate:
