@@ -22,6 +22,7 @@ from engine.plan.programs import Programs
 from engine.plan.request import PlanRequest
 from engine.plan.timing import StageTimes, input_share, layer_flops, simulate_stages, time_program
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
+from engine.schedule.generated_arrays import schedule_arrays
 from engine.schedule.passes import as_lowered
 from engine.schedule.schedule import stages_by_rank
 from models import LayerSpec, get_config, layer_specs
@@ -90,8 +91,7 @@ def _fewest(c: Candidate) -> int:
 
 def _count_in_worker(key: CountKey) -> StageCounts:
     """One schedule's counts, in a worker (`CountStore.ahead`)."""
-    name, pp, m, v = key
-    return stage_counts(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
+    return stage_counts(schedule_arrays(*key))
 
 
 def _extend(
@@ -207,8 +207,9 @@ class SearchContext:
 
     def counts(self, name: str, pp: int, m: int, v: int) -> StageCounts:
         """A schedule's in-flight counts (`CountStore`: held, from the workers, on disk, or
-        counted here from the schedule the simulations build too)."""
-        return self._counts.get((name, pp, m, v), lambda: stage_counts(self.built(name, pp, m, v)))
+        counted here from its rows as arrays, never built: `schedule_arrays`)."""
+        key = (name, pp, m, v)
+        return self._counts.get(key, lambda: stage_counts(schedule_arrays(*key)))
 
     def count_ahead(
         self, keys: Iterable[CountKey], progress: Callable[[int, int], None] | None = None

@@ -14,7 +14,17 @@ from typing import Any
 import numpy as np
 
 from engine.schedule import Schedule
-from engine.schedule.arrays import B, F, FlatArrays, I, W, flat_arrays, rank_stages, running_sums
+from engine.schedule.arrays import (
+    B,
+    F,
+    FlatArrays,
+    I,
+    ScheduleArrays,
+    W,
+    rank_stages,
+    read_arrays,
+    running_sums,
+)
 from engine.schedule.delivery import held_in
 
 __all__ = ["StageCounts", "State", "counts_from_payload", "counts_payload", "stage_counts"]
@@ -53,21 +63,23 @@ class StageCounts:
     it holds before it runs one (`before` counts those awaiting a W too). Empty: unknown."""
 
 
-def stage_counts(schedule: Schedule) -> StageCounts:
+def stage_counts(schedule: Schedule | ScheduleArrays) -> StageCounts:
     """`in_flight` and `held_with_gradients` of every stage by prefix sums over its compute
     actions, all stages at once (the search counts schedules of tens of thousands of
-    actions), each rank's states together, and the input gradients held (`held_in`)."""
-    flat = flat_arrays(schedule)
+    actions), each rank's states together, and the input gradients held (`held_in`). The
+    search hands in a generator's rows as arrays (`schedule_arrays`), never built."""
+    arrays = read_arrays(schedule) if isinstance(schedule, Schedule) else schedule
+    flat, stages = arrays.flat, arrays.num_stages
     rows = _by_stage(flat)
-    before, after, warm = _in_flight(rows, schedule.num_stages)
+    before, after, warm = _in_flight(rows, stages)
     return StageCounts(
         before=before,
         after=after,
         warm=warm,
-        together=_all_together(flat, schedule),
-        sent_back=held_in(flat, schedule.placement),
-        fused=_fused(flat, schedule.num_stages),
-        awaiting=_awaiting(rows, schedule.num_stages, after),
+        together=_all_together(arrays),
+        sent_back=held_in(flat, arrays.placement),
+        fused=_fused(flat, stages),
+        awaiting=_awaiting(rows, stages, after),
     )
 
 
@@ -170,17 +182,17 @@ def _in_flight(
     return tuple(before.tolist()), tuple(after.tolist()), tuple(warm.tolist())
 
 
-def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State] | None, ...]:
+def _all_together(arrays: ScheduleArrays) -> tuple[frozenset[State] | None, ...]:
     """Per rank of several stages, its states (`State`, stages in `rank_stages` order) after
     each action that can add bytes (a forward, an I, a stage's first backward), none another
     covers; None for a rank of one stage. The three stashes differ (DualPipeV's overlapped
     pairs run fused, its last ones split; a split one holds more from its I to its W), so
     each is counted apart."""
-    mine = rank_stages(schedule.placement)
+    flat, mine = arrays.flat, rank_stages(arrays.placement)
     k = mine.shape[1]
     if k < 2:
-        return (None,) * schedule.num_ranks
-    column = np.zeros(schedule.num_stages, dtype=np.int64)
+        return (None,) * arrays.num_ranks
+    column = np.zeros(arrays.num_stages, dtype=np.int64)
     column[mine] = np.arange(k)
     column = column[flat.stage]
     kind = flat.kind
@@ -198,7 +210,7 @@ def _all_together(flat: FlatArrays, schedule: Schedule) -> tuple[frozenset[State
     first = backward & (seen[np.arange(len(kind)), column] == 1)
     grown = (kind == F) | (kind == I) | first
     states = np.concatenate([*stashes, (seen > 0).astype(np.int64)], axis=1)[grown]
-    return _uncovered_per_rank(flat.rank[grown], states, schedule.num_ranks)
+    return _uncovered_per_rank(flat.rank[grown], states, arrays.num_ranks)
 
 
 def _split_micro_batches(flat: FlatArrays) -> np.ndarray:

@@ -14,7 +14,9 @@ from collections.abc import Generator, Iterable
 from concurrent.futures.process import BrokenProcessPool
 
 from engine.memory.workers import in_workers, worker_count
-from engine.schedule import Program, compiled_program, make_schedule
+from engine.schedule import Program
+from engine.schedule.generated_arrays import schedule_arrays
+from engine.schedule.program import fused_program
 
 __all__ = ["ProgramKey", "Programs"]
 
@@ -23,9 +25,9 @@ ProgramKey = tuple[str, int, int, int]
 
 
 def compile_key(key: ProgramKey) -> Program:
-    """A generator's schedule, built and compiled (in a worker)."""
-    name, pp, m, v = key
-    return compiled_program(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
+    """A generator's schedule compiled from its rows as arrays (in a worker): what
+    `compiled_program` makes of it built."""
+    return fused_program(schedule_arrays(*key))
 
 
 class Programs:

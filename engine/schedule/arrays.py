@@ -1,11 +1,12 @@
-"""A schedule's compute actions as integer arrays: every rank's in one set (`flat_arrays`), or
-one set per rank (`compute_arrays`).
+"""A schedule's compute actions as integer arrays: every rank's in one set (`flat_arrays`),
+with where its stages live (`ScheduleArrays`, `read_arrays`).
 
 The planner counts what hundreds of schedules of tens of thousands of actions hold in flight
 (`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`) and times them
 (`engine.schedule.program.simulate_times`); a Python step per action cost it seconds, so the
-rows are read once into arrays and counted with running sums over all ranks at once. Sends and
-receives are left out: a lowered schedule counts as its compute rows."""
+rows are read once into arrays and counted with running sums over all ranks at once (the
+regular generators' are written as arrays directly: `engine.schedule.generated_arrays`). Sends
+and receives are left out: a lowered schedule counts as its compute rows."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ __all__ = [
     "FlatArrays",
     "I",
     "RowArrays",
+    "ScheduleArrays",
     "W",
-    "compute_arrays",
     "flat_arrays",
     "rank_stages",
+    "read_arrays",
     "running_sums",
 ]
 
@@ -100,10 +102,32 @@ def flat_arrays(schedule: Schedule) -> FlatArrays:
     )
 
 
-def compute_arrays(schedule: Schedule) -> tuple[RowArrays, ...]:
-    """Every rank's compute actions as arrays."""
-    flat = flat_arrays(schedule)
-    return tuple(flat.row(rank) for rank in range(schedule.num_ranks))
+@dataclass(frozen=True, eq=False)
+class ScheduleArrays:
+    """A compute-only schedule as the planner counts and compiles it: where its stages live,
+    its micro-batches, and its rows as arrays (`read_arrays` of its actions, or written
+    without them: `engine.schedule.generated_arrays`)."""
+
+    flat: FlatArrays
+    placement: tuple[int, ...]
+    micro_batches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.flat.starts) - 1
+
+    def rows(self) -> tuple[RowArrays, ...]:
+        """Every rank's compute actions, one set of arrays per rank."""
+        return tuple(self.flat.row(rank) for rank in range(self.num_ranks))
+
+
+def read_arrays(schedule: Schedule) -> ScheduleArrays:
+    """The schedule's compute rows read from its actions (`flat_arrays`)."""
+    return ScheduleArrays(flat_arrays(schedule), schedule.placement, schedule.micro_batches)
 
 
 def running_sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:

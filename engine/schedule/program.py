@@ -13,11 +13,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.schedule.actions import ActionKind
-from engine.schedule.arrays import B, F, I, compute_arrays
+from engine.schedule.arrays import B, F, I, ScheduleArrays, read_arrays
 from engine.schedule.schedule import Schedule
 from engine.schedule.simulate import ActionCosts, simulate
 
-__all__ = ["Program", "SimTimes", "compiled_program", "program_times", "simulate_times"]
+__all__ = [
+    "Program",
+    "SimTimes",
+    "compiled_program",
+    "fused_program",
+    "program_times",
+    "simulate_times",
+]
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
@@ -87,24 +94,32 @@ def _computes(rows: Sequence[Sequence[_Step]], idle: int) -> tuple[tuple[int, ..
 
 
 def _fused_program(schedule: Schedule) -> Program | None:
-    """The program of a compute-only schedule as lowering would make it, one step per compute
-    action, from its rows read into arrays: a forward waits for its input from the previous
-    stage and posts its output to the next where that stage is on another rank; a backward (B
-    or I) waits for its gradient from the next stage and posts one to the previous. A message
-    is numbered `(2 · sending stage + backward) · m + micro-batch`. None where the rows hold a
-    send or receive, or a stage or micro-batch the schedule lacks (the lowered path's)."""
+    """The program of a compute-only schedule as lowering would make it (`fused_program`);
+    None where the rows hold a send or receive, or a stage or micro-batch the schedule lacks
+    (the lowered path's)."""
+    arrays = read_arrays(schedule)
     m, last = schedule.micro_batches, schedule.num_stages - 1
-    place = np.asarray(schedule.placement, dtype=np.int64)
-    arrays = compute_arrays(schedule)
     if any(
         len(row) != len(actions)
         or ((row.stage < 0) | (row.stage > last) | (row.micro_batch < 0)).any()
         or (row.micro_batch >= m).any()
-        for row, actions in zip(arrays, schedule.rows, strict=True)
+        for row, actions in zip(arrays.rows(), schedule.rows, strict=True)
     ):
         return None
+    return fused_program(arrays)
+
+
+def fused_program(arrays: ScheduleArrays) -> Program:
+    """The program of a compute-only schedule's rows (read into arrays, or written so:
+    `engine.schedule.generated_arrays`) as lowering would make it, one step per compute
+    action: a forward waits for its input from the previous stage and posts its output to
+    the next where that stage is on another rank; a backward (B or I) waits for its gradient
+    from the next stage and posts one to the previous. A message is numbered
+    `(2 · sending stage + backward) · m + micro-batch`."""
+    m, last = arrays.micro_batches, arrays.num_stages - 1
+    place = np.asarray(arrays.placement, dtype=np.int64)
     rows = []
-    for rank, row in enumerate(arrays):
+    for rank, row in enumerate(arrays.rows()):
         stage, micro_batch = row.stage, row.micro_batch
         forward = row.kind == F
         backward = (row.kind == B) | (row.kind == I)
@@ -116,7 +131,7 @@ def _fused_program(schedule: Schedule) -> Program | None:
         make = np.where(backward & prev_away, (2 * stage + 1) * m + micro_batch, make)
         cost = 4 * stage + row.kind
         rows.append(tuple(zip(cost.tolist(), wait.tolist(), make.tolist(), strict=True)))
-    idle = 4 * schedule.num_stages
+    idle = 4 * arrays.num_stages
     return Program(rows=tuple(rows), messages=2 * (last + 1) * m, computes=_computes(rows, idle))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,7 @@ from engine.schedule import (
     make_schedule,
     own_placement,
 )
+from engine.schedule.arrays import ScheduleArrays
 
 _REQUEST = PlanRequest(model="gpt-tiny", devices=4, device_memory=2**30, global_batch=8, seq_len=32)
 _context = sys.modules[SearchContext.__module__]
@@ -36,16 +38,22 @@ def _per_rank(name: str) -> int:
 
 @pytest.fixture
 def on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[str, int, int, int]]:
-    """The cache in a folder of its own, and every schedule the test builds recorded."""
+    """The cache in a folder of its own, and every schedule the test builds or counts
+    (counted from its rows as arrays: `schedule_arrays`) recorded."""
     monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(tmp_path))
     made: list[tuple[str, int, int, int]] = []
-    real = _context.make_schedule
+    built, written = _context.make_schedule, _context.schedule_arrays
 
-    def recording(name: str, **sizes: int) -> Schedule:
+    def building(name: str, **sizes: int) -> Schedule:
         made.append((name, sizes["num_ranks"], sizes["micro_batches"], sizes["stages_per_rank"]))
-        return real(name, **sizes)
+        return built(name, **sizes)
 
-    monkeypatch.setattr(_context, "make_schedule", recording)
+    def writing(*key: Any) -> ScheduleArrays:
+        made.append(key)
+        return written(*key)
+
+    monkeypatch.setattr(_context, "make_schedule", building)
+    monkeypatch.setattr(_context, "schedule_arrays", writing)
     return made
 
 
@@ -105,9 +113,10 @@ def test_a_simulation_builds_only_the_schedules_it_runs(
 
 def _refuse_building(monkeypatch: pytest.MonkeyPatch) -> None:
     def refused(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a schedule built in the asking process")
+        raise AssertionError("a schedule built or counted in the asking process")
 
     monkeypatch.setattr(_context, "make_schedule", refused)
+    monkeypatch.setattr(_context, "schedule_arrays", refused)
 
 
 _KEYS = [("1f1b", 2, 4, 1), ("zb_v", 2, 6, 2), ("dualpipe_v", 4, 8, 2), ("v_min", 3, 9, 2)]
