@@ -3,11 +3,12 @@
 A search counts and compiles hundreds of schedules of up to a hundred thousand actions, and
 making each `Action` and reading it back into arrays (`flat_arrays`) was most of that work.
 GPipe, 1F1B, the ZB-H family and the loop-placed virtual schedules place every action by a
-formula of its rank, its unit and the rank's warm-up, so their arrays are written directly, a
-few array operations per schedule. The generators (`engine.schedule.generators`) stay what
-every run executes; these arrays are tested equal to theirs (tests/unit/test_generated_arrays.py).
-The V schedules choose each action by looking at the row so far: `schedule_arrays` reads
-those from their actions.
+formula of its rank, its unit and the rank's warm-up, V-Half's and V-Min's by their block and
+two queues of W's, so their arrays are written directly, a few array operations per schedule
+(or per rank). The generators (`engine.schedule.generators`, `engine.schedule.v_schedules`)
+stay what every run executes; these arrays are tested equal to theirs
+(tests/unit/test_generated_arrays.py). ZB-V and DualPipeV choose each action by counting the
+row so far: `schedule_arrays` reads those from their actions.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from engine.schedule.arrays import B, F, FlatArrays, I, ScheduleArrays, W, read_arrays
 from engine.schedule.generators import VIRTUAL_SCHEDULES, make_schedule, own_placement
+from engine.schedule.v_schedules import PERIOD, V_SCHEDULES, Block, v_half_block, v_min_block
 
 __all__ = ["ARRAY_GENERATORS", "schedule_arrays"]
 
@@ -164,6 +166,72 @@ def _looped_bfs(p: int, m: int, v: int) -> FlatArrays:
     return rows.flat()
 
 
+def _served(ready: np.ndarray) -> np.ndarray:
+    """Of a queue served once per slot, oldest first: how many served by the end of each slot,
+    given how many have arrived by each (`ready`, never falling). Each slot serves one if one
+    waits: S_i = min(S_{i-1} + 1, ready_i), which unrolls to i + min(0, min_{j<=i} ready_j - j)."""
+    i = np.arange(1, len(ready) + 1)
+    return i + np.minimum(0, np.minimum.accumulate(ready - i))
+
+
+def _block_rank(rank: int, p: int, m: int, block: Block) -> tuple[np.ndarray, ...]:
+    """`v_schedules._block_row` of one rank as (kind, stage, micro-batch) in row order: the
+    block's four actions every 6 slots; each free slot runs the oldest W waiting, the up
+    stage's first (two queues, `_served`); the W's left at the end, up's then down's."""
+    down, up = rank, 2 * p - 1 - rank
+    k = np.arange(m)
+    slots = (np.asarray(block)[:, None] + PERIOD * k).ravel()
+    kind = np.repeat(np.array([F, F, I, I], np.int8), m)
+    stage = np.repeat(np.array([down, up, up, down]), m)
+    micro_batch = np.tile(k, 4)
+    end = int(slots.max()) + 1  # the last block's last action: the W's left run after it
+    free = np.ones(end, dtype=bool)
+    free[slots] = False
+    found = [(slots, kind, stage, micro_batch)]
+    open_slots = np.flatnonzero(free)
+    for queue, i_slot in ((up, block[2]), (down, block[3])):
+        ready = np.clip(-(-(open_slots - i_slot) // PERIOD), 0, m)  # its I's before each slot
+        served = _served(ready)
+        took = np.diff(served, prepend=0) > 0
+        done = int(served[-1]) if len(served) else 0
+        left = np.arange(done, m)
+        at = np.concatenate([open_slots[took], end + m * (queue == down) + left])
+        found.append(
+            (
+                at,
+                np.full(len(at), W, np.int8),
+                np.full(len(at), queue),
+                np.concatenate([served[took] - 1, left]),
+            )
+        )
+        open_slots = open_slots[~took]
+    at, kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*found, strict=True))
+    order = np.argsort(at, kind="stable")
+    return kind[order], stage[order], micro_batch[order]
+
+
+def _blocks(p: int, m: int, block_of: Callable[[int, int], Block]) -> FlatArrays:
+    rows = [_block_rank(r, p, m, block_of(p, r)) for r in range(p)]
+    kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*rows, strict=True))
+    length = 6 * m  # every rank: two F, two I, two W per micro-batch
+    return FlatArrays(
+        rank=np.repeat(np.arange(p), length),
+        position=np.tile(np.arange(length), p),
+        kind=kind,
+        stage=stage,
+        micro_batch=micro_batch,
+        starts=np.arange(p + 1, dtype=np.int64) * length,
+    )
+
+
+def _v_half(p: int, m: int, v: int) -> FlatArrays:
+    return _blocks(p, m, v_half_block)
+
+
+def _v_min(p: int, m: int, v: int) -> FlatArrays:
+    return _blocks(p, m, v_min_block)
+
+
 ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -172,6 +240,8 @@ ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "zb_drain": _zb_drain,
     "interleaved_1f1b": _interleaved,
     "looped_bfs": _looped_bfs,
+    "v_half": _v_half,
+    "v_min": _v_min,
 }
 """The schedules written as arrays directly (`schedule_arrays`), by generator name."""
 
@@ -193,6 +263,8 @@ def _writable(name: str, p: int, m: int, v: int) -> bool:
     """Sizes the generator accepts (`make_schedule` explains the others)."""
     if p < 1 or m < 1:
         return False
+    if name in V_SCHEDULES:
+        return v == 2
     if name not in VIRTUAL_SCHEDULES:
         return v == 1
     return v >= 2 and (name != "interleaved_1f1b" or m % p == 0)

@@ -24,7 +24,7 @@ from engine.schedule.schedule import Schedule
 __all__ = ["V_SCHEDULES", "dualpipe_v", "v_half", "v_min", "zb_v"]
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
-_PERIOD = 6
+PERIOD = 6
 """Slots of one micro-batch on one rank: two F, two I, two W, each one slot."""
 
 
@@ -182,12 +182,14 @@ Block = tuple[int, int, int, int]
 """A rank's slots for one micro-batch: F down, F up, I up, I down (down: stage r, up: 2P−1−r)."""
 
 
-def _v_min_block(num_ranks: int, rank: int) -> Block:
+def v_min_block(num_ranks: int, rank: int) -> Block:
+    """V-Min's block on `rank` (also written as arrays: `engine.schedule.generated_arrays`)."""
     p, gap = num_ranks, 2 if num_ranks % 3 == 0 else 0
     return rank, 2 * p - 1 - rank, 2 * p + gap + rank, 4 * p + gap - 1 - rank
 
 
-def _v_half_block(num_ranks: int, rank: int) -> Block:
+def v_half_block(num_ranks: int, rank: int) -> Block:
+    """V-Half's block on `rank`."""
     p, gap = num_ranks, 3 if num_ranks % 2 == 0 else 0
     return 2 * rank, 3 * p - 2 - rank, 3 * p + gap + 2 * rank - 1, 6 * p + gap - 2 - rank
 
@@ -198,7 +200,7 @@ def _block_row(rank: int, num_ranks: int, micro_batches: int, block: Block) -> l
     down, up = rank, 2 * num_ranks - 1 - rank
     kinds = ((down, _F), (up, _F), (up, _I), (down, _I))
     timed = {
-        offset + _PERIOD * k: Action(stage, kind, k)
+        offset + PERIOD * k: Action(stage, kind, k)
         for (stage, kind), offset in zip(kinds, block, strict=True)
         for k in range(micro_batches)
     }
@@ -230,13 +232,13 @@ def _block_schedule(
 def v_half(num_ranks: int, micro_batches: int) -> Schedule:
     """V-Half: about half of 1F1B's peak activations ((P + 2) // 2 micro-batches of the
     rank's share on its busiest rank), for a bubble of about P/2m when T_F = T_I = T_W."""
-    return _block_schedule("v_half", num_ranks, micro_batches, _v_half_block)
+    return _block_schedule("v_half", num_ranks, micro_batches, v_half_block)
 
 
 def v_min(num_ranks: int, micro_batches: int) -> Schedule:
     """V-Min: about a third of 1F1B's peak activations ((P + 4) // 3 micro-batches of the
     rank's share), for a bubble of about 2P/3m when T_F = T_I = T_W."""
-    return _block_schedule("v_min", num_ranks, micro_batches, _v_min_block)
+    return _block_schedule("v_min", num_ranks, micro_batches, v_min_block)
 
 
 V_SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
