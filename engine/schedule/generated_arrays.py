@@ -210,18 +210,25 @@ def _block_rank(rank: int, p: int, m: int, block: Block) -> tuple[np.ndarray, ..
     return kind[order], stage[order], micro_batch[order]
 
 
-def _blocks(p: int, m: int, block_of: Callable[[int, int], Block]) -> FlatArrays:
-    rows = [_block_rank(r, p, m, block_of(p, r)) for r in range(p)]
+def _flat(rows: list[tuple[np.ndarray, ...]]) -> FlatArrays:
+    """Each rank's (kind, stage, micro-batch) row, rank after rank, as one set of arrays."""
     kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*rows, strict=True))
-    length = 6 * m  # every rank: two F, two I, two W per micro-batch
+    lengths = np.array([len(row[0]) for row in rows], dtype=np.int64)
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(lengths)
+    rank = np.repeat(np.arange(len(rows)), lengths)
     return FlatArrays(
-        rank=np.repeat(np.arange(p), length),
-        position=np.tile(np.arange(length), p),
+        rank=rank,
+        position=np.arange(len(kind)) - starts[rank],
         kind=kind,
         stage=stage,
         micro_batch=micro_batch,
-        starts=np.arange(p + 1, dtype=np.int64) * length,
+        starts=starts,
     )
+
+
+def _blocks(p: int, m: int, block_of: Callable[[int, int], Block]) -> FlatArrays:
+    return _flat([_block_rank(r, p, m, block_of(p, r)) for r in range(p)])
 
 
 def _v_half(p: int, m: int, v: int) -> FlatArrays:
@@ -230,6 +237,41 @@ def _v_half(p: int, m: int, v: int) -> FlatArrays:
 
 def _v_min(p: int, m: int, v: int) -> FlatArrays:
     return _blocks(p, m, v_min_block)
+
+
+_ZB_V_KINDS = np.array([F, I, W, F, I, W], np.int8)
+"""ZB-V's six tokens: F, I and W of the rank's down stage (0-2), then of its up stage (3-5)."""
+
+
+def _zb_v_rank(rank: int, p: int, m: int) -> tuple[np.ndarray, ...]:
+    """`v_schedules._zb_v_row` as its phases' tokens (each action the next micro-batch of its
+    stage and kind): the warm-up fills the V, each up F runs its I and W at once, the steady
+    state runs F I W on both stages (the down F's stop at n), then the drain's I's and W's."""
+    n = max(m, 2 * p - 1)
+    down_forwards = 2 * p - rank - 1  # after the warm-up: the up stage has run p
+    phases = [
+        ([0], 2 * (p - rank) - 1),
+        ([3, 0], rank),
+        ([3, 4, 5], p - rank),
+        ([0, 1, 2, 3, 4, 5], n - down_forwards),
+        ([1, 2, 3, 4, 5], p - rank - 1),
+        ([1, 4], rank),
+        ([1, 2], p - rank),
+        ([5], rank),
+        ([2], rank),
+    ]
+    tokens = np.concatenate([np.tile(np.array(t), times) for t, times in phases])
+    micro_batch = np.zeros(len(tokens), dtype=np.int64)
+    for token in range(6):
+        mine = tokens == token
+        micro_batch[mine] = np.arange(int(mine.sum()))
+    keep = micro_batch < m  # n > m: the extra micro-batches are dropped
+    stage = np.where(tokens < 3, rank, 2 * p - 1 - rank)
+    return _ZB_V_KINDS[tokens][keep], stage[keep], micro_batch[keep]
+
+
+def _zb_v(p: int, m: int, v: int) -> FlatArrays:
+    return _flat([_zb_v_rank(r, p, m) for r in range(p)])
 
 
 ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
@@ -242,6 +284,7 @@ ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "looped_bfs": _looped_bfs,
     "v_half": _v_half,
     "v_min": _v_min,
+    "zb_v": _zb_v,
 }
 """The schedules written as arrays directly (`schedule_arrays`), by generator name."""
 
