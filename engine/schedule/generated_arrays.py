@@ -1,14 +1,14 @@
-"""The regular generators' schedules as arrays, without their actions: what the planner reads.
+"""The generators' schedules as arrays, without their actions: what the planner reads.
 
 A search counts and compiles hundreds of schedules of up to a hundred thousand actions, and
 making each `Action` and reading it back into arrays (`flat_arrays`) was most of that work.
 GPipe, 1F1B, the ZB-H family and the loop-placed virtual schedules place every action by a
-formula of its rank, its unit and the rank's warm-up, V-Half's and V-Min's by their block and
-two queues of W's, so their arrays are written directly, a few array operations per schedule
-(or per rank). The generators (`engine.schedule.generators`, `engine.schedule.v_schedules`)
-stay what every run executes; these arrays are tested equal to theirs
-(tests/unit/test_generated_arrays.py). ZB-V and DualPipeV choose each action by counting the
-row so far: `schedule_arrays` reads those from their actions.
+formula of its rank, its unit and the rank's warm-up; V-Half and V-Min by their block, their
+W's served from two queues; ZB-V and DualPipeV run phases of repeated patterns, each action
+the next micro-batch of its stage and kind. So their arrays are written directly, a few array
+operations per schedule or per rank. The generators (`engine.schedule.generators`,
+`engine.schedule.v_schedules`) stay what every run executes; these arrays are tested equal to
+theirs (tests/unit/test_generated_arrays.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,14 @@ from typing import Any
 import numpy as np
 
 from engine.schedule.arrays import B, F, FlatArrays, I, ScheduleArrays, W, read_arrays
+from engine.schedule.generated_v_arrays import (
+    dualpipe_v_arrays,
+    v_half_arrays,
+    v_min_arrays,
+    zb_v_arrays,
+)
 from engine.schedule.generators import VIRTUAL_SCHEDULES, make_schedule, own_placement
-from engine.schedule.v_schedules import PERIOD, V_SCHEDULES, Block, v_half_block, v_min_block
+from engine.schedule.v_schedules import V_SCHEDULES
 
 __all__ = ["ARRAY_GENERATORS", "schedule_arrays"]
 
@@ -166,114 +172,6 @@ def _looped_bfs(p: int, m: int, v: int) -> FlatArrays:
     return rows.flat()
 
 
-def _served(ready: np.ndarray) -> np.ndarray:
-    """Of a queue served once per slot, oldest first: how many served by the end of each slot,
-    given how many have arrived by each (`ready`, never falling). Each slot serves one if one
-    waits: S_i = min(S_{i-1} + 1, ready_i), which unrolls to i + min(0, min_{j<=i} ready_j - j)."""
-    i = np.arange(1, len(ready) + 1)
-    return i + np.minimum(0, np.minimum.accumulate(ready - i))
-
-
-def _block_rank(rank: int, p: int, m: int, block: Block) -> tuple[np.ndarray, ...]:
-    """`v_schedules._block_row` of one rank as (kind, stage, micro-batch) in row order: the
-    block's four actions every 6 slots; each free slot runs the oldest W waiting, the up
-    stage's first (two queues, `_served`); the W's left at the end, up's then down's."""
-    down, up = rank, 2 * p - 1 - rank
-    k = np.arange(m)
-    slots = (np.asarray(block)[:, None] + PERIOD * k).ravel()
-    kind = np.repeat(np.array([F, F, I, I], np.int8), m)
-    stage = np.repeat(np.array([down, up, up, down]), m)
-    micro_batch = np.tile(k, 4)
-    end = int(slots.max()) + 1  # the last block's last action: the W's left run after it
-    free = np.ones(end, dtype=bool)
-    free[slots] = False
-    found = [(slots, kind, stage, micro_batch)]
-    open_slots = np.flatnonzero(free)
-    for queue, i_slot in ((up, block[2]), (down, block[3])):
-        ready = np.clip(-(-(open_slots - i_slot) // PERIOD), 0, m)  # its I's before each slot
-        served = _served(ready)
-        took = np.diff(served, prepend=0) > 0
-        done = int(served[-1]) if len(served) else 0
-        left = np.arange(done, m)
-        at = np.concatenate([open_slots[took], end + m * (queue == down) + left])
-        found.append(
-            (
-                at,
-                np.full(len(at), W, np.int8),
-                np.full(len(at), queue),
-                np.concatenate([served[took] - 1, left]),
-            )
-        )
-        open_slots = open_slots[~took]
-    at, kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*found, strict=True))
-    order = np.argsort(at, kind="stable")
-    return kind[order], stage[order], micro_batch[order]
-
-
-def _flat(rows: list[tuple[np.ndarray, ...]]) -> FlatArrays:
-    """Each rank's (kind, stage, micro-batch) row, rank after rank, as one set of arrays."""
-    kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*rows, strict=True))
-    lengths = np.array([len(row[0]) for row in rows], dtype=np.int64)
-    starts = np.zeros(len(rows) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum(lengths)
-    rank = np.repeat(np.arange(len(rows)), lengths)
-    return FlatArrays(
-        rank=rank,
-        position=np.arange(len(kind)) - starts[rank],
-        kind=kind,
-        stage=stage,
-        micro_batch=micro_batch,
-        starts=starts,
-    )
-
-
-def _blocks(p: int, m: int, block_of: Callable[[int, int], Block]) -> FlatArrays:
-    return _flat([_block_rank(r, p, m, block_of(p, r)) for r in range(p)])
-
-
-def _v_half(p: int, m: int, v: int) -> FlatArrays:
-    return _blocks(p, m, v_half_block)
-
-
-def _v_min(p: int, m: int, v: int) -> FlatArrays:
-    return _blocks(p, m, v_min_block)
-
-
-_ZB_V_KINDS = np.array([F, I, W, F, I, W], np.int8)
-"""ZB-V's six tokens: F, I and W of the rank's down stage (0-2), then of its up stage (3-5)."""
-
-
-def _zb_v_rank(rank: int, p: int, m: int) -> tuple[np.ndarray, ...]:
-    """`v_schedules._zb_v_row` as its phases' tokens (each action the next micro-batch of its
-    stage and kind): the warm-up fills the V, each up F runs its I and W at once, the steady
-    state runs F I W on both stages (the down F's stop at n), then the drain's I's and W's."""
-    n = max(m, 2 * p - 1)
-    down_forwards = 2 * p - rank - 1  # after the warm-up: the up stage has run p
-    phases = [
-        ([0], 2 * (p - rank) - 1),
-        ([3, 0], rank),
-        ([3, 4, 5], p - rank),
-        ([0, 1, 2, 3, 4, 5], n - down_forwards),
-        ([1, 2, 3, 4, 5], p - rank - 1),
-        ([1, 4], rank),
-        ([1, 2], p - rank),
-        ([5], rank),
-        ([2], rank),
-    ]
-    tokens = np.concatenate([np.tile(np.array(t), times) for t, times in phases])
-    micro_batch = np.zeros(len(tokens), dtype=np.int64)
-    for token in range(6):
-        mine = tokens == token
-        micro_batch[mine] = np.arange(int(mine.sum()))
-    keep = micro_batch < m  # n > m: the extra micro-batches are dropped
-    stage = np.where(tokens < 3, rank, 2 * p - 1 - rank)
-    return _ZB_V_KINDS[tokens][keep], stage[keep], micro_batch[keep]
-
-
-def _zb_v(p: int, m: int, v: int) -> FlatArrays:
-    return _flat([_zb_v_rank(r, p, m) for r in range(p)])
-
-
 ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "gpipe": _gpipe,
     "1f1b": _1f1b,
@@ -282,9 +180,10 @@ ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "zb_drain": _zb_drain,
     "interleaved_1f1b": _interleaved,
     "looped_bfs": _looped_bfs,
-    "v_half": _v_half,
-    "v_min": _v_min,
-    "zb_v": _zb_v,
+    "v_half": v_half_arrays,
+    "v_min": v_min_arrays,
+    "zb_v": zb_v_arrays,
+    "dualpipe_v": dualpipe_v_arrays,
 }
 """The schedules written as arrays directly (`schedule_arrays`), by generator name."""
 
@@ -307,7 +206,7 @@ def _writable(name: str, p: int, m: int, v: int) -> bool:
     if p < 1 or m < 1:
         return False
     if name in V_SCHEDULES:
-        return v == 2
+        return v == 2 and (name != "dualpipe_v" or m >= 2 * p)
     if name not in VIRTUAL_SCHEDULES:
         return v == 1
     return v >= 2 and (name != "interleaved_1f1b" or m % p == 0)
