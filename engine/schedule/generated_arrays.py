@@ -14,7 +14,6 @@ theirs (tests/unit/test_generated_arrays.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -40,7 +39,13 @@ class _Rows:
         self.micro_batch = np.zeros((num_ranks, length), dtype=np.int64)
         self._rank = np.arange(num_ranks)[:, None]
 
-    def put(self, at: np.ndarray, kind: int | np.ndarray, stage: Any, micro_batch: Any) -> None:
+    def put(
+        self,
+        at: np.ndarray,
+        kind: int | np.ndarray,
+        stage: int | np.ndarray,
+        micro_batch: int | np.ndarray,
+    ) -> None:
         """Actions at positions `at` (one row of positions per rank; -1: none there)."""
         rank = np.broadcast_to(self._rank, at.shape)
         keep = at >= 0
@@ -185,15 +190,15 @@ ARRAY_GENERATORS: dict[str, Callable[[int, int, int], FlatArrays]] = {
     "zb_v": zb_v_arrays,
     "dualpipe_v": dualpipe_v_arrays,
 }
-"""The schedules written as arrays directly (`schedule_arrays`), by generator name."""
+"""Each generator's rows written as arrays (`schedule_arrays`), by the generator's name."""
 
 
 def schedule_arrays(
     name: str, num_ranks: int, micro_batches: int, stages_per_rank: int
 ) -> ScheduleArrays:
-    """`make_schedule(name, ...)`'s compute rows as arrays: written directly where the
-    generator places its actions by formula (`ARRAY_GENERATORS`), else read from its
-    actions (and sizes it refuses are refused by it, with its errors)."""
+    """`make_schedule(name, ...)`'s compute rows as arrays, written without its actions
+    (`ARRAY_GENERATORS`). A name or sizes the generators refuse go to `make_schedule`, whose
+    error names the fix."""
     p, m, v = num_ranks, micro_batches, stages_per_rank
     write = ARRAY_GENERATORS.get(name)
     if write is None or not _writable(name, p, m, v):

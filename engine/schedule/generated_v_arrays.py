@@ -102,8 +102,8 @@ def _zb_v_rank(rank: int, p: int, m: int) -> tuple[np.ndarray, ...]:
         ([0], 2 * (p - rank) - 1),
         ([3, 0], rank),
         ([3, 4, 5], p - rank),
-        ([0, 1, 2, 3, 4, 5], n - down_forwards),
-        ([1, 2, 3, 4, 5], p - rank - 1),
+        ([0, 1, 2, 3, 4, 5], n - down_forwards),  # until the down F's reach n
+        ([1, 2, 3, 4, 5], p - rank - 1),  # until the up F's catch up
         ([1, 4], rank),
         ([1, 2], p - rank),
         ([5], rank),
@@ -123,9 +123,13 @@ def zb_v_arrays(p: int, m: int, v: int) -> FlatArrays:
     return _flat([_zb_v_rank(r, p, m) for r in range(p)])
 
 
-_DUALPIPE_KINDS = np.array([F, F, B, B, I, I], np.int8)
+_DUALPIPE_KINDS = np.array([F, F, B, B, I, I, W], np.int8)
 """DualPipeV's tokens: F of the down and up stage (0, 1), a fused backward of each (2, 3),
-a split one (4, 5); 6 is a slot for the oldest W waiting, if any."""
+a split one (4, 5), and a slot for the oldest W waiting, if any (6)."""
+
+_DUALPIPE_COUNTERS = np.array([0, 1, 2, 3, 2, 3, -1])
+"""Whose next micro-batch each token is: the stage's F's (0, 1) or its backwards, B or I
+(2, 3); a W is its split backward's."""
 
 
 def _dualpipe_v_tokens(rank: int, p: int, m: int) -> np.ndarray:
@@ -156,16 +160,15 @@ def _dualpipe_v_rank(rank: int, p: int, m: int) -> tuple[np.ndarray, ...]:
     (`_served`), and the W's left run at the end."""
     tokens = _dualpipe_v_tokens(rank, p, m)
     stage = np.where(tokens % 2 == 0, rank, 2 * p - 1 - rank)
-    counted = np.where(tokens < 2, tokens, 2 + tokens % 2)  # backwards count per stage
-    counted[tokens == 6] = -1
+    counted = _DUALPIPE_COUNTERS[tokens]
     micro_batch = np.zeros(len(tokens), dtype=np.int64)
-    for kind in range(4):
-        mine = counted == kind
+    for counter in range(4):
+        mine = counted == counter
         micro_batch[mine] = np.arange(int(mine.sum()))
     slot = tokens == 6
-    is_split = tokens >= 4
-    splits = np.flatnonzero(is_split & ~slot)
-    served = _served(np.cumsum(is_split & ~slot)[slot])
+    split = (tokens == 4) | (tokens == 5)
+    splits = np.flatnonzero(split)
+    served = _served(np.cumsum(split)[slot])  # the split backwards before each W slot
     took = np.diff(served, prepend=0) > 0
     taken = served[took] - 1
     at = np.flatnonzero(slot)[took]
