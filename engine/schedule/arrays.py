@@ -4,9 +4,9 @@ with where its stages live (`ScheduleArrays`, `read_arrays`).
 The planner counts what hundreds of schedules of tens of thousands of actions hold in flight
 (`engine.plan.counts.stage_counts`, `engine.schedule.delivery.held_in`) and times them
 (`engine.schedule.program.simulate_times`); a Python step per action cost it seconds, so the
-rows are read once into arrays and counted with running sums over all ranks at once (the
-regular generators' are written as arrays directly: `engine.schedule.generated_arrays`). Sends
-and receives are left out: a lowered schedule counts as its compute rows."""
+rows are read once into arrays and counted with running sums over all ranks at once (a
+generator's are written as arrays directly: `engine.schedule.generated_arrays`). Sends and
+receives are left out: a lowered schedule counts as its compute rows."""
 
 from __future__ import annotations
 
