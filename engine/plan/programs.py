@@ -1,5 +1,7 @@
-"""The schedules a search simulates, compiled (`engine.schedule.compiled_program`) in its
-worker processes ahead of the simulations that run them.
+"""The schedules a search simulates, compiled from their rows as arrays
+(`engine.schedule.program.fused_program` of `generated_arrays.schedule_arrays`: what
+`compiled_program` makes of the built schedule) in its worker processes ahead of the
+simulations that run them.
 
 A 405b search simulates about 190 layouts in the order of their lower bound, over some 50
 distinct schedules. Building one (up to 64 ranks × 256 micro-batches) and compiling it to

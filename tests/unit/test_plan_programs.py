@@ -8,25 +8,28 @@ import engine.plan.programs
 from engine.memory.workers import kept_workers
 from engine.plan.programs import Programs
 from engine.schedule import compiled_program, make_schedule
+from engine.schedule.arrays import ScheduleArrays
+from engine.schedule.program import fused_program
 
 _KEYS = [("1f1b", 2, 8, 1), ("zb_v", 2, 6, 2), ("dualpipe_v", 4, 8, 2), ("v_min", 3, 9, 2)]
 
 
 def _here(key: tuple[str, int, int, int]) -> object:
+    """The schedule built and compiled: what a program compiled from its arrays must equal."""
     name, pp, m, v = key
     return compiled_program(make_schedule(name, num_ranks=pp, micro_batches=m, stages_per_rank=v))
 
 
 def _compiled_here(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """The schedules compiled in this process from now on (a worker forked later records in
-    its own copy of the list)."""
+    """The schedules compiled in this process from now on, from their arrays (a worker forked
+    later records in its own copy of the list)."""
     here: list[object] = []
 
-    def recorded(schedule: object) -> object:
-        here.append(schedule)
-        return compiled_program(schedule)  # type: ignore[arg-type]
+    def recorded(arrays: ScheduleArrays) -> object:
+        here.append(arrays)
+        return fused_program(arrays)
 
-    monkeypatch.setattr(engine.plan.programs, "compiled_program", recorded)
+    monkeypatch.setattr(engine.plan.programs, "fused_program", recorded)
     return here
 
 
