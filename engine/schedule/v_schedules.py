@@ -183,7 +183,7 @@ Block = tuple[int, int, int, int]
 
 
 def v_min_block(num_ranks: int, rank: int) -> Block:
-    """V-Min's block on `rank` (also written as arrays: `engine.schedule.generated_arrays`)."""
+    """V-Min's block on `rank` (also written as arrays: `engine.schedule.generated_v_arrays`)."""
     p, gap = num_ranks, 2 if num_ranks % 3 == 0 else 0
     return rank, 2 * p - 1 - rank, 2 * p + gap + rank, 4 * p + gap - 1 - rank
 
