@@ -69,6 +69,24 @@ class FlatArrays:
     micro_batch: np.ndarray
     starts: np.ndarray
 
+    @classmethod
+    def of_rows(
+        cls, kind: np.ndarray, stage: np.ndarray, micro_batch: np.ndarray, lengths: np.ndarray
+    ) -> FlatArrays:
+        """Rows laid rank after rank, `lengths[r]` actions of rank r: each action's rank,
+        its place in its row and where each row starts, worked out from the lengths."""
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        starts[1:] = np.cumsum(lengths)
+        rank = np.repeat(np.arange(len(lengths)), lengths)
+        return cls(
+            rank=rank,
+            position=np.arange(len(kind)) - starts[rank],
+            kind=kind,
+            stage=stage,
+            micro_batch=micro_batch,
+            starts=starts,
+        )
+
     def row(self, rank: int) -> RowArrays:
         at = slice(int(self.starts[rank]), int(self.starts[rank + 1]))
         return RowArrays(kind=self.kind[at], stage=self.stage[at], micro_batch=self.micro_batch[at])
@@ -88,18 +106,8 @@ def flat_arrays(schedule: Schedule) -> FlatArrays:
     compute = codes >= 0
     stages = np.fromiter(map(_STAGE, actions), np.int64, n)[compute]
     micro_batches = np.fromiter(map(_MICRO_BATCH, actions), np.int64, n)[compute]
-    rank, codes = rank[compute], codes[compute]
-    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum(np.bincount(rank, minlength=len(lengths)))
-    position = np.arange(len(rank)) - starts[rank]
-    return FlatArrays(
-        rank=rank,
-        position=position,
-        kind=codes,
-        stage=stages,
-        micro_batch=micro_batches,
-        starts=starts,
-    )
+    per_rank = np.bincount(rank[compute], minlength=len(lengths))
+    return FlatArrays.of_rows(codes[compute], stages, micro_batches, per_rank)
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,16 +56,8 @@ class _Rows:
 
     def flat(self) -> FlatArrays:
         held = self.kind >= 0
-        lengths = held.sum(axis=1)
-        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(lengths)
-        return FlatArrays(
-            rank=np.repeat(np.arange(len(lengths)), lengths),
-            position=(np.cumsum(held, axis=1) - 1)[held],
-            kind=self.kind[held],
-            stage=self.stage[held],
-            micro_batch=self.micro_batch[held],
-            starts=starts,
+        return FlatArrays.of_rows(
+            self.kind[held], self.stage[held], self.micro_batch[held], held.sum(axis=1)
         )
 
 

@@ -63,17 +63,7 @@ def _flat(rows: list[tuple[np.ndarray, ...]]) -> FlatArrays:
     """Each rank's (kind, stage, micro-batch) row, rank after rank, as one set of arrays."""
     kind, stage, micro_batch = (np.concatenate(parts) for parts in zip(*rows, strict=True))
     lengths = np.array([len(row[0]) for row in rows], dtype=np.int64)
-    starts = np.zeros(len(rows) + 1, dtype=np.int64)
-    starts[1:] = np.cumsum(lengths)
-    rank = np.repeat(np.arange(len(rows)), lengths)
-    return FlatArrays(
-        rank=rank,
-        position=np.arange(len(kind)) - starts[rank],
-        kind=kind,
-        stage=stage,
-        micro_batch=micro_batch,
-        starts=starts,
-    )
+    return FlatArrays.of_rows(kind, stage, micro_batch, lengths)
 
 
 def _blocks(p: int, m: int, block_of: Callable[[int, int], Block]) -> FlatArrays:
