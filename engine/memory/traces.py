@@ -1,11 +1,12 @@
 """A stage's step traced once on fake tensors, and a rank's row composed from the traces.
 
-`trace_stage` replays (`replay.StageRun`) the step start and two micro-batches of each backward
-style of one stage, split over tp with the engine's DTensor plans and, under ZeRO-3, sharded by
-the engine's FSDP2 protocol, on a fake world of dp × tp ranks (`fake_world.stage_grid`), under
-the `MemoryTracker`. Micro-batches allocate alike, so `compose` puts any schedule row together
-from the first and a later run of each action. Which stages are traced, kept, derived from
-one another or traced ahead in workers is `engine.memory.trace_store`'s.
+`trace_stage` replays (`replay.StageRun`) the step start and two micro-batches of a stage's
+backward style (and one of a second style after them), split over tp with the engine's DTensor
+plans and, under ZeRO-3, sharded by the engine's FSDP2 protocol, on a fake world of dp × tp
+ranks (`fake_world.stage_grid`), under the `MemoryTracker`. Micro-batches allocate alike, so
+`compose` puts any schedule row together from the first and a later run of each action. Which
+stages are traced, kept, derived from one another or traced ahead in workers is
+`engine.memory.trace_store`'s.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ class StageTrace:
         return next(span.net for (kind, _), span in self.later.items() if kind is ActionKind.F)
 
 
+SECOND_STYLE_RUNS = 1
+"""Micro-batches traced of a stage's second backward style (DualPipeV's stages mix two). The
+first style's two micro-batches made every allocation a step makes once (the gradients,
+whichever style's backward allocated them; the weight copies or FSDP's gathers), so the second
+style's first micro-batch already allocates as its later ones do. A second run of it measured
+the same trace (`tests/unit/test_first_style.py` traces both) and cost a quarter of a
+two-style trace."""
+
+
 def _group(style: bool | None) -> tuple[ActionKind, ...]:
     """What one micro-batch of a backward style runs: F B, F I W, or F alone."""
     if style is None:
@@ -102,8 +112,9 @@ def trace_stage(
     block: int,
     local: tuple[bool, bool] = (False, False),
 ) -> StageTrace:
-    """Trace the step start and two micro-batches of each backward style, in the stage's order,
-    and under ZeRO-3 the step's gradient reduction.
+    """Trace the step start, two micro-batches of the first backward style and one of a second
+    (`SECOND_STYLE_RUNS`), in the stage's order, and under ZeRO-3 the step's gradient
+    reduction.
 
     The order matters where styles mix: the first backward of the step allocates the gradients
     (a B all of them, an I only the non-GEMM ones) and later ones accumulate, and the first
@@ -152,11 +163,12 @@ def _trace_micro_batches(
 ) -> tuple[list[dict[Phase, Span]], int, int, int]:
     """Spans of two micro-batches of each style (the first's and a later one's), the step-long
     copies the first forward made, what one micro-batch leaves held and of that what it sent
-    back."""
+    back. The second style's first micro-batch runs once (`SECOND_STYLE_RUNS`) and stands
+    for its later ones too."""
     spans: list[dict[Phase, Span]] = [{}, {}]
     weight_copies = held = sent_back = 0
     for i, style in enumerate(order):
-        for j in (0, 1):
+        for j in range(SECOND_STYLE_RUNS if i else 2):
             for kind in _group(style):
                 copies = tracker.weight_copies + gathered_bytes(fsdp)
                 spans[j][(kind, bool(style))] = tracker.measure(
@@ -167,6 +179,8 @@ def _trace_micro_batches(
             if i == j == 0:
                 held = run.held_bytes(tracker.block)
                 sent_back = run.sent_bytes(0, tracker.block)
+    for phase in spans[0].keys() - spans[1].keys():
+        spans[1][phase] = spans[0][phase]
     return spans, weight_copies, held, sent_back
 
 

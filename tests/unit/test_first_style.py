@@ -23,6 +23,7 @@ from models import layer_specs
 from tests.unit.tiny_stage import TINY_SHAPE
 
 _traces = sys.modules[cached_trace.__module__]
+_tracing = sys.modules[trace_stage.__module__]
 
 _SHAPE = TINY_SHAPE
 
@@ -65,6 +66,27 @@ def test_one_style_derived_from_two_equals_its_own_trace(case: str, style: bool)
 def test_the_first_and_last_stages_derive_one_style_too(end: str, style: bool) -> None:
     mixed = _traced("gpt-tiny", _SHAPE, (style, not style), end)
     assert first_style(mixed) == _traced("gpt-tiny", _SHAPE, (style,), end)
+
+
+@pytest.mark.parametrize("case", _CASES)
+@pytest.mark.parametrize("style", [False, True])
+def test_the_second_styles_later_micro_batch_allocates_as_its_first(
+    case: str, style: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So it is traced once: tracing a second one of it changes nothing in the trace."""
+    model, shape = _CASES[case]
+    once = _traced(model, shape, (style, not style), "middle")
+    monkeypatch.setattr(_tracing, "SECOND_STYLE_RUNS", 2)
+    assert _traced(model, shape, (style, not style), "middle") == once
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_the_second_style_is_traced_once_on_the_first_and_last_stages_too(
+    end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    once = _traced("llama-tiny", _SHAPE, (True, False), end)
+    monkeypatch.setattr(_tracing, "SECOND_STYLE_RUNS", 2)
+    assert _traced("llama-tiny", _SHAPE, (True, False), end) == once
 
 
 @pytest.fixture
