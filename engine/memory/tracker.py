@@ -10,6 +10,7 @@ fused RMSNorm), allocating exactly what they allocate; see docs/MEMORY.md for wh
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 __all__ = ["CUDA_BLOCK", "MemoryTracker", "Span", "cuda_kernels", "fake_device", "round_up"]
 
 _LOW = (torch.float16, torch.bfloat16)
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+_TO_COPY = torch.ops.aten._to_copy.default
 
 CUDA_BLOCK = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
@@ -69,6 +72,11 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return found
 
 
+def _casts_a_weight(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether an op's output is a parameter cast to another dtype (what autocast saves)."""
+    return func is _TO_COPY and bool(args) and isinstance(args[0], nn.Parameter)
+
+
 class MemoryTracker(TorchDispatchMode):
     """Bytes of the storages that ops create while the tracker is active and that are alive.
 
@@ -101,14 +109,16 @@ class MemoryTracker(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        source: Any = args[0] if args else None
-        cast = func is torch.ops.aten._to_copy.default and isinstance(source, nn.Parameter)
+        out = _device_outputs(func, args, func(*args, **(kwargs or {})))
+        read: set[int] | None = None
         for tensor in _tensors(out):
             storage = tensor.untyped_storage()
+            if storage._cdata in self._alive:
+                continue  # a view or in-place result of a storage already counted
+            if read is None:  # only now: most ops make no new storage, or none at all
+                read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
             if storage._cdata not in read:
-                self._count(storage, weight_copy=cast)
+                self._count(storage, weight_copy=_casts_a_weight(func, args))
         return out
 
     def measure(self, work: Callable[[], object]) -> Span:
@@ -258,36 +268,38 @@ def cuda_kernels() -> Iterator[None]:
         yield
 
 
-class _MetaKernelFixes(TorchDispatchMode):
-    """Fake outputs where a meta kernel's differ from the device kernels': layer norm keeps its
-    per-row mean and rstd in fp32 for fp16/bf16 input (the CPU kernel too when the weight is
-    fp32, as it is under autocast), not in the input's dtype."""
+_FAKE_CUDA: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fake_cuda", default=None)
+"""Inside `fake_device`: whether the fake device is CUDA (else CPU); None outside it."""
 
-    def __init__(self, *, cuda: bool) -> None:
-        super().__init__()
-        self.cuda = cuda
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.native_layer_norm.default and out[1].dtype in _LOW:
-            weight = args[2] if len(args) > 2 else None
-            if self.cuda or (weight is not None and weight.dtype == torch.float32):
-                return out[0], out[1].float(), out[2].float()
+def _device_outputs(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """A fake op's outputs as the modelled device's kernels make them, where its meta kernel's
+    differ: layer norm keeps its per-row mean and rstd in fp32 for fp16/bf16 input (the CPU
+    kernel too when the weight is fp32, as it is under autocast), not in the input's dtype.
+
+    Applied by the tracker rather than by a dispatch mode of its own: each mode on the stack
+    costs every op a Python call, the fake tensors' `prim.device` queries (half a trace's
+    ops) too, and a block's trace ran 28 % longer with one."""
+    if func is not _LAYER_NORM:
         return out
+    cuda = _FAKE_CUDA.get()
+    if cuda is not None and out[1].dtype in _LOW:
+        weight = args[2] if len(args) > 2 else None
+        if cuda or (weight is not None and weight.dtype == torch.float32):
+            return out[0], out[1].float(), out[2].float()
+    return out
 
 
 @contextlib.contextmanager
 def fake_device(*, cuda: bool) -> Iterator[FakeTensorMode]:
-    """Fake tensors that allocate as the modelled device does (enter the tracker inside it)."""
-    with contextlib.ExitStack() as stack:
-        mode = stack.enter_context(FakeTensorMode())
-        stack.enter_context(_MetaKernelFixes(cuda=cuda))
-        if cuda:
-            stack.enter_context(cuda_kernels())
-        yield mode
+    """Fake tensors that allocate as the modelled device does (enter the tracker inside it:
+    it makes what the meta kernels make differently, `_device_outputs`)."""
+    token = _FAKE_CUDA.set(cuda)
+    try:
+        with contextlib.ExitStack() as stack:
+            mode = stack.enter_context(FakeTensorMode())
+            if cuda:
+                stack.enter_context(cuda_kernels())
+            yield mode
+    finally:
+        _FAKE_CUDA.reset(token)

@@ -126,6 +126,29 @@ def test_tracker_rounds_each_storage_up_to_cuda_blocks() -> None:
     assert tracker.live == 512 + 1024 and len(tensors) == 2
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_fake_half_precision_layer_norm_keeps_its_statistics_in_fp32(cuda: bool) -> None:
+    """As the device kernels do (the CPU one with the fp32 weight autocast leaves), where the
+    meta kernel keeps them in the input's dtype: the tracker counts what the device makes."""
+    rows, width = 64, 32
+    with fake_device(cuda=cuda):
+        x = torch.empty(rows, width, dtype=torch.bfloat16)
+        weight, bias = torch.ones(width), torch.zeros(width)
+        with MemoryTracker() as tracker:
+            out, mean, rstd = torch.ops.aten.native_layer_norm(x, [width], weight, bias, 1e-5)
+    assert mean.dtype == rstd.dtype == torch.float32
+    assert tracker.live == rows * width * 2 + 2 * rows * 4
+    del out
+
+
+def test_the_layer_norm_statistics_are_left_as_made_outside_a_fake_device() -> None:
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    weight, bias = torch.ones(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
+    with MemoryTracker():
+        _, mean, _ = torch.ops.aten.native_layer_norm(x, [8], weight, bias, 1e-5)
+    assert mean.dtype == torch.ops.aten.native_layer_norm(x, [8], weight, bias, 1e-5)[1].dtype
+
+
 def test_cuda_model_keeps_flash_statistics_instead_of_the_attention_matrix() -> None:
     b, h, t, d = 1, 4, 256, 16
     with fake_device(cuda=True):
