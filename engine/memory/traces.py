@@ -179,8 +179,8 @@ def _trace_micro_batches(
             if i == j == 0:
                 held = run.held_bytes(tracker.block)
                 sent_back = run.sent_bytes(0, tracker.block)
-    for phase in spans[0].keys() - spans[1].keys():
-        spans[1][phase] = spans[0][phase]
+    for phase, span in spans[0].items():
+        spans[1].setdefault(phase, span)  # the second style's, in the order traced
     return spans, weight_copies, held, sent_back
 
 
