@@ -279,7 +279,7 @@ def _device_outputs(func: Any, args: tuple[Any, ...], out: Any) -> Any:
 
     Applied by the tracker rather than by a dispatch mode of its own: each mode on the stack
     costs every op a Python call, the fake tensors' `prim.device` queries (half a trace's
-    ops) too, and a block's trace ran 28 % longer with one."""
+    ops) too: llama3-405b's 20 block traces took 5.95 s with one, 4.31 s without."""
     if func is not _LAYER_NORM:
         return out
     cuda = _FAKE_CUDA.get()
