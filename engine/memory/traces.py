@@ -161,10 +161,10 @@ def _trace_micro_batches(
     tracker: MemoryTracker,
     fsdp: FullyShardedLayers | None,
 ) -> tuple[list[dict[Phase, Span]], int, int, int]:
-    """Spans of two micro-batches of each style (the first's and a later one's), the step-long
-    copies the first forward made, what one micro-batch leaves held and of that what it sent
-    back. The second style's first micro-batch runs once (`SECOND_STYLE_RUNS`) and stands
-    for its later ones too."""
+    """Spans of each style's first micro-batch and a later one's, the step-long copies the
+    first forward made, what one micro-batch leaves held and of that what it sent back. The
+    second style's first micro-batch runs once (`SECOND_STYLE_RUNS`) and stands for its later
+    ones too."""
     spans: list[dict[Phase, Span]] = [{}, {}]
     weight_copies = held = sent_back = 0
     for i, style in enumerate(order):

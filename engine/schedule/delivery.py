@@ -51,7 +51,7 @@ def _releases(schedule: Schedule) -> tuple[dict[Action, tuple[Action, ...]], ...
         {action: i for i, action in enumerate(row)} for row in schedule.rows
     ]
     sends = _sends_to(schedule)
-    back = _ranks_back(schedule)
+    place = schedule.placement
     send_f, send_b, recv_b = ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_B
     every = []
     for rank, row in enumerate(schedule.rows):
@@ -63,7 +63,7 @@ def _releases(schedule: Schedule) -> tuple[dict[Action, tuple[Action, ...]], ...
                 at = mine.get((stage, recv_b, k), -1)
             elif kind is send_b:
                 # the first message its peer sends back to it after receiving it
-                peer = back[stage] if back[stage] >= 0 else peer_of(action, schedule)
+                peer = place[stage - 1] if stage > 0 else peer_of(action, schedule)  # raises
                 positions, answers = sends[peer].get(rank, ((), ()))
                 after = bisect.bisect(positions, index[peer][(stage - 1, recv_b, k)])
                 at = mine.get(answers[after], -1) if after < len(answers) else -1
@@ -73,11 +73,6 @@ def _releases(schedule: Schedule) -> tuple[dict[Action, tuple[Action, ...]], ...
                 releases.setdefault(row[at], []).append(action)
         every.append({recv: tuple(sends) for recv, sends in releases.items()})
     return tuple(every)
-
-
-def _ranks_back(schedule: Schedule) -> list[int]:
-    """Per stage, the rank of the stage before it (-1 for stage 0, which has none)."""
-    return [-1, *schedule.placement[:-1]]
 
 
 def _sends_to(
