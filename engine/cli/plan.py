@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import cast
 
 from engine.cli.flags import add_config_flags, flag_values, given_fields
-from engine.cli.plan_report import format_result
+from engine.cli.plan_report import Traced, format_result
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
 from engine.plan import (
@@ -290,10 +290,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     request = request_from_args(args, argv)
     start = time.perf_counter()
-    result = search(request, progress=_progress(start), timeline=bool(args.plot))
+    traced: Traced = {}
+    result = search(request, progress=_progress(start, traced), timeline=bool(args.plot))
     elapsed = time.perf_counter() - start
     _check_found(result, start)
-    print(format_result(result, elapsed))
+    print(format_result(result, elapsed, traced))
     best = result.plans[0]
     if args.emit:
         write_plan(args.emit, request, best)
@@ -304,16 +305,32 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def _progress(start: float) -> Progress:
+def _progress(start: float, traced: Traced | None = None) -> Progress:
     """Report the search's traces and simulations on stderr once it has taken more than a
-    second."""
+    second; tally in `traced` what it traced and how long that took."""
+    began: dict[str, float] = {}
 
     def report(what: str, done: int, total: int) -> None:
-        if time.perf_counter() - start > 1 and sys.stderr.isatty():
+        now = time.perf_counter()
+        if traced is not None and what.startswith("tracing "):
+            _tally(traced, began, what.removeprefix("tracing "), done, total, now)
+        if now - start > 1 and sys.stderr.isatty():
             end = "\n" if done == total else ""
             print(f"\rmeshpipe plan: {what} {done}/{total}", end=end, file=sys.stderr)
 
     return report
+
+
+def _tally(
+    traced: Traced, began: dict[str, float], kind: str, done: int, total: int, now: float
+) -> None:
+    """One round of `trace_ahead` (its first report, done 0, comes before its first trace)
+    added to `traced` once its last trace is in."""
+    if done == 0:
+        began[kind] = now
+    elif done == total and kind in began:
+        count, seconds = traced.get(kind, (0, 0.0))
+        traced[kind] = (count + total, seconds + now - began.pop(kind))
 
 
 def _check_found(result: PlanResult, start: float) -> None:

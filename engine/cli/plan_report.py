@@ -3,12 +3,17 @@ others lost, and what the predictions were priced with."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.config import format_size
+from engine.memory.trace_cache import trace_folder
 from engine.plan import LOSSES, PlanRequest, PlanResult, Prediction
 
-__all__ = ["format_result"]
+__all__ = ["Traced", "format_result"]
+
+Traced = dict[str, tuple[int, float]]
+"""What a search traced on fake tensors, by kind ("layers", "stages"): how many traces and
+the seconds they took (`meshpipe plan`'s progress reports)."""
 
 
 def _ranges(stages: Sequence[int]) -> str:
@@ -32,14 +37,18 @@ def _layout(plan: Prediction) -> str:
     return text
 
 
-def format_result(result: PlanResult, elapsed: float) -> str:
-    """The best plans as a table, their per-rank peaks, and why the others lost."""
+def format_result(
+    result: PlanResult, elapsed: float, traced: Mapping[str, tuple[int, float]] | None = None
+) -> str:
+    """The best plans as a table, their per-rank peaks, and why the others lost; with
+    `traced`, how much of the search was tracing that a later one reads from disk."""
     r = result.request
     lost = ", ".join(f"{result.losses[k]} {k}" for k in LOSSES)
     lines = [
         f"meshpipe plan: {r.model} on {r.devices} devices of {format_size(r.device_memory)}, "
         f"global batch {r.global_batch} × {r.seq_len} tokens",
         f"searched {result.considered} layouts in {elapsed:.1f} s; the others lost: {lost}",
+        *_tracing(traced or {}),
         "",
         f"{'#':<2} {'layout':<62} {'step':>9} {'tokens/s':>10} {'bubble':>7} {'MFU':>6} "
         f"{'peak':>10}",
@@ -55,6 +64,20 @@ def format_result(result: PlanResult, elapsed: float) -> str:
         lines.append(f"plan {i} peak per stage: {peaks}")
     lines.append(_priced(r))
     return "\n".join(lines)
+
+
+def _tracing(traced: Mapping[str, tuple[int, float]]) -> list[str]:
+    """A first search of a model traces its layers (and the plans shown their stages) on fake
+    tensors, most of its time on a small machine; a later one reads what is kept."""
+    if not traced:
+        return []
+    seconds = sum(s for _, s in traced.values())
+    made = " and ".join(f"{n} {kind.removesuffix('s')} traces" for kind, (n, _) in traced.items())
+    folder = trace_folder()
+    kept = (
+        f"kept in {folder} for later searches" if folder else "not kept (MESHPIPE_TRACE_CACHE=off)"
+    )
+    return [f"{seconds:.1f} s of it making {made} on fake tensors, once: {kept}"]
 
 
 def _priced(r: PlanRequest) -> str:

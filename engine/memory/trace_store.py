@@ -176,7 +176,8 @@ def trace_ahead(
 ) -> None:
     """Trace the requests this process does not hold yet (a local edge's remote stage, to
     derive it from), so that `cached_trace` finds them made: in worker processes where the
-    machine has the cores, longest first; else here, in turn. `progress(done, total)` after
+    machine has the cores, longest first; else here, in turn. `progress(done, total)` once
+    before the first (done 0: a first trace in a process takes a second or more) and after
     each.
 
     A search knows every trace it will ask for before it asks, each is independent of the
@@ -188,6 +189,8 @@ def trace_ahead(
     traced = set(missing)
     missing = [r for r in missing if r.mixed not in traced]  # derived from it (`first_style`)
     missing.sort(key=lambda r: len(r.specs), reverse=True)
+    if progress is not None and missing:
+        progress(0, len(missing))
     made = in_workers(_traced, missing)
     try:
         for done, (request, trace) in enumerate(zip(missing, made, strict=True), start=1):

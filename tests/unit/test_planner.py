@@ -305,6 +305,7 @@ def test_plan_cli_prints_the_best_plans_and_why_the_others_lost(
 ) -> None:
     argv = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
     argv += ["--global-batch", "4", "--seq-len", "32", "--top", "2"]
+    forget_traces()  # a first search: it traces, and says so (tests/unit/test_plan_tracing.py)
     assert main([*argv, "--emit", str(tmp_path / "p.json")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == (
@@ -312,9 +313,10 @@ def test_plan_cli_prints_the_best_plans_and_why_the_others_lost(
     )
     assert lines[1].startswith("searched ") and "the others lost: " in lines[1]
     assert "over memory" in lines[1] and "more communication" in lines[1]
-    assert lines[3].split() == ["#", "layout", "step", "tokens/s", "bubble", "MFU", "peak"]
-    assert lines[4].startswith("1  pp") and lines[5].startswith("2  pp")
-    assert lines[7].startswith("plan 1 peak per stage: ")
+    assert " on fake tensors, once: " in lines[2]
+    assert lines[4].split() == ["#", "layout", "step", "tokens/s", "bubble", "MFU", "peak"]
+    assert lines[5].startswith("1  pp") and lines[6].startswith("2  pp")
+    assert lines[8].startswith("plan 1 peak per stage: ")
     assert lines[-1].startswith("wrote ") and (tmp_path / "p.json").is_file()
 
 
@@ -760,7 +762,7 @@ def test_profile_times_each_layer_whole_and_split_for_every_tp_the_search_weighs
     argv += ["--global-batch", "4", "--seq-len", "16", "--micro-batch-sizes", "1,2", "--profile"]
     assert main(argv) == 0
     assert sorted(asked) == [(1, 2), (2, 2)]  # tp 2 is the only split width of 2 devices
-    assert capsys.readouterr().out.splitlines()[4].startswith("1  ")
+    assert any(line.startswith("1  pp") for line in capsys.readouterr().out.splitlines())
 
 
 def test_a_search_reports_its_traces_and_simulations_as_it_goes(

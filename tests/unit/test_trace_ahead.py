@@ -97,7 +97,7 @@ def test_one_worker_traces_in_the_asking_process_longest_first_reporting_each(
     reports: list[tuple[int, int]] = []
     trace_ahead([*_requests(), whole], progress=lambda done, total: reports.append((done, total)))
     assert made == [7, 1, 1, 1, 1]  # the whole model first; its 4 blocks are one trace
-    assert reports == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
+    assert reports == [(0, 5), (1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]
     _refuse_tracing_here(monkeypatch)
     assert cached_trace(*whole) is not None
 
