@@ -3,6 +3,7 @@ others lost, and what the predictions were priced with."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 from engine.config import format_size
@@ -73,11 +74,18 @@ def _tracing(traced: Mapping[str, tuple[int, float]]) -> list[str]:
         return []
     seconds = sum(s for _, s in traced.values())
     made = " and ".join(f"{n} {kind.removesuffix('s')} traces" for kind, (n, _) in traced.items())
+    return [f"{seconds:.1f} s of it making {made} on fake tensors, once: {_kept()}"]
+
+
+def _kept() -> str:
+    """Where the traces went: a folder that cannot be written keeps none (the trace cache
+    then only costs speed), and saying "kept" there would be wrong."""
     folder = trace_folder()
-    kept = (
-        f"kept in {folder} for later searches" if folder else "not kept (MESHPIPE_TRACE_CACHE=off)"
-    )
-    return [f"{seconds:.1f} s of it making {made} on fake tensors, once: {kept}"]
+    if folder is None:
+        return "not kept (MESHPIPE_TRACE_CACHE=off)"
+    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+        return f"not kept ({folder} cannot be written)"
+    return f"kept in {folder} for later searches"
 
 
 def _priced(r: PlanRequest) -> str:

@@ -50,3 +50,14 @@ def test_a_later_search_that_traces_nothing_says_nothing_of_tracing(
     forget_traces()
     _traced_lines(capsys)
     assert _traced_lines(capsys) == []  # every trace held by this process now
+
+
+def test_a_trace_folder_that_cannot_be_written_is_not_called_kept(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(blocked / "traces"))
+    forget_traces()
+    (line,) = _traced_lines(capsys)
+    assert line[3] == f"not kept ({blocked / 'traces'} cannot be written)"
