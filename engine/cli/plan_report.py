@@ -83,7 +83,7 @@ def _kept() -> str:
     folder = trace_folder()
     if folder is None:
         return "not kept (MESHPIPE_TRACE_CACHE=off)"
-    if not (folder.is_dir() and os.access(folder, os.W_OK)):
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
         return f"not kept ({folder} cannot be written)"
     return f"kept in {folder} for later searches"
 
