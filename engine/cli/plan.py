@@ -14,6 +14,7 @@ from engine.cli.flags import add_config_flags, flag_values, given_fields
 from engine.cli.plan_report import Traced, format_result
 from engine.config import ModelChoice, format_size, parse_size, require
 from engine.memory.estimate import MemoryConfig, resolve
+from engine.memory.trace_cache import writes
 from engine.plan import (
     ACCELERATORS,
     DOUBLINGS,
@@ -291,10 +292,11 @@ def _plan(args: argparse.Namespace, argv: Sequence[str]) -> int:
     request = request_from_args(args, argv)
     start = time.perf_counter()
     traced: Traced = {}
+    before = writes("trace")
     result = search(request, progress=_progress(start, traced), timeline=bool(args.plot))
     elapsed = time.perf_counter() - start
     _check_found(result, start)
-    print(format_result(result, elapsed, traced))
+    print(format_result(result, elapsed, traced, writes("trace").since(before)))
     best = result.plans[0]
     if args.emit:
         write_plan(args.emit, request, best)

@@ -3,11 +3,10 @@ others lost, and what the predictions were priced with."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 from engine.config import format_size
-from engine.memory.trace_cache import trace_folder
+from engine.memory.trace_cache import Writes, trace_folder
 from engine.plan import LOSSES, PlanRequest, PlanResult, Prediction
 
 __all__ = ["Traced", "format_result"]
@@ -39,17 +38,21 @@ def _layout(plan: Prediction) -> str:
 
 
 def format_result(
-    result: PlanResult, elapsed: float, traced: Mapping[str, tuple[int, float]] | None = None
+    result: PlanResult,
+    elapsed: float,
+    traced: Mapping[str, tuple[int, float]] | None = None,
+    kept: Writes | None = None,
 ) -> str:
     """The best plans as a table, their per-rank peaks, and why the others lost; with
-    `traced`, how much of the search was tracing that a later one reads from disk."""
+    `traced`, how much of the search was tracing that a later one reads from disk (`kept`: the
+    search's writes of traces to the disk cache)."""
     r = result.request
     lost = ", ".join(f"{result.losses[k]} {k}" for k in LOSSES)
     lines = [
         f"meshpipe plan: {r.model} on {r.devices} devices of {format_size(r.device_memory)}, "
         f"global batch {r.global_batch} × {r.seq_len} tokens",
         f"searched {result.considered} layouts in {elapsed:.1f} s; the others lost: {lost}",
-        *_tracing(traced or {}),
+        *_tracing(traced or {}, kept or Writes()),
         "",
         f"{'#':<2} {'layout':<62} {'step':>9} {'tokens/s':>10} {'bubble':>7} {'MFU':>6} "
         f"{'peak':>10}",
@@ -67,25 +70,26 @@ def format_result(
     return "\n".join(lines)
 
 
-def _tracing(traced: Mapping[str, tuple[int, float]]) -> list[str]:
+def _tracing(traced: Mapping[str, tuple[int, float]], kept: Writes) -> list[str]:
     """A first search of a model traces its layers (and the plans shown their stages) on fake
     tensors, most of its time on a small machine; a later one reads what is kept."""
     if not traced:
         return []
     seconds = sum(s for _, s in traced.values())
     made = " and ".join(f"{n} {kind.removesuffix('s')} traces" for kind, (n, _) in traced.items())
-    return [f"{seconds:.1f} s of it making {made} on fake tensors, once: {_kept()}"]
+    return [f"{seconds:.1f} s of it making {made} on fake tensors, once: {_kept(kept)}"]
 
 
-def _kept() -> str:
-    """Where the traces went: a folder that cannot be written keeps none (the trace cache
-    then only costs speed), and saying "kept" there would be wrong."""
+def _kept(kept: Writes) -> str:
+    """Where the traces went: a write that failed keeps nothing (the trace cache then only
+    costs speed), and saying "kept" there would be wrong."""
     folder = trace_folder()
     if folder is None:
         return "not kept (MESHPIPE_TRACE_CACHE=off)"
-    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        return f"not kept ({folder} cannot be written)"
-    return f"kept in {folder} for later searches"
+    if kept.failed == 0:
+        return f"kept in {folder} for later searches"
+    some = "" if kept.failed == kept.tried else f"{kept.failed} of {kept.tried} "
+    return f"{some}not kept ({folder}: {kept.reason})"
 
 
 def _priced(r: PlanRequest) -> str:

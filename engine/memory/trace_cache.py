@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,12 +30,14 @@ from engine.schedule.actions import ActionKind
 
 __all__ = [
     "TRACE_CACHE_VERSION",
+    "Writes",
     "load_payload",
     "load_trace",
     "store_payload",
     "store_trace",
     "trace_folder",
     "trace_key",
+    "writes",
 ]
 
 TRACE_CACHE_VERSION = 1
@@ -43,6 +46,31 @@ TRACE_CACHE_VERSION = 1
 _T = TypeVar("_T")
 _PACKAGES = ("engine", "models", "partitioners")
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Writes:
+    """The payloads of one kind this process tried to keep on disk, and how many it could not:
+    a cache that cannot be written costs only speed, but a report that says what was kept
+    must know (a full disk passes every permission check)."""
+
+    tried: int = 0
+    failed: int = 0
+    reason: str = ""
+    """Why the last one that failed did."""
+
+    def since(self, earlier: Writes) -> Writes:
+        """What was tried after `earlier` (an earlier `writes` of the same kind)."""
+        failed = self.failed - earlier.failed
+        return Writes(self.tried - earlier.tried, failed, self.reason if failed else "")
+
+
+_WRITES: dict[str, Writes] = {}
+
+
+def writes(kind: str) -> Writes:
+    """The payloads of `kind` ("trace", "counts") this process has tried to keep so far."""
+    return _WRITES.get(kind, Writes())
 
 
 def trace_folder() -> Path | None:
@@ -135,15 +163,18 @@ def store_payload(key: str, kind: str, payload: Any) -> None:
     body = json.dumps(payload, sort_keys=True)  # what `_digest` reads back: encoded once
     text = f'{{"sha256": "{_sha256(body)}", {json.dumps(kind)}: {body}}}'
     temporary: str | None = None
+    tally = replace(writes(kind), tried=writes(kind).tried + 1)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
             temporary = f.name
             f.write(text)
         os.replace(temporary, folder / f"{key}.json")
-    except OSError:
+    except OSError as error:
+        tally = replace(tally, failed=tally.failed + 1, reason=error.strerror or str(error))
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
+    _WRITES[kind] = tally
 
 
 def load_payload(key: str, kind: str) -> Any:

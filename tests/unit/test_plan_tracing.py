@@ -3,12 +3,14 @@ of the same model reads from disk instead (`engine.cli.plan_report`)."""
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 
 import pytest
 
 from engine.cli.main import main
+from engine.memory import trace_cache
 from engine.memory.trace_store import forget_traces
 
 _ARGV = ["plan", "--model", "gpt-tiny", "--devices", "2", "--device-memory", "1GB"]
@@ -60,4 +62,17 @@ def test_a_trace_folder_that_cannot_be_written_is_not_called_kept(
     monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(blocked / "traces"))
     forget_traces()
     (line,) = _traced_lines(capsys)
-    assert line[3] == f"not kept ({blocked / 'traces'} cannot be written)"
+    assert line[3] == f"not kept ({blocked / 'traces'}: Not a directory)"
+
+
+def test_traces_a_full_disk_refused_are_not_called_kept(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(tmp_path))
+    monkeypatch.setattr(trace_cache.os, "replace", full)
+    forget_traces()
+    (line,) = _traced_lines(capsys)
+    assert line[3] == f"not kept ({tmp_path}: No space left on device)"

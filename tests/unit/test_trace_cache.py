@@ -88,3 +88,18 @@ def test_the_default_folder_is_the_meshpipe_caches(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("MESHPIPE_TRACE_CACHE")
     monkeypatch.setenv("MESHPIPE_CACHE", "/data/cache")
     assert trace_cache.trace_folder() == Path("/data/cache/traces")
+
+
+def test_a_write_that_fails_is_counted_with_its_reason(
+    traced: list[object], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    before = trace_cache.writes("trace")
+    cached_trace(*_ARGS)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(blocked / "traces"))
+    forget_traces()
+    cached_trace(*_ARGS)
+    assert trace_cache.writes("trace").since(before) == trace_cache.Writes(
+        tried=2, failed=1, reason="Not a directory"
+    )
