@@ -34,6 +34,7 @@ import torch
 from engine.config import ParallelConfig, parse_size
 from engine.plan import (
     Hardware,
+    Link,
     PlanRequest,
     measured_forward,
     measured_input_shares,
@@ -172,9 +173,9 @@ def _request(
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
     specs = layer_specs(args.model)
     shared = _sharing(args)
-    latency, bandwidth = measured_link(args.devices) if args.devices > 1 else (0.0, 1e12)
-    latency = latency if args.latency is None else args.latency
-    bandwidth = bandwidth if args.link_bandwidth is None else args.link_bandwidth
+    link = measured_link(args.devices) if args.devices > 1 else Link(latency=0.0, bandwidth=1e12)
+    latency = link.latency if args.latency is None else args.latency
+    bandwidth = link.bandwidth if args.link_bandwidth is None else args.link_bandwidth
     return PlanRequest(
         model=args.model,
         devices=args.devices,
@@ -187,6 +188,8 @@ def _request(
             link_bandwidth=bandwidth,
             latency=latency,
             gpus_per_node=8,
+            reduce_scatter_factor=link.reduce_scatter_factor,
+            all_gather_factor=link.all_gather_factor,
             **({"memory_bandwidth": measured_memory_bandwidth()} if args.device == "cpu" else {}),
         ),
         measured={

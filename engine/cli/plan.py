@@ -222,7 +222,13 @@ def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     return hardware
 
 
-_LINK_FIELDS = ("link_bandwidth", "inter_node_bandwidth", "latency")
+_LINK_FIELDS = (
+    "link_bandwidth",
+    "inter_node_bandwidth",
+    "latency",
+    "reduce_scatter_factor",
+    "all_gather_factor",
+)
 
 
 def _profiled_links(hardware: Hardware, given: set[str]) -> Hardware:
@@ -231,8 +237,14 @@ def _profiled_links(hardware: Hardware, given: set[str]) -> Hardware:
     (`measured_link`, two processes), except the flags given."""
     if all(name in given for name in _LINK_FIELDS):
         return hardware
-    latency, bandwidth = measured_link()
-    measured = {"link_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth, "latency": latency}
+    link = measured_link()
+    measured = {
+        "link_bandwidth": link.bandwidth,
+        "inter_node_bandwidth": link.bandwidth,
+        "latency": link.latency,
+        "reduce_scatter_factor": link.reduce_scatter_factor,
+        "all_gather_factor": link.all_gather_factor,
+    }
     kept = {name: value for name, value in measured.items() if name not in given}
     return replace(hardware, **kept)  # type: ignore[arg-type]
 

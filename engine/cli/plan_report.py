@@ -101,9 +101,15 @@ def _priced(r: PlanRequest) -> str:
         if r.measured is not None
         else f"{hw.device_flops / 1e12:g} TFLOP/s × {hw.compute_efficiency:g} per device"
     )
+    shards = ""
+    if (hw.reduce_scatter_factor, hw.all_gather_factor) != (1.0, 1.0):
+        shards = (
+            f", reduce-scatter {hw.reduce_scatter_factor:.2g}× and all-gather "
+            f"{hw.all_gather_factor:.2g}× a ring's"
+        )
     return (
         f"priced with: {compute}; links {_rate(hw.link_bandwidth)} within a node, "
-        f"{_rate(hw.inter_node_bandwidth)} across, {_duration(hw.latency)} latency; "
+        f"{_rate(hw.inter_node_bandwidth)} across, {_duration(hw.latency)} latency{shards}; "
         f"memory {_rate(hw.memory_bandwidth)}"
     )
 

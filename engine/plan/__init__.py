@@ -3,7 +3,7 @@
 
 from engine.plan.figure import plan_figure, plot_plan
 from engine.plan.hardware import ACCELERATORS, Accelerator, Hardware, accelerator
-from engine.plan.link import fitted_link, measured_link
+from engine.plan.link import Link, fitted_link, measured_link
 from engine.plan.plan_file import (
     PLAN_VERSION,
     apply_plan,
@@ -31,6 +31,7 @@ __all__ = [
     "PLAN_VERSION",
     "Accelerator",
     "Hardware",
+    "Link",
     "PlanRequest",
     "PlanResult",
     "Prediction",

@@ -46,10 +46,17 @@ class Hardware:
     memory_bandwidth: float = 3.35e12
     """Bytes/s of one device's memory: the optimizer's update, after a rank's last backward,
     streams its parameters and states once (`update_time`)."""
+    reduce_scatter_factor: float = 1.0
+    """The backend's reduce-scatter time over a ring's at the link's bandwidth and latency
+    (ZeRO-2/3's gradients): 1 for NCCL's ring; gloo between a CPU host's processes takes 2-3×
+    (--profile measures it)."""
+    all_gather_factor: float = 1.0
+    """The same for an all-gather (ZeRO-1/2/3's weights): gloo on a CPU host about 1.2-1.5×."""
 
     def __post_init__(self) -> None:
         rates = ("device_flops", "link_bandwidth", "inter_node_bandwidth", "memory_bandwidth")
-        for name in (*rates, "latency"):
+        factors = ("reduce_scatter_factor", "all_gather_factor")
+        for name in (*rates, *factors, "latency"):
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
             require(value >= 0 if name == "latency" else value > 0, f"{flag} {value}: give > 0")

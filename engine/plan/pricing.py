@@ -56,7 +56,9 @@ def _stage_costs(
         turn = (0.0, 0.0)
         if c.zero == 3 and c.zero_reshard == "micro-batch":
             gather = all_gather_time(search.size * params[s], mesh.dp, dp_bw, hw.latency)
+            gather *= hw.all_gather_factor
             scatter = reduce_scatter_time(4 * params[s], mesh.dp, dp_bw, hw.latency)
+            scatter *= hw.reduce_scatter_factor
             turn = (gather, gather + scatter)
         stages.append(
             stage_times(

@@ -190,19 +190,13 @@ def dp_tail(
     grads, param_bytes = 4 * params, size * params
     if zero == 0:
         return all_reduce_time(grads, dp, bandwidth, latency)
+    gather = hardware.all_gather_factor * all_gather_time(param_bytes, dp, bandwidth, latency)
     if zero == 1:
-        return all_reduce_time(grads, dp, bandwidth, latency) + all_gather_time(
-            param_bytes, dp, bandwidth, latency
-        )
-    if zero == 2:
-        return reduce_scatter_time(grads, dp, bandwidth, latency) + all_gather_time(
-            param_bytes, dp, bandwidth, latency
-        )
-    if reshard == "micro-batch":
+        return all_reduce_time(grads, dp, bandwidth, latency) + gather
+    if zero == 3 and reshard == "micro-batch":
         return 0.0
-    return reduce_scatter_time(grads, dp, bandwidth, latency) + all_gather_time(
-        param_bytes, dp, bandwidth, latency
-    )
+    scatter = hardware.reduce_scatter_factor * reduce_scatter_time(grads, dp, bandwidth, latency)
+    return scatter + gather
 
 
 @dataclass(frozen=True, kw_only=True)
