@@ -123,6 +123,20 @@ def test_the_plan_says_what_it_was_priced_with(
     )
 
 
+def test_the_plan_names_the_reduce_scatter_and_all_gather_factors_it_priced(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    link = Link(latency=2e-3, bandwidth=1.5e9, reduce_scatter_factor=2.5, all_gather_factor=1.2)
+    monkeypatch.setattr(engine.cli.plan, "measured_link", lambda: link)
+    given = ["--memory-bandwidth", "4e10", "--device-flops", "8e10"]
+    assert main(["plan", *_RUN, *_QUICK, "--profile", *given]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "priced with: layers timed on this CPU, MFU against its 80 GFLOP/s GEMM peak; links "
+        "1.5 GB/s within a node, 1.5 GB/s across, 2 ms latency, reduce-scatter 2.5× and "
+        "all-gather 1.2× a ring's; memory 40 GB/s"
+    )
+
+
 def test_profile_reports_mfu_against_the_gemm_peak_measured_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,6 +4,7 @@ of the same model reads from disk instead (`engine.cli.plan_report`)."""
 from __future__ import annotations
 
 import errno
+import json
 import re
 from pathlib import Path
 
@@ -76,3 +77,24 @@ def test_traces_a_full_disk_refused_are_not_called_kept(
     forget_traces()
     (line,) = _traced_lines(capsys)
     assert line[3] == f"not kept ({tmp_path}: No space left on device)"
+
+
+def test_traces_some_of_which_were_refused_say_how_many(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = trace_cache.os.replace
+    refused: list[str] = []
+
+    def first_trace_refused(source: str, target: Path) -> None:
+        if not refused and "trace" in json.loads(Path(source).read_text()):
+            refused.append(source)
+            raise OSError(errno.EIO, "Input/output error")
+        real(source, target)
+
+    monkeypatch.setenv("MESHPIPE_TRACE_CACHE", str(tmp_path))
+    monkeypatch.setattr(trace_cache.os, "replace", first_trace_refused)
+    forget_traces()
+    (line,) = _traced_lines(capsys)
+    kept = [f for f in tmp_path.glob("*.json") if "trace" in json.loads(f.read_text())]
+    assert kept
+    assert line[3] == f"1 of {len(kept) + 1} not kept ({tmp_path}: Input/output error)"
