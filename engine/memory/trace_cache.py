@@ -163,7 +163,8 @@ def store_payload(key: str, kind: str, payload: Any) -> None:
     body = json.dumps(payload, sort_keys=True)  # what `_digest` reads back: encoded once
     text = f'{{"sha256": "{_sha256(body)}", {json.dumps(kind)}: {body}}}'
     temporary: str | None = None
-    tally = replace(writes(kind), tried=writes(kind).tried + 1)
+    tally = writes(kind)
+    tally = replace(tally, tried=tally.tried + 1)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:

@@ -80,6 +80,18 @@ class Hardware:
         nodes only when it is wider than one)."""
         return self.link_bandwidth if width <= self.gpus_per_node else self.inter_node_bandwidth
 
+    def all_gather(self, nbytes: float, ranks: int, width: int) -> float:
+        """Seconds of this backend's all-gather of `nbytes` in total over `ranks` ranks, a
+        group spanning `width` global ranks: a ring's, times `all_gather_factor`."""
+        ring = all_gather_time(nbytes, ranks, self.bandwidth(width), self.latency)
+        return self.all_gather_factor * ring
+
+    def reduce_scatter(self, nbytes: float, ranks: int, width: int) -> float:
+        """Seconds of this backend's reduce-scatter of `nbytes` (as `all_gather`), times
+        `reduce_scatter_factor`."""
+        ring = reduce_scatter_time(nbytes, ranks, self.bandwidth(width), self.latency)
+        return self.reduce_scatter_factor * ring
+
 
 @dataclass(frozen=True, kw_only=True)
 class Accelerator:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from engine.plan.candidates import Candidate
 from engine.plan.context import Pipeline, SearchContext
-from engine.plan.hardware import all_gather_time, all_reduce_time, reduce_scatter_time
+from engine.plan.hardware import all_reduce_time
 from engine.plan.request import Prediction
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
@@ -50,15 +50,13 @@ def _stage_costs(
     r, hw, mesh = search.request, search.request.hardware, c.mesh
     forward = search.forward(c.micro_batch_size, mesh.tp)
     hidden_bytes = c.micro_batch_size * r.seq_len * search.hidden * search.size
-    dp_bw = hw.bandwidth((mesh.dp - 1) * mesh.tp + 1)
+    dp_width = (mesh.dp - 1) * mesh.tp + 1
     stages = []
     for s, stage in enumerate(layers):
         turn = (0.0, 0.0)
         if c.zero == 3 and c.zero_reshard == "micro-batch":
-            gather = all_gather_time(search.size * params[s], mesh.dp, dp_bw, hw.latency)
-            gather *= hw.all_gather_factor
-            scatter = reduce_scatter_time(4 * params[s], mesh.dp, dp_bw, hw.latency)
-            scatter *= hw.reduce_scatter_factor
+            gather = hw.all_gather(search.size * params[s], mesh.dp, dp_width)
+            scatter = hw.reduce_scatter(4 * params[s], mesh.dp, dp_width)
             turn = (gather, gather + scatter)
         stages.append(
             stage_times(

@@ -30,12 +30,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from engine.plan.hardware import (
-    Hardware,
-    all_gather_time,
-    all_reduce_time,
-    reduce_scatter_time,
-)
+from engine.plan.hardware import Hardware, all_reduce_time
 from engine.runtime.weight_grads import runs_whole_backward_at_input
 from engine.schedule import (
     ActionCosts,
@@ -190,13 +185,12 @@ def dp_tail(
     grads, param_bytes = 4 * params, size * params
     if zero == 0:
         return all_reduce_time(grads, dp, bandwidth, latency)
-    gather = hardware.all_gather_factor * all_gather_time(param_bytes, dp, bandwidth, latency)
+    gather = hardware.all_gather(param_bytes, dp, width)
     if zero == 1:
         return all_reduce_time(grads, dp, bandwidth, latency) + gather
     if zero == 3 and reshard == "micro-batch":
         return 0.0
-    scatter = hardware.reduce_scatter_factor * reduce_scatter_time(grads, dp, bandwidth, latency)
-    return scatter + gather
+    return hardware.reduce_scatter(grads, dp, width) + gather
 
 
 @dataclass(frozen=True, kw_only=True)
