@@ -190,7 +190,11 @@ def _request(
             gpus_per_node=8,
             reduce_scatter_factor=link.reduce_scatter_factor,
             all_gather_factor=link.all_gather_factor,
-            **({"memory_bandwidth": measured_memory_bandwidth()} if args.device == "cpu" else {}),
+            **(
+                {"memory_bandwidth": measured_memory_bandwidth(specs)}
+                if args.device == "cpu"
+                else {}
+            ),
         ),
         measured={
             b: _scaled(measured_forward(specs, b, args.seq_len, _REPEATS), shared) for b in sizes

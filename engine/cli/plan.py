@@ -199,8 +199,9 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
 
 def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     """The devices' rates: the flags given, over the named accelerator's (--accelerator), over
-    the defaults (an H100 SXM's); with --profile, the memory bandwidth, the GEMM peak (what
-    MFU is reported against) and the links measured here unless given."""
+    the defaults (an H100 SXM's); with --profile, the memory bandwidth (the model's optimizer
+    phase), the GEMM peak (what MFU is reported against) and the links measured here unless
+    given."""
     require(
         not (args.profile and args.accelerator is not None),
         f"--accelerator {args.accelerator} with --profile: the profile times the layers on this "
@@ -214,7 +215,8 @@ def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
         rates |= {name: value for name, value in named.items() if name not in given}
     hardware = Hardware(**rates)
     if args.profile and "memory_bandwidth" not in given:
-        hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth())
+        specs = layer_specs(args.model_config or args.model)
+        hardware = replace(hardware, memory_bandwidth=measured_memory_bandwidth(specs))
     if args.profile and "device_flops" not in given:
         hardware = replace(hardware, device_flops=measured_device_flops(args.precision))
     if args.profile:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.memory.fitting import layer_requests
-from engine.memory.states import StateLayout, dp_bucket_copy
+from engine.memory.states import StateLayout, dp_bucket_copy, stage_params
 from engine.memory.trace_store import TraceRequest
 from engine.memory.tracker import CUDA_BLOCK
 from engine.plan.budget import highest_stage_floor
@@ -177,6 +177,8 @@ class SearchContext:
         self.hidden = int(get_config(request.model).d_model)
         self.size = 4 if request.precision == "fp32" else 2
         self.params = tuple(spec.num_parameters() for spec in self.specs)
+        self.tensors = len(stage_params(self.specs))
+        """Parameter tensors of the whole model, a tied one once: the global norm's length."""
         self.flops = tuple(layer_flops(spec, request.seq_len) for spec in self.specs)
         self.ties = _tied_layers(self.specs)
         self._counts = CountStore(_count_in_worker)

@@ -13,7 +13,7 @@ from engine.config import require
 
 __all__ = [
     "ACCELERATORS",
-    "ADAMW_BYTES_PER_PARAMETER",
+    "STEP_BYTES_PER_PARAMETER",
     "Accelerator",
     "Hardware",
     "accelerator",
@@ -22,9 +22,11 @@ __all__ = [
     "reduce_scatter_time",
 ]
 
-ADAMW_BYTES_PER_PARAMETER = 28
-"""Bytes AdamW's update moves per fp32 parameter: it reads the weight, its gradient and both
-moments and writes the weight and both moments back (7 × 4 B), one pass over memory."""
+STEP_BYTES_PER_PARAMETER = 40
+"""Bytes a rank's optimizer phase moves per fp32 parameter, one pass each: the gradients'
+global norm reads the gradient (4 B), clipping (`meshpipe train`'s default, at 1.0) reads and
+writes it (8 B), and AdamW reads the weight, its gradient and both moments and writes the
+weight and both moments back (28 B)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +46,8 @@ class Hardware:
     latency: float = 10e-6
     """Seconds each message or collective step costs on top of its bytes."""
     memory_bandwidth: float = 3.35e12
-    """Bytes/s of one device's memory: the optimizer's update, after a rank's last backward,
-    streams its parameters and states once (`update_time`)."""
+    """Bytes/s of one device's memory: the optimizer phase, after a rank's last backward,
+    streams its gradients, parameters and states (`update_time`)."""
     reduce_scatter_factor: float = 1.0
     """The backend's reduce-scatter time over a ring's at the link's bandwidth and latency
     (ZeRO-2/3's gradients): 1 for NCCL's ring; gloo between a CPU host's processes takes 2-3×
@@ -67,8 +69,9 @@ class Hardware:
         require(self.gpus_per_node >= 1, f"--gpus-per-node {self.gpus_per_node}: give >= 1")
 
     def update_time(self, parameters: float) -> float:
-        """Seconds of AdamW's update of `parameters` fp32 parameters on one device."""
-        return ADAMW_BYTES_PER_PARAMETER * parameters / self.memory_bandwidth
+        """Seconds of one device's optimizer phase over `parameters` fp32 parameters: the
+        gradients' norm, their clipping and AdamW's update."""
+        return STEP_BYTES_PER_PARAMETER * parameters / self.memory_bandwidth
 
     @property
     def achieved_flops(self) -> float:

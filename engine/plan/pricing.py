@@ -16,7 +16,15 @@ from engine.plan.hardware import all_reduce_time
 from engine.plan.request import Prediction
 from engine.plan.timing import StageTimes, Timed, dp_tail, stage_times, with_tails
 
-__all__ = ["Priced", "prediction", "priced", "simulated_step", "tie_sums", "with_timeline"]
+__all__ = [
+    "Priced",
+    "norm_syncs",
+    "prediction",
+    "priced",
+    "simulated_step",
+    "tie_sums",
+    "with_timeline",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +40,8 @@ class Priced:
     """Per rank, its communication after its last backward: the sum of tied weights'
     gradients across the pipeline and the data-parallel reduction."""
     updates: tuple[float, ...]
-    """Per rank, its optimizer update (of its shard under ZeRO), after the tail."""
+    """Per rank, its optimizer phase after the tail: the global norm's all-reduces
+    (`norm_syncs`), then its clipping and update (of its shard under ZeRO)."""
     bound: float
     stage_peaks: tuple[int, ...]
     rank_peaks: tuple[int, ...]
@@ -94,6 +103,22 @@ def tie_sums(
     return sums
 
 
+def norm_syncs(search: SearchContext, c: Candidate) -> float:
+    """Seconds of the all-reduces every rank's global gradient norm waits for
+    (`engine.runtime.gradients.StepGradients`): the per-parameter norms summed over the
+    pipeline, over the replicas where ZeRO-2/3 shard the gradients, and over the tp group
+    where it splits them. A few fp32 per parameter tensor: the link's latency, mostly (gloo
+    between this host's processes: 2.2 ms for gpt-bench's 132 at pp 2, docs/BENCHMARKS.md)."""
+    hw, mesh = search.request.hardware, c.mesh
+    groups = [(mesh.tp, mesh.tp)]
+    if mesh.pp > 1:
+        groups.append((mesh.pp, (mesh.pp - 1) * mesh.dp * mesh.tp + 1))
+    if c.zero in (2, 3):
+        groups.append((mesh.dp, (mesh.dp - 1) * mesh.tp + 1))
+    vector = 4 * search.tensors
+    return sum(all_reduce_time(vector, n, hw.bandwidth(w), hw.latency) for n, w in groups)
+
+
 def priced(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> Priced:
     """Action costs, transfers, data-parallel tails and the step's lower bound."""
     r, hw, mesh = search.request, search.request.hardware, c.mesh
@@ -119,7 +144,8 @@ def priced(search: SearchContext, c: Candidate, bounds: Sequence[int]) -> Priced
         for rank in range(mesh.pp)
     )
     shards = mesh.dp if c.zero else 1
-    updates = tuple(hw.update_time(rank_params / shards) for rank_params in held)
+    syncs = norm_syncs(search, c)
+    updates = tuple(syncs + hw.update_time(rank_params / shards) for rank_params in held)
     p2p = 0.0
     if mesh.pp > 1:
         p2p = hidden_bytes / mesh.tp / hw.bandwidth(mesh.dp * mesh.tp + 1) + hw.latency

@@ -34,7 +34,8 @@ from engine.config.sizes import format_size
 from engine.memory.fake_world import stage_grid
 from engine.memory.states import stage_params
 from engine.parallel.tensor_parallel import build_sharded_layers, sharded_loss_scope
-from engine.plan.hardware import ADAMW_BYTES_PER_PARAMETER
+from engine.plan.hardware import STEP_BYTES_PER_PARAMETER
+from engine.runtime.clipping import clip_gradients, global_grad_norm
 from engine.runtime.host_memory import keep_freed_host_memory
 from engine.runtime.precision import compute_dtype
 from engine.runtime.stage import PipelineStage
@@ -236,15 +237,46 @@ def measured_input_shares(
     return tuple(shares[spec] for spec in specs)
 
 
-def measured_memory_bandwidth(parameters: int = 4 * 2**20, repeats: int = 5) -> float:
-    """Bytes/s AdamW's update moves on this CPU, counted as `Hardware.update_time` counts
-    them: torch's fused AdamW (meshpipe's default) over `parameters` fp32 parameters, the
-    median of `repeats` steps after a warm-up one."""
-    require(repeats >= 1 and parameters >= 1, f"repeats={repeats}, parameters={parameters}")
-    weight = torch.nn.Parameter(torch.zeros(parameters))
-    weight.grad = torch.full((parameters,), 1e-3)
-    optimizer = torch.optim.AdamW([weight], fused=True)
-    return ADAMW_BYTES_PER_PARAMETER * parameters / median_seconds(optimizer.step, repeats)
+def measured_memory_bandwidth(specs: Sequence[LayerSpec] = (), repeats: int = 5) -> float:
+    """Bytes/s the optimizer phase moves on this CPU, counted as `Hardware.update_time` counts
+    them: the engine's gradient norm and clipping (`engine.runtime.clipping`), then torch's
+    fused AdamW (meshpipe's default), over the model's parameters in their order (the first
+    `_SAMPLED_PARAMETERS`; one flat tensor of as many without `specs`), the median of
+    `repeats` steps after a warm-up one. Each tensor costs a Python call and kernel launches
+    beside its bytes: gpt-bench's 133 tensors took 10.4 ms where one flat tensor of as many
+    parameters priced 4.5 ms (docs/BENCHMARKS.md)."""
+    require(repeats >= 1, f"repeats={repeats}")
+    sizes = _sampled_sizes(specs)
+    weights = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    for weight in weights:
+        weight.grad = torch.full_like(weight, 1e-3)
+    named = [(str(i), weight) for i, weight in enumerate(weights)]
+    order = {name: i for i, (name, _) in enumerate(named)}
+    optimizer = torch.optim.AdamW(weights, fused=True)
+
+    def step() -> None:
+        clip_gradients(weights, global_grad_norm(named, order), 1.0)
+        optimizer.step()
+
+    return STEP_BYTES_PER_PARAMETER * sum(sizes) / median_seconds(step, repeats)
+
+
+_SAMPLED_PARAMETERS = 4 * 2**20
+"""Parameters the optimizer phase is timed over: enough for its rate, few enough to time
+in a fraction of a second for any model."""
+
+
+def _sampled_sizes(specs: Sequence[LayerSpec]) -> list[int]:
+    """The model's parameters' sizes in order, up to `_SAMPLED_PARAMETERS` in all (the last
+    one cut short where it would pass them)."""
+    sizes: list[int] = []
+    left = _SAMPLED_PARAMETERS
+    for info in stage_params(specs) if specs else []:
+        if left == 0:
+            break
+        sizes.append(min(info.numel, left))
+        left -= sizes[-1]
+    return sizes or [_SAMPLED_PARAMETERS]
 
 
 def measured_device_flops(precision: str, largest: int = 1024, repeats: int = 5) -> float:

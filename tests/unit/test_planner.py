@@ -39,11 +39,12 @@ from engine.plan.context import (
 )
 from engine.plan.counts import StageCounts, _uncovered_pairs, stage_counts
 from engine.plan.exact import replayed
-from engine.plan.hardware import all_reduce_time
-from engine.plan.pricing import prediction, priced, simulated_step, tie_sums
+from engine.plan.hardware import STEP_BYTES_PER_PARAMETER, all_reduce_time
+from engine.plan.pricing import norm_syncs, prediction, priced, simulated_step, tie_sums
 from engine.plan.request import layout_fields
 from engine.plan.screen import Fitted, all_candidates, count_floor, fit, floor
 from engine.plan.search import predict
+from engine.runtime.clipping import global_parameter_order
 from engine.schedule import (
     V_SCHEDULES,
     VIRTUAL_SCHEDULES,
@@ -782,8 +783,10 @@ def test_a_search_reports_its_traces_and_simulations_as_it_goes(
         assert counts[-1][0] == counts[-1][1] and all(d <= t for d, t in counts)
 
 
-def test_the_optimizer_update_is_seven_fp32_passes_per_parameter_at_memory_bandwidth() -> None:
-    assert Hardware(memory_bandwidth=1e9).update_time(1e6) == 28 * 1e6 / 1e9
+def test_the_optimizer_phase_is_ten_fp32_passes_per_parameter_at_memory_bandwidth() -> None:
+    """The norm reads each gradient, clipping reads and writes it, AdamW makes seven passes."""
+    assert STEP_BYTES_PER_PARAMETER == (1 + 2 + 7) * 4
+    assert Hardware(memory_bandwidth=1e9).update_time(1e6) == 40 * 1e6 / 1e9
 
 
 def _one_rank(zero: int, dp: int = 1) -> Candidate:
@@ -797,13 +800,40 @@ def _one_rank(zero: int, dp: int = 1) -> Candidate:
     )
 
 
-def test_a_step_ends_with_its_ranks_optimizer_update_of_its_parameters() -> None:
+def test_a_step_ends_with_its_ranks_optimizer_phase_over_its_parameters() -> None:
     params = sum(SearchContext(SMALL).params)
     fast = replace(SMALL, devices=1, hardware=Hardware(memory_bandwidth=1e15))
     slow = replace(fast, hardware=Hardware(memory_bandwidth=1e9))
     grown = predict(slow, _one_rank(0)).step_time - predict(fast, _one_rank(0)).step_time
-    expected = 28 * params * (1 / 1e9 - 1 / 1e15)
+    expected = STEP_BYTES_PER_PARAMETER * params * (1 / 1e9 - 1 / 1e15)
     assert grown == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "tp", "zero", "groups"),
+    [
+        (1, 2, 1, 0, []),  # the reduced gradients are whole on every replica: no norm to sum
+        (1, 2, 1, 1, []),  # ZeRO-1 reduces whole gradients too
+        (2, 1, 1, 0, [2]),
+        (1, 2, 1, 2, [2]),
+        (1, 2, 1, 3, [2]),
+        (1, 1, 2, 0, [2]),
+        (2, 2, 2, 2, [2, 2, 2]),
+    ],
+)
+def test_the_global_norm_waits_for_its_all_reduces_over_pipeline_sharded_replicas_and_tp(
+    pp: int, dp: int, tp: int, zero: int, groups: list[int]
+) -> None:
+    """Each is one small vector, a fp32 norm per parameter tensor (gpt-tiny's, tied once)."""
+    request = replace(SMALL, devices=pp * dp * tp, hardware=Hardware(latency=1e-3))
+    search = SearchContext(request)
+    c = replace(_one_rank(zero, dp), mesh=ParallelConfig(pp=pp, dp=dp, tp=tp))
+    vector = 4 * search.tensors
+    bandwidth = request.hardware.link_bandwidth
+    assert search.tensors == len(global_parameter_order(search.specs))
+    assert norm_syncs(search, c) == pytest.approx(
+        sum(all_reduce_time(vector, n, bandwidth, 1e-3) for n in groups), rel=1e-12
+    )
 
 
 def test_zero_shards_the_update_over_the_data_parallel_replicas() -> None:

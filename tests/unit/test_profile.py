@@ -6,7 +6,7 @@ import contextlib
 import gc
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,8 @@ import torch
 import engine.plan.profile
 import engine.runtime.weight_grads
 from engine.cli.main import main
+from engine.memory.states import stage_params
+from engine.plan.hardware import STEP_BYTES_PER_PARAMETER
 from engine.plan.profile import measured_split_forward, profile_stage_costs, stage_profile_bytes
 from engine.runtime.stage import PipelineStage
 from models import LayerSpec, layer_specs
@@ -181,3 +183,49 @@ def test_a_split_profile_times_each_layer_as_the_engine_splits_it_on_a_fake_worl
 def test_a_split_profile_of_one_rank_is_refused() -> None:
     with pytest.raises(ValueError, match="tp=1"):
         measured_split_forward(layer_specs("llama-tiny"), 1, 32, tp=1)
+
+
+def _timed_once(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """`median_seconds` runs the step once and reports a second; the phase's parts are logged."""
+    norm, clip = engine.plan.profile.global_grad_norm, engine.plan.profile.clip_gradients
+
+    def once(run: Callable[[], object], repeats: int) -> float:
+        run()
+        return 1.0
+
+    def logged_norm(named: list[tuple[str, torch.nn.Parameter]], order: dict[str, int]) -> object:
+        calls.append(f"norm of {len(named)}")
+        return norm(named, order)
+
+    def logged_clip(params: list[torch.nn.Parameter], total: torch.Tensor, most: float) -> None:
+        calls.append(f"clip {len(params)} at {most}")
+        clip(params, total, most)
+
+    monkeypatch.setattr(engine.plan.profile, "median_seconds", once)
+    monkeypatch.setattr(engine.plan.profile, "global_grad_norm", logged_norm)
+    monkeypatch.setattr(engine.plan.profile, "clip_gradients", logged_clip)
+
+
+def test_the_optimizer_phase_is_timed_over_the_models_own_tensors_as_the_engine_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each tensor costs calls and launches beside its bytes, so the rate is the model's:
+    gpt-tiny's every parameter, its norm taken and clipped at train's default, then AdamW."""
+    calls: list[str] = []
+    _timed_once(monkeypatch, calls)
+    params = stage_params(layer_specs("gpt-tiny"))
+    rate = engine.plan.profile.measured_memory_bandwidth(layer_specs("gpt-tiny"))
+    assert rate == STEP_BYTES_PER_PARAMETER * sum(p.numel for p in params)
+    assert calls == [f"norm of {len(params)}", f"clip {len(params)} at 1.0"]
+
+
+def test_a_large_models_optimizer_phase_is_timed_over_its_first_parameters_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gpt2's 124 M parameters would take seconds a step: its first 4 Mi, the last one cut."""
+    calls: list[str] = []
+    _timed_once(monkeypatch, calls)
+    rate = engine.plan.profile.measured_memory_bandwidth(layer_specs("gpt2"))
+    assert rate == STEP_BYTES_PER_PARAMETER * 4 * 2**20
+    wte = stage_params(layer_specs("gpt2"))[0]  # 38.6 M: it alone is timed, cut to 4 Mi
+    assert wte.numel > 4 * 2**20 and calls[0] == "norm of 1"
