@@ -242,9 +242,9 @@ def measured_memory_bandwidth(specs: Sequence[LayerSpec] = (), repeats: int = 5)
     them: the engine's gradient norm and clipping (`engine.runtime.clipping`), then torch's
     fused AdamW (meshpipe's default), over the model's parameters in their order (the first
     `_SAMPLED_PARAMETERS`; one flat tensor of as many without `specs`), the median of
-    `repeats` steps after a warm-up one. Each tensor costs a Python call and kernel launches
-    beside its bytes: gpt-bench's 133 tensors took 10.4 ms where one flat tensor of as many
-    parameters priced 4.5 ms (docs/BENCHMARKS.md)."""
+    `repeats` steps after a warm-up one. Each tensor costs Python calls and kernel launches
+    beside its bytes: the phase over gpt-bench's 132 tensors took 10.4 ms, where AdamW alone
+    over one flat tensor of as many parameters had priced it at 4.5 ms (docs/BENCHMARKS.md)."""
     require(repeats >= 1, f"repeats={repeats}")
     sizes = _sampled_sizes(specs)
     weights = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
