@@ -20,7 +20,6 @@ times are then measured on the CPU only if --profile; give --device-flops instea
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from engine.plan import (
     Hardware,
     Link,
     PlanRequest,
+    available_cores,
     measured_forward,
     measured_input_shares,
     measured_link,
@@ -56,8 +56,8 @@ _TOKENS = re.compile(r"\(([\d,.]+) tokens/s")
 
 
 def _layouts(devices: int, global_batch: int) -> list[Candidate]:
-    """Layouts of `devices` ranks: pp, dp and tp of 1 or 2, several schedules and recompute,
-    micro-batches of 2 sequences."""
+    """Layouts of `devices` ranks (1, 2 or 4): pp, dp and tp of 1, 2 or 4, several schedules
+    and recompute, micro-batches of 2 sequences."""
 
     def c(
         pp: int, dp: int, tp: int, schedule: str = "1f1b", recompute: tuple[int, ...] = ()
@@ -73,6 +73,16 @@ def _layouts(devices: int, global_batch: int) -> list[Candidate]:
 
     if devices == 1:
         return [c(1, 1, 1), c(1, 1, 1, recompute=(0,))]
+    if devices == 4:  # on a host of two cores, its ranks share them (`Hardware.host_cores`)
+        return [
+            c(4, 1, 1),
+            c(4, 1, 1, "gpipe"),
+            c(4, 1, 1, "zb_h1"),
+            c(4, 1, 1, recompute=(0, 1, 2, 3)),
+            c(2, 2, 1),
+            c(2, 1, 2),
+            c(1, 4, 1),
+        ]
     return [
         c(2, 1, 1),
         c(2, 1, 1, "gpipe"),
@@ -153,26 +163,12 @@ def _hand_choice(request: PlanRequest) -> Prediction:
     raise ValueError("no micro-batch size fits the hand choice")
 
 
-def _sharing(args: argparse.Namespace) -> float:
-    """How many ranks share each CPU core on this machine (1 where each has its own): the
-    layers are timed on one idle core, and with more ranks than cores each computes that much
-    slower."""
-    if args.device != "cpu":
-        return 1.0
-    return max(1.0, args.devices / (os.cpu_count() or 1))
-
-
-def _scaled(seconds: tuple[float, ...], factor: float) -> tuple[float, ...]:
-    return tuple(t * factor for t in seconds)
-
-
 def _request(
     args: argparse.Namespace, sizes: tuple[int, ...], widths: Sequence[int]
 ) -> PlanRequest:
     """A request with the layers and the link measured now: this VM's speed drifts by up to
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
     specs = layer_specs(args.model)
-    shared = _sharing(args)
     link = measured_link(args.devices) if args.devices > 1 else Link(latency=0.0, bandwidth=1e12)
     latency = link.latency if args.latency is None else args.latency
     bandwidth = link.bandwidth if args.link_bandwidth is None else args.link_bandwidth
@@ -190,17 +186,16 @@ def _request(
             gpus_per_node=8,
             reduce_scatter_factor=link.reduce_scatter_factor,
             all_gather_factor=link.all_gather_factor,
+            host_cores=available_cores() if args.device == "cpu" else 0,
             **(
                 {"memory_bandwidth": measured_memory_bandwidth(specs)}
                 if args.device == "cpu"
                 else {}
             ),
         ),
-        measured={
-            b: _scaled(measured_forward(specs, b, args.seq_len, _REPEATS), shared) for b in sizes
-        },
+        measured={b: measured_forward(specs, b, args.seq_len, _REPEATS) for b in sizes},
         measured_split={
-            (b, tp): _scaled(measured_split_forward(specs, b, args.seq_len, tp, _REPEATS), shared)
+            (b, tp): measured_split_forward(specs, b, args.seq_len, tp, _REPEATS)
             for b in sizes
             for tp in widths
             if tp > 1

@@ -23,6 +23,7 @@ from engine.plan import (
     PlanResult,
     Progress,
     accelerator,
+    available_cores,
     fewest_devices,
     measured_device_flops,
     measured_forward,
@@ -200,8 +201,8 @@ def request_from_args(args: argparse.Namespace, argv: Sequence[str]) -> PlanRequ
 def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
     """The devices' rates: the flags given, over the named accelerator's (--accelerator), over
     the defaults (an H100 SXM's); with --profile, the memory bandwidth (the model's optimizer
-    phase), the GEMM peak (what MFU is reported against) and the links measured here unless
-    given."""
+    phase), the GEMM peak (what MFU is reported against), the links, and the cores this
+    host's ranks would share, measured here unless given."""
     require(
         not (args.profile and args.accelerator is not None),
         f"--accelerator {args.accelerator} with --profile: the profile times the layers on this "
@@ -221,6 +222,8 @@ def _hardware(args: argparse.Namespace, argv: Sequence[str]) -> Hardware:
         hardware = replace(hardware, device_flops=measured_device_flops(args.precision))
     if args.profile:
         hardware = _profiled_links(hardware, given)
+    if args.profile and "host_cores" not in given:
+        hardware = replace(hardware, host_cores=available_cores())
     return hardware
 
 

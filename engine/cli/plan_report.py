@@ -107,10 +107,13 @@ def _priced(r: PlanRequest) -> str:
             f", reduce-scatter {hw.reduce_scatter_factor:.2g}× and all-gather "
             f"{hw.all_gather_factor:.2g}× a ring's"
         )
+    cores = ""
+    if 0 < hw.host_cores < r.devices:
+        cores = f"; the {r.devices} ranks sharing this host's {hw.host_cores} cores"
     return (
         f"priced with: {compute}; links {_rate(hw.link_bandwidth)} within a node, "
         f"{_rate(hw.inter_node_bandwidth)} across, {_duration(hw.latency)} latency{shards}; "
-        f"memory {_rate(hw.memory_bandwidth)}"
+        f"memory {_rate(hw.memory_bandwidth)}{cores}"
     )
 
 

@@ -13,6 +13,7 @@ from engine.plan.plan_file import (
     write_plan,
 )
 from engine.plan.profile import (
+    available_cores,
     measured_device_flops,
     measured_forward,
     measured_input_shares,
@@ -38,6 +39,7 @@ __all__ = [
     "Progress",
     "accelerator",
     "apply_plan",
+    "available_cores",
     "fewest_devices",
     "fitted_link",
     "measured_device_flops",

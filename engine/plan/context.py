@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -252,11 +253,14 @@ class SearchContext:
         return partition.boundaries
 
     @functools.cache  # noqa: B019
-    def run(self, key: CountKey, stages: tuple[StageTimes, ...], p2p: float) -> SimTimes:
+    def run(
+        self, key: CountKey, stages: tuple[StageTimes, ...], p2p: float, slots: float = math.inf
+    ) -> SimTimes:
         """Candidates that differ only in their data-parallel tails share one simulation. The
         schedules are the generators', valid by their tests, simulated compute-only as
-        compiled (`programs`; `simulate_times` adds the communication lowering would)."""
-        times = time_program(self.programs.of(key), stages, p2p=p2p)
+        compiled (`programs`; `simulate_times` adds the communication lowering would), on
+        `slots` cores per pipeline rank (`time_program`)."""
+        times = time_program(self.programs.of(key), stages, p2p=p2p, slots=slots)
         if times is None:
             simulate_stages(self.built(*key), stages, p2p=p2p)  # raises the deadlock
             raise AssertionError(f"the simulation of {key} stalled where simulate runs through")

@@ -7,6 +7,7 @@ group spans: within a node (`link_bandwidth`) or across nodes (`inter_node_bandw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.config import require
@@ -54,6 +55,10 @@ class Hardware:
     (--profile measures it)."""
     all_gather_factor: float = 1.0
     """The same for an all-gather (ZeRO-1/2/3's weights): gloo on a CPU host about 1.2-1.5×."""
+    host_cores: int = 0
+    """CPU cores the plan's ranks share on one host (a CPU run of this host's processes, as
+    --profile plans), shared fairly among the ranks computing at each moment; 0: each rank
+    computes on a device of its own."""
 
     def __post_init__(self) -> None:
         rates = ("device_flops", "link_bandwidth", "inter_node_bandwidth", "memory_bandwidth")
@@ -67,6 +72,15 @@ class Hardware:
             f"--compute-efficiency {self.compute_efficiency}: give a fraction in (0, 1]",
         )
         require(self.gpus_per_node >= 1, f"--gpus-per-node {self.gpus_per_node}: give >= 1")
+        require(
+            self.host_cores >= 0,
+            f"--host-cores {self.host_cores}: give the cores this host's ranks share, or 0",
+        )
+
+    def slots(self, group: int) -> float:
+        """Cores a pipeline rank's `group` of processes (its dp × tp ranks, computing alike)
+        comes to on the host; unbounded where each rank has a device of its own."""
+        return self.host_cores / group if self.host_cores else math.inf
 
     def update_time(self, parameters: float) -> float:
         """Seconds of one device's optimizer phase over `parameters` fp32 parameters: the

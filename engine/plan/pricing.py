@@ -216,7 +216,8 @@ def simulated_step(search: SearchContext, s: Priced) -> Timed:
     """The step simulated, or extended from its two samples (`Pipeline.lengths`)."""
     pipeline = search.pipeline(s.candidate)
     samples = search.sample_keys(pipeline)
-    timed = [with_tails(search.run(x, s.stages, s.p2p), s.after) for x in samples]
+    slots = search.request.hardware.slots(s.candidate.mesh.dp * s.candidate.mesh.tp)
+    timed = [with_tails(search.run(x, s.stages, s.p2p, slots), s.after) for x in samples]
     if len(timed) == 1:
         return timed[0]
     (low, high), (shorter, longer) = timed, pipeline.lengths

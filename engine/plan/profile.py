@@ -20,6 +20,7 @@ pay.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from partitioners import Partition
 from partitioners.costs import activation_costs, backward_root, measured_costs, median_seconds
 
 __all__ = [
+    "available_cores",
     "available_memory",
     "measured_device_flops",
     "measured_forward",
@@ -56,6 +58,13 @@ __all__ = [
 ]
 
 _MEMINFO = Path("/proc/meminfo")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on: what a CPU run's ranks on this host share."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def available_memory() -> int | None:

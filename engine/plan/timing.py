@@ -24,6 +24,7 @@ The step is the latest rank's simulated end plus its data-parallel tail.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,7 +39,7 @@ from engine.schedule import (
     Schedule,
     SimResult,
     SimTimes,
-    program_times,
+    shared_program_times,
     simulate,
 )
 from models import LayerSpec
@@ -218,12 +219,16 @@ def simulate_stages(
     return simulate(schedule, _costs(stages, p2p), validated=validated)
 
 
-def time_program(program: Program, stages: Sequence[StageTimes], *, p2p: float) -> SimTimes | None:
+def time_program(
+    program: Program, stages: Sequence[StageTimes], *, p2p: float, slots: float = math.inf
+) -> SimTimes | None:
     """The ends and busy times of a generator's schedule, compiled (`compiled_program`),
     under the stages' action costs and the transfer delay `p2p`, as `simulate_stages` would
     time it without its timeline: what the search prices every candidate by. None where it
-    stalls (a deadlock, which `simulate_stages` of the schedule explains)."""
-    return program_times(program, _costs(stages, p2p), len(stages))
+    stalls (a deadlock, which `simulate_stages` of the schedule explains). `slots`: the CPU
+    cores each pipeline rank's share of the host comes to, where its ranks share fewer cores
+    than they number (`Hardware.host_cores`; `shared_program_times`)."""
+    return shared_program_times(program, _costs(stages, p2p), len(stages), slots)
 
 
 def with_tails(times: SimTimes, tails: Sequence[float]) -> Timed:

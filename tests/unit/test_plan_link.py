@@ -172,3 +172,25 @@ def test_zeros_reduce_scatter_and_all_gather_are_priced_at_the_backends_factors(
     assert tail(gloo, 2) == tail(gloo, 3) == 2.5 * scatter + 1.2 * gather
     assert tail(ring, 2) == scatter + gather
     assert tail(gloo, 3, "micro-batch") == 0.0  # gathered and scattered in each micro-batch
+
+
+def test_profile_prices_the_ranks_sharing_this_hosts_cores_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--profile plans a run of this host's processes: four ranks on two cores share them."""
+    monkeypatch.setattr(
+        engine.cli.plan, "measured_link", lambda: Link(latency=2e-3, bandwidth=1.5e9)
+    )
+    monkeypatch.setattr(engine.cli.plan, "available_cores", lambda: 2)
+    assert _request("--profile").hardware.host_cores == 2
+    assert _request("--profile", "--host-cores", "4").hardware.host_cores == 4
+    assert _request().hardware.host_cores == 0  # devices of their own
+
+
+def test_the_plan_says_its_ranks_share_the_hosts_cores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--model", "gpt-tiny", "--devices", "4", "--global-batch", "4"]
+    argv += ["--device-memory", "1GB", *_QUICK, "--host-cores", "2"]
+    assert main(argv) == 0
+    assert "the 4 ranks sharing this host's 2 cores" in capsys.readouterr().out

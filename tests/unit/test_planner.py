@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from collections.abc import Sequence
@@ -966,3 +967,40 @@ def test_the_awaiting_pairs_no_other_covers_are_found_by_one_sort() -> None:
             mine = {p for g, p in rows if g == group}
             covered = {p for p in mine for q in mine if q != p and q[0] >= p[0] and q[1] >= p[1]}
             assert found[group] == frozenset(mine - covered)
+
+
+def _pipeline_of(pp: int, dp: int = 1) -> Candidate:
+    return Candidate(
+        mesh=ParallelConfig(pp=pp, dp=dp, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8 // dp,
+        micro_batch_size=1,
+    )
+
+
+def test_ranks_sharing_fewer_host_cores_than_they_number_are_priced_slower() -> None:
+    """Four ranks on a host of two cores: slower than on four devices, faster than every
+    action at half speed; two ranks on two cores as on two devices."""
+    cpu = Hardware(device_flops=1e9)  # a CPU's rate: compute, not latency, fills the step
+    own = replace(SMALL, devices=4, hardware=cpu)
+    shared = replace(own, hardware=replace(cpu, host_cores=2))
+    for layout in (_pipeline_of(4), _pipeline_of(2, dp=2)):
+        on_devices, on_cores = predict(own, layout), predict(shared, layout)
+        assert on_devices.step_time < on_cores.step_time < 2 * on_devices.step_time
+    two = replace(own, devices=2)
+    assert (
+        predict(replace(two, hardware=replace(cpu, host_cores=2)), _pipeline_of(2)).step_time
+        == predict(two, _pipeline_of(2)).step_time
+    )
+
+
+def test_a_pipeline_ranks_processes_share_the_host_cores_among_its_replicas_and_tp() -> None:
+    assert Hardware(host_cores=2).slots(2) == 1.0  # pp 2 × dp 2 on two cores
+    assert Hardware(host_cores=8).slots(2) == 4.0
+    assert Hardware().slots(4) == math.inf  # a device each
+
+
+def test_a_negative_core_count_is_refused_by_its_flag() -> None:
+    with pytest.raises(ValueError, match="--host-cores -1"):
+        Hardware(host_cores=-1)
