@@ -129,8 +129,11 @@ def step_with_costs(
     """The plan's step simulated as the search simulates it, but with the action costs given
     (each stage's) and each pipeline rank's work after its last backward (`after`: its
     reductions and optimizer update): a run's own, read from its trace, to tell the
-    simulator's structure apart from the prices the search gave it."""
-    state = SearchContext(request)
+    simulator's structure apart from the prices the search gave it. A run whose ranks shared
+    its host's cores (`Hardware.host_cores`) ran its actions so, their times with it: each
+    rank is simulated on a core of its own."""
+    own = replace(request, hardware=replace(request.hardware, host_cores=0))
+    state = SearchContext(own)
     screened = priced(state, plan.candidate, plan.boundaries)
     given = replace(screened, stages=tuple(stages), tails=tuple(after), updates=(0.0,) * len(after))
     return simulated_step(state, given).step

@@ -80,3 +80,26 @@ def test_the_step_with_given_costs_is_the_simulators_for_the_schedule() -> None:
     assert step_with_costs(request, plan, (unit, unit), (5.0, 0.0)) == pytest.approx(
         expected.step_time + 5.0  # rank 0 ends last in 1F1B
     )
+
+
+def test_a_runs_own_costs_are_simulated_on_a_core_each_where_its_ranks_shared_the_host() -> None:
+    """The traced action times of ranks that shared two cores already ran slower for it."""
+    request = PlanRequest(
+        model="gpt-tiny", devices=2, device_memory=2**30, global_batch=8, seq_len=32,
+        hardware=Hardware(link_bandwidth=1e30, latency=0.0, host_cores=1),
+    )  # fmt: skip
+    c = Candidate(
+        mesh=ParallelConfig(pp=2, dp=1, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8,
+        micro_batch_size=1,
+    )
+    unit = StageTimes(
+        forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, tp_comm=0.0, recompute=0.0
+    )
+    expected = simulate(make_schedule("1f1b", num_ranks=2, micro_batches=8), ActionCosts())
+    plan = predict(request, c)
+    assert step_with_costs(request, plan, (unit, unit), (0.0, 0.0)) == pytest.approx(
+        expected.step_time
+    )
