@@ -126,6 +126,10 @@ class StageTimes:
     """Of the forward plus backward: tensor-parallel all-reduces."""
     recompute: float
     """Of the backward: the forward it runs again."""
+    waits: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Of F, B, I and W: seconds in collectives (tp all-reduces, ZeRO-3's per-micro-batch
+    gathers and reduce-scatters), which a host's shared cores do not slow
+    (`shared_program_times`)."""
 
 
 def stage_times(
@@ -151,6 +155,7 @@ def stage_times(
     weight = 0.0
     if not runs_whole_backward_at_input(specs, layers, "full" if recompute else "none"):
         weight = sum(2 * forward[i] * (1 - input_shares[i]) for i in layers)
+    backward_waits = tp_b + (tp_f if recompute else 0.0) + zero_turn[1]
     return StageTimes(
         forward=f + tp_f + zero_turn[0],
         backward=2 * f + tp_b + extra + zero_turn[1],
@@ -158,6 +163,7 @@ def stage_times(
         weight_grad=weight,
         tp_comm=tp_f + tp_b,
         recompute=extra,
+        waits=(tp_f + zero_turn[0], backward_waits, backward_waits, 0.0),
     )
 
 
@@ -228,7 +234,8 @@ def time_program(
     stalls (a deadlock, which `simulate_stages` of the schedule explains). `slots`: the CPU
     cores each pipeline rank's share of the host comes to, where its ranks share fewer cores
     than they number (`Hardware.host_cores`; `shared_program_times`)."""
-    return shared_program_times(program, _costs(stages, p2p), len(stages), slots)
+    waits = tuple(s.waits for s in stages)
+    return shared_program_times(program, _costs(stages, p2p), len(stages), slots, waits)
 
 
 def with_tails(times: SimTimes, tails: Sequence[float]) -> Timed:

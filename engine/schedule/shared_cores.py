@@ -11,6 +11,9 @@ where every action at half speed takes 67.6.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 from engine.schedule.program import Program, SimTimes, program_times
 from engine.schedule.simulate import ActionCosts
 
@@ -22,12 +25,18 @@ sums of quotients, so an action's remaining work reaches 0 only up to rounding."
 
 
 def shared_program_times(
-    compiled: Program, costs: ActionCosts, num_stages: int, slots: float
+    compiled: Program,
+    costs: ActionCosts,
+    num_stages: int,
+    slots: float,
+    waits: Sequence[tuple[float, float, float, float]] | None = None,
 ) -> SimTimes | None:
     """`program_times` of a compiled schedule whose ranks compute on `slots` cores shared
     fairly among those computing at each moment (each of `n` computing advances at
-    `min(1, slots / n)` of its own speed); the same where `slots` covers every rank. Busy
-    times are each rank's work on a core of its own. None where the program stalls."""
+    `min(1, slots / n)` of its own speed); the same where `slots` covers every rank. `waits`:
+    per stage, the seconds of its F, B, I and W spent in collectives, which take their time
+    whatever the cores do (each action computes, then waits). Busy times are each rank's
+    whole actions on a core of its own. None where the program stalls."""
     ranks = len(compiled.rows)
     if slots >= ranks:
         return program_times(compiled, costs, num_stages)
@@ -36,82 +45,87 @@ def shared_program_times(
         or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),) * num_stages
     )
     table = [*(c for row in per_stage for c in row), 0.0]
-    ends = _run_shared(compiled, table, costs.comm, slots)
+    waited = [*(w for row in waits or ((0.0,) * 4,) * num_stages for w in row), 0.0]
+    work = [max(0.0, c - w) for c, w in zip(table, waited, strict=True)]
+    ends = _Host(compiled, work, waited, costs.comm, slots).run()
     if ends is None:
         return None
     busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
     return SimTimes(ends=tuple(ends), busy=busy)
 
 
-def _run_shared(
-    compiled: Program, table: list[float], comm: float, slots: float
-) -> list[float] | None:
-    """Event by event: start what can start, then advance the clock to the next end of a
-    compute or arrival of a message; each rank's end, or None where none can move."""
-    program, sent = compiled.rows, [-1.0] * compiled.messages
-    pcs, ends = [0] * len(program), [0.0] * len(program)
-    left: dict[int, float] = {}  # rank -> work left of the compute it runs
-    now = 0.0
-    while True:
-        arrivals = [
-            _start(program, rank, pcs, sent, left, table, comm, now, ends)
-            for rank in range(len(program))
-        ]
-        if not left and all(pc == len(steps) for pc, steps in zip(pcs, program, strict=True)):
-            return ends
-        pending = [at for at in arrivals if at is not None]
-        rate = min(1.0, slots / len(left)) if left else 0.0
-        finish = min(left.values()) / rate if left else float("inf")
-        step = min([finish, *(at - now for at in pending)])
-        if step == float("inf"):
-            return None
-        now += step
-        for rank in list(left):
-            left[rank] -= step * rate
-            if left[rank] <= _DONE:
-                del left[rank]
-                _finish(program, rank, pcs, sent, now, ends)
+class _Host:
+    """One dry run on shared cores: each rank's position, the work left of the compute it
+    runs, when the collective it waits in ends, and when each message was posted."""
 
+    def __init__(
+        self, compiled: Program, work: list[float], waits: list[float], comm: float, slots: float
+    ) -> None:
+        self.program, self.work, self.waits = compiled.rows, work, waits
+        self.comm, self.slots = comm, slots
+        self.sent = [-1.0] * compiled.messages
+        self.pcs, self.ends = [0] * len(self.program), [0.0] * len(self.program)
+        self.left: dict[int, float] = {}
+        self.waiting: dict[int, float] = {}
 
-def _start(
-    program: tuple[tuple[tuple[int, int, int], ...], ...],
-    rank: int,
-    pcs: list[int],
-    sent: list[float],
-    left: dict[int, float],
-    table: list[float],
-    comm: float,
-    now: float,
-    ends: list[float],
-) -> float | None:
-    """Move `rank` through the steps it can take at `now` until it computes, waits or ends:
-    the time its awaited message arrives where that is later, else None."""
-    steps = program[rank]
-    while rank not in left and pcs[rank] < len(steps):
-        cost, wait, _ = steps[pcs[rank]]
-        if wait >= 0:
-            if sent[wait] < 0.0:
+    def run(self) -> list[float] | None:
+        """Event by event: start what can start, then advance the clock to the next end of a
+        compute or a collective, or arrival of a message; each rank's end, or None where
+        none can move."""
+        now = 0.0
+        while True:
+            arrivals = [self._start(rank, now) for rank in range(len(self.program))]
+            events = [at for at in (*arrivals, *self.waiting.values()) if at is not None]
+            if not self.left and not events:
+                finished = all(pc == len(s) for pc, s in zip(self.pcs, self.program, strict=True))
+                return self.ends if finished else None
+            rate = min(1.0, self.slots / len(self.left)) if self.left else 0.0
+            step = min(
+                [
+                    min(self.left.values()) / rate if self.left else math.inf,
+                    *(at - now for at in events),
+                ]
+            )
+            now += step
+            for rank in list(self.left):
+                self.left[rank] -= step * rate
+                if self.left[rank] <= _DONE:
+                    del self.left[rank]
+                    self._computed(rank, now)
+            for rank, at in list(self.waiting.items()):
+                if at <= now:
+                    del self.waiting[rank]
+                    self._finish(rank, now)
+
+    def _start(self, rank: int, now: float) -> float | None:
+        """Move `rank` through the steps it can take at `now` until it computes, waits or
+        ends: the time its awaited message arrives where that is later, else None."""
+        steps = self.program[rank]
+        while rank not in self.left and rank not in self.waiting and self.pcs[rank] < len(steps):
+            cost, wait, _ = steps[self.pcs[rank]]
+            if wait >= 0:
+                if self.sent[wait] < 0.0:
+                    return None
+                if self.sent[wait] + self.comm > now:
+                    return self.sent[wait] + self.comm
+            if self.work[cost] > 0.0:
+                self.left[rank] = self.work[cost]
                 return None
-            if sent[wait] + comm > now:
-                return sent[wait] + comm
-        if table[cost] > 0.0:
-            left[rank] = table[cost]
-            return None
-        _finish(program, rank, pcs, sent, now, ends)
-    return None
+            self._computed(rank, now)
+        return None
 
+    def _computed(self, rank: int, now: float) -> None:
+        """The current step's compute is done: its collectives' wait, or its end."""
+        cost = self.program[rank][self.pcs[rank]][0]
+        if self.waits[cost] > 0.0:
+            self.waiting[rank] = now + self.waits[cost]
+        else:
+            self._finish(rank, now)
 
-def _finish(
-    program: tuple[tuple[tuple[int, int, int], ...], ...],
-    rank: int,
-    pcs: list[int],
-    sent: list[float],
-    now: float,
-    ends: list[float],
-) -> None:
-    """The rank's current step ends at `now`: its message posted, its position moved on."""
-    _, _, make = program[rank][pcs[rank]]
-    if make >= 0:
-        sent[make] = now
-    pcs[rank] += 1
-    ends[rank] = now
+    def _finish(self, rank: int, now: float) -> None:
+        """The rank's current step ends at `now`: its message posted, its position on."""
+        make = self.program[rank][self.pcs[rank]][2]
+        if make >= 0:
+            self.sent[make] = now
+        self.pcs[rank] += 1
+        self.ends[rank] = now

@@ -88,6 +88,27 @@ def test_a_stages_backward_pays_its_column_wise_all_reduces() -> None:
     assert times.tp_comm == pytest.approx(4 * one)
 
 
+def test_an_actions_collectives_are_told_apart_from_its_compute() -> None:
+    """On a host's shared cores only the compute shares them; the all-reduces, and a
+    recomputed forward's, and ZeRO-3's turns, take their own time (`StageTimes.waits`)."""
+    specs = layer_specs("llama-tiny")
+    one = 2 * 1e-3  # a ring all-reduce over 2 ranks at 1 ms latency
+    times = stage_times(
+        [0.25] * len(specs),
+        specs,
+        range(1, 2),
+        hardware=Hardware(latency=1e-3, link_bandwidth=1e30),
+        activation_bytes=1024,
+        tp=2,
+        recompute=True,
+        input_shares=[0.5] * len(specs),
+        zero_turn=(0.01, 0.03),
+    )
+    assert times.waits == pytest.approx((2 * one + 0.01, 4 * one + 0.03, 4 * one + 0.03, 0.0))
+    assert times.forward - times.waits[0] == pytest.approx(0.25)
+    assert times.backward - times.waits[1] == pytest.approx(2 * 0.25 + 0.25)  # B and the F again
+
+
 def test_a_vocabulary_split_heads_loss_reduces_scalars_at_the_latency() -> None:
     specs = layer_specs("gpt-tiny")
     head = len(specs) - 1

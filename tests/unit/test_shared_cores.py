@@ -95,3 +95,16 @@ def test_a_program_that_stalls_on_shared_cores_gives_none() -> None:
     """A rank waiting for a message no rank posts."""
     program = Program(rows=(((8, 0, -1),), ((0, -1, -1),)), messages=1, computes=((), (0,)))
     assert shared_program_times(program, ActionCosts(), 2, 1.0) is None
+
+
+def test_a_collectives_wait_leaves_the_core_to_the_ranks_that_compute() -> None:
+    """Rank 0 computes 1 s then waits 1 s in a collective; rank 1 computes 2 s, one core:
+    both at half speed until rank 0's compute is done at 2 s, then rank 1 alone, done at 3 s
+    as rank 0's wait ends. Counted as compute, both would end at 4 s."""
+    program, costs = _alone(2.0, 2.0)
+    waits = ((1.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
+    times = shared_program_times(program, costs, 2, 1.0, waits)
+    assert times is not None and times.ends == pytest.approx((3.0, 3.0), abs=1e-12)
+    counted = shared_program_times(program, costs, 2, 1.0)
+    assert counted is not None and counted.ends == pytest.approx((4.0, 4.0), abs=1e-12)
+    assert times.busy == (2.0, 2.0)
