@@ -10,6 +10,7 @@ import pytest
 from engine.config import ParallelConfig
 from engine.plan import Hardware, PlanRequest, predict, step_with_costs
 from engine.plan.candidates import Candidate
+from engine.plan.request import Prediction
 from engine.plan.run_costs import run_costs
 from engine.plan.timing import StageTimes
 from engine.schedule import ActionCosts, make_schedule, simulate
@@ -57,10 +58,17 @@ def test_a_runs_costs_are_its_steady_steps_means_per_stage(tmp_path: Path) -> No
     assert after == pytest.approx((0.005 + 0.004, 0.003))  # the tied sum's wait left out
 
 
-def test_the_step_with_given_costs_is_the_simulators_for_the_schedule() -> None:
+_UNIT = StageTimes(
+    forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, tp_comm=0.0, recompute=0.0
+)
+
+
+def _two_stage_1f1b(hardware: Hardware) -> tuple[PlanRequest, Prediction, float]:
+    """gpt-tiny over two pipeline ranks, 1F1B of 8 micro-batches: the request, its plan, and
+    the step `simulate` gives the schedule at unit costs (F 1, B 2)."""
     request = PlanRequest(
         model="gpt-tiny", devices=2, device_memory=2**30, global_batch=8, seq_len=32,
-        hardware=Hardware(link_bandwidth=1e30, latency=0.0),
+        hardware=hardware,
     )  # fmt: skip
     c = Candidate(
         mesh=ParallelConfig(pp=2, dp=1, tp=1),
@@ -69,37 +77,20 @@ def test_the_step_with_given_costs_is_the_simulators_for_the_schedule() -> None:
         micro_batches=8,
         micro_batch_size=1,
     )
-    unit = StageTimes(
-        forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, tp_comm=0.0, recompute=0.0
-    )
     expected = simulate(make_schedule("1f1b", num_ranks=2, micro_batches=8), ActionCosts())
-    plan = predict(request, c)
-    assert step_with_costs(request, plan, (unit, unit), (0.0, 0.0)) == pytest.approx(
-        expected.step_time
-    )
-    assert step_with_costs(request, plan, (unit, unit), (5.0, 0.0)) == pytest.approx(
-        expected.step_time + 5.0  # rank 0 ends last in 1F1B
+    return request, predict(request, c), expected.step_time
+
+
+def test_the_step_with_given_costs_is_the_simulators_for_the_schedule() -> None:
+    request, plan, step = _two_stage_1f1b(Hardware(link_bandwidth=1e30, latency=0.0))
+    assert step_with_costs(request, plan, (_UNIT, _UNIT), (0.0, 0.0)) == pytest.approx(step)
+    assert step_with_costs(request, plan, (_UNIT, _UNIT), (5.0, 0.0)) == pytest.approx(
+        step + 5.0  # rank 0 ends last in 1F1B
     )
 
 
 def test_a_runs_own_costs_are_simulated_on_a_core_each_where_its_ranks_shared_the_host() -> None:
-    """The traced action times of ranks that shared two cores already ran slower for it."""
-    request = PlanRequest(
-        model="gpt-tiny", devices=2, device_memory=2**30, global_batch=8, seq_len=32,
-        hardware=Hardware(link_bandwidth=1e30, latency=0.0, host_cores=1),
-    )  # fmt: skip
-    c = Candidate(
-        mesh=ParallelConfig(pp=2, dp=1, tp=1),
-        schedule="1f1b",
-        stages_per_rank=1,
-        micro_batches=8,
-        micro_batch_size=1,
-    )
-    unit = StageTimes(
-        forward=1.0, backward=2.0, input_grad=1.0, weight_grad=1.0, tp_comm=0.0, recompute=0.0
-    )
-    expected = simulate(make_schedule("1f1b", num_ranks=2, micro_batches=8), ActionCosts())
-    plan = predict(request, c)
-    assert step_with_costs(request, plan, (unit, unit), (0.0, 0.0)) == pytest.approx(
-        expected.step_time
-    )
+    """The traced action times of ranks that shared one core already ran slower for it."""
+    shared = Hardware(link_bandwidth=1e30, latency=0.0, host_cores=1)
+    request, plan, step = _two_stage_1f1b(shared)
+    assert step_with_costs(request, plan, (_UNIT, _UNIT), (0.0, 0.0)) == pytest.approx(step)
