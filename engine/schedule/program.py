@@ -21,6 +21,7 @@ __all__ = [
     "Program",
     "SimTimes",
     "compiled_program",
+    "cost_table",
     "fused_program",
     "program_times",
     "simulate_times",
@@ -155,16 +156,22 @@ def compiled_program(schedule: Schedule) -> Program:
 def program_times(compiled: Program, costs: ActionCosts, num_stages: int) -> SimTimes | None:
     """`simulate_times` of a compiled schedule of `num_stages` stages; None where it stalls
     (a deadlock, which `simulate` of the schedule explains)."""
-    per_stage = (
-        costs.per_stage
-        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),) * num_stages
-    )
-    table = [*(c for row in per_stage for c in row), 0.0]
+    table = cost_table(costs, num_stages)
     pcs, clocks = _run_program(compiled, table, costs.comm)
     if any(pc < len(steps) for pc, steps in zip(pcs, compiled.rows, strict=True)):
         return None
     busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
     return SimTimes(ends=tuple(clocks), busy=busy)
+
+
+def cost_table(costs: ActionCosts, num_stages: int) -> list[float]:
+    """The seconds of each cost index a `Program`'s steps name (stage · 4 + F/B/I/W), then
+    the idle step's 0.0."""
+    per_stage = (
+        costs.per_stage
+        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),) * num_stages
+    )
+    return [*(c for row in per_stage for c in row), 0.0]
 
 
 def _run_program(

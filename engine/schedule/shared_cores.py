@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from engine.schedule.program import Program, SimTimes, program_times
+from engine.schedule.program import Program, SimTimes, cost_table, program_times
 from engine.schedule.simulate import ActionCosts
 
 __all__ = ["shared_program_times"]
@@ -40,11 +40,7 @@ def shared_program_times(
     ranks = len(compiled.rows)
     if slots >= ranks:
         return program_times(compiled, costs, num_stages)
-    per_stage = (
-        costs.per_stage
-        or ((costs.forward, costs.backward, costs.input_grad, costs.weight_grad),) * num_stages
-    )
-    table = [*(c for row in per_stage for c in row), 0.0]
+    table = cost_table(costs, num_stages)
     waited = [*(w for row in waits or ((0.0,) * 4,) * num_stages for w in row), 0.0]
     work = [max(0.0, c - w) for c, w in zip(table, waited, strict=True)]
     ends = _Host(compiled, work, waited, costs.comm, slots).run()
