@@ -21,7 +21,14 @@ from engine.plan.counts import StageCounts, State, stage_counts
 from engine.plan.layer_bytes import LayerBytes, layer_bytes, layer_shape, state_sums
 from engine.plan.programs import Programs
 from engine.plan.request import PlanRequest
-from engine.plan.timing import StageTimes, input_share, layer_flops, simulate_stages, time_program
+from engine.plan.timing import (
+    StageTimes,
+    input_share,
+    layer_flops,
+    simulate_stages,
+    stages_timeline,
+    time_program,
+)
 from engine.schedule import Schedule, SimResult, SimTimes, make_schedule, own_placement
 from engine.schedule.generated_arrays import schedule_arrays
 from engine.schedule.passes import as_lowered
@@ -266,9 +273,15 @@ class SearchContext:
             raise AssertionError(f"the simulation of {key} stalled where simulate runs through")
         return times
 
-    def timeline(self, schedule: Schedule, stages: tuple[StageTimes, ...], p2p: float) -> SimResult:
+    def timeline(
+        self,
+        schedule: Schedule,
+        stages: tuple[StageTimes, ...],
+        p2p: float,
+        slots: float = math.inf,
+    ) -> SimResult:
         """`run` with the timeline a plan's figure draws: for the plans shown, not searched."""
-        return simulate_stages(as_lowered(schedule), stages, p2p=p2p, validated=True)
+        return stages_timeline(as_lowered(schedule), stages, p2p=p2p, slots=slots)
 
     def pipeline(self, c: Candidate) -> Pipeline:
         return self.schedule(c.schedule, c.mesh.pp, c.micro_batches, c.stages_per_rank)

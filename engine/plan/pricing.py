@@ -209,7 +209,9 @@ def prediction(search: SearchContext, s: Priced, timed: Timed | None) -> Predict
 def with_timeline(search: SearchContext, s: Priced, plan: Prediction) -> Prediction:
     """The plan with its simulated timeline: the step's, or its longer sample's."""
     sample = search.samples(search.pipeline(s.candidate))[-1]
-    return replace(plan, simulated=search.timeline(sample, s.stages, s.p2p), tails=s.after)
+    slots = search.request.hardware.slots(s.candidate.mesh.dp * s.candidate.mesh.tp)
+    timeline = search.timeline(sample, s.stages, s.p2p, slots)
+    return replace(plan, simulated=timeline, tails=s.after)
 
 
 def simulated_step(search: SearchContext, s: Priced) -> Timed:

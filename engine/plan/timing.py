@@ -40,6 +40,7 @@ from engine.schedule import (
     SimResult,
     SimTimes,
     shared_program_times,
+    shared_timeline,
     simulate,
 )
 from models import LayerSpec
@@ -53,6 +54,7 @@ __all__ = [
     "layer_flops",
     "simulate_stages",
     "stage_times",
+    "stages_timeline",
     "time_program",
     "tp_all_reduces",
     "with_tails",
@@ -223,6 +225,16 @@ def simulate_stages(
     """The schedule's step under the stages' action costs and the transfer delay `p2p`
     (`validated`: as `simulate`'s), with its timeline."""
     return simulate(schedule, _costs(stages, p2p), validated=validated)
+
+
+def stages_timeline(
+    lowered: Schedule, stages: Sequence[StageTimes], *, p2p: float, slots: float = math.inf
+) -> SimResult:
+    """`simulate_stages` of a lowered schedule known valid, its ranks on `slots` CPU cores
+    each as `time_program` times them (`shared_timeline`): the timeline a plan's figure
+    draws shows the step the search priced."""
+    waits = tuple(s.waits for s in stages)
+    return shared_timeline(lowered, _costs(stages, p2p), slots, waits)
 
 
 def time_program(

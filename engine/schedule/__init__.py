@@ -31,7 +31,7 @@ from engine.schedule.program import (
 )
 from engine.schedule.resolve import check_fits, schedule_for
 from engine.schedule.schedule import Schedule, format_schedule
-from engine.schedule.shared_cores import shared_program_times
+from engine.schedule.shared_cores import shared_program_times, shared_timeline
 from engine.schedule.simulate import ActionCosts, SimResult, simulate, steady_state_bubble
 from engine.schedule.text import load_schedule, parse_schedule, save_schedule
 from engine.schedule.v_schedules import V_SCHEDULES, dualpipe_v, v_half, v_min, zb_v
@@ -71,6 +71,7 @@ __all__ = [
     "save_schedule",
     "schedule_for",
     "shared_program_times",
+    "shared_timeline",
     "simulate",
     "simulate_times",
     "split_units",

@@ -7,17 +7,28 @@ most `slots` ranks compute and slower when more do, and at full speed again when
 (a pipeline's warm-up and drain). Scaling every action by ranks over cores misses that: 1F1B
 over four ranks and eight micro-batches on two cores (F 1, B 2, a transfer 0.1) takes 51.4
 where every action at half speed takes 67.6.
+
+`shared_timeline` draws the same clock action by action: the figure of a plan priced so
+(`meshpipe plan --plot`) shows the step the plan's line states.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
-from engine.schedule.program import Program, SimTimes, cost_table, program_times
-from engine.schedule.simulate import ActionCosts
+from engine.schedule.program import (
+    Program,
+    SimTimes,
+    compiled_program,
+    cost_table,
+    program_times,
+)
+from engine.schedule.schedule import Schedule
+from engine.schedule.simulate import ActionCosts, SimResult, TimedAction, simulate
 
-__all__ = ["shared_program_times"]
+__all__ = ["shared_program_times", "shared_timeline"]
 
 _DONE = 1e-12
 """Work left (in seconds of one core) below which a compute has ended: the clock advances by
@@ -37,22 +48,64 @@ def shared_program_times(
     per stage, the seconds of its F, B, I and W spent in collectives, which take their time
     whatever the cores do (each action computes, then waits). Busy times are each rank's
     whole actions on a core of its own. None where the program stalls."""
-    ranks = len(compiled.rows)
-    if slots >= ranks:
+    if slots >= len(compiled.rows):
         return program_times(compiled, costs, num_stages)
+    host = _host(compiled, costs, num_stages, slots, waits)
+    if host.run() is None:
+        return None
+    table = cost_table(costs, num_stages)
+    busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
+    return SimTimes(ends=tuple(host.ends), busy=busy)
+
+
+def shared_timeline(
+    lowered: Schedule,
+    costs: ActionCosts,
+    slots: float,
+    waits: Sequence[tuple[float, float, float, float]] | None = None,
+) -> SimResult:
+    """`simulate`'s result of a lowered schedule known valid, its actions timed on `slots`
+    shared cores as `shared_program_times` times them: each action starts where its rank's
+    previous one ended and ends where the shared clock finished it. Busy times and in-flight
+    peaks are the rank's own order's, as `simulate`'s."""
+    own = simulate(lowered, costs, validated=True)
+    if slots >= lowered.num_ranks:
+        return own
+    host = _host(compiled_program(lowered), costs, lowered.num_stages, slots, waits)
+    if host.run() is None:
+        raise AssertionError("a schedule `simulate` runs through stalled on shared cores")
+    timeline = tuple(
+        tuple(
+            TimedAction(action=timed.action, start=start, end=end)
+            for timed, start, end in zip(row, [0.0, *ends], ends, strict=False)
+        )
+        for row, ends in zip(own.timeline, host.finished, strict=True)
+    )
+    step = max(host.ends)
+    total = lowered.num_ranks * step
+    bubble = (total - sum(own.busy)) / total if total > 0 else 0.0
+    return replace(own, timeline=timeline, step_time=step, bubble=bubble)
+
+
+def _host(
+    compiled: Program,
+    costs: ActionCosts,
+    num_stages: int,
+    slots: float,
+    waits: Sequence[tuple[float, float, float, float]] | None,
+) -> _Host:
+    """The dry run of `compiled` on `slots` shared cores, each step's work its compute less
+    its collectives' wait."""
     table = cost_table(costs, num_stages)
     waited = [*(w for row in waits or ((0.0,) * 4,) * num_stages for w in row), 0.0]
     work = [max(0.0, c - w) for c, w in zip(table, waited, strict=True)]
-    ends = _Host(compiled, work, waited, costs.comm, slots).run()
-    if ends is None:
-        return None
-    busy = tuple(sum(map(table.__getitem__, computes)) for computes in compiled.computes)
-    return SimTimes(ends=tuple(ends), busy=busy)
+    return _Host(compiled, work, waited, costs.comm, slots)
 
 
 class _Host:
     """One dry run on shared cores: each rank's position, the work left of the compute it
-    runs, when the collective it waits in ends, and when each message was posted."""
+    runs, when the collective it waits in ends, when each message was posted, and when each
+    of its steps finished (`finished`)."""
 
     def __init__(
         self, compiled: Program, work: list[float], waits: list[float], comm: float, slots: float
@@ -61,6 +114,7 @@ class _Host:
         self.comm, self.slots = comm, slots
         self.sent = [-1.0] * compiled.messages
         self.pcs, self.ends = [0] * len(self.program), [0.0] * len(self.program)
+        self.finished: list[list[float]] = [[] for _ in self.program]
         self.left: dict[int, float] = {}
         self.waiting: dict[int, float] = {}
 
@@ -70,7 +124,7 @@ class _Host:
         none can move."""
         now = 0.0
         while True:
-            arrivals = [self._start(rank, now) for rank in range(len(self.program))]
+            arrivals = self._start_all(now)
             events = [at for at in (*arrivals, *self.waiting.values()) if at is not None]
             if not self.left and not events:
                 finished = all(pc == len(s) for pc, s in zip(self.pcs, self.program, strict=True))
@@ -92,6 +146,15 @@ class _Host:
                 if at <= now:
                     del self.waiting[rank]
                     self._finish(rank, now)
+
+    def _start_all(self, now: float) -> list[float | None]:
+        """`_start` of every rank, again while one moved: a step of no work (a lowered row's
+        send) posts its message at once, which a rank started before it may be waiting for."""
+        while True:
+            before = list(self.pcs)
+            arrivals = [self._start(rank, now) for rank in range(len(self.program))]
+            if self.pcs == before:
+                return arrivals
 
     def _start(self, rank: int, now: float) -> float | None:
         """Move `rank` through the steps it can take at `now` until it computes, waits or
@@ -125,3 +188,4 @@ class _Host:
             self.sent[make] = now
         self.pcs[rank] += 1
         self.ends[rank] = now
+        self.finished[rank].append(now)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from engine.plan import PlanRequest, Prediction, plan_figure, search
+from engine.config import ParallelConfig
+from engine.plan import Hardware, PlanRequest, Prediction, plan_figure, predict, search
+from engine.plan.candidates import Candidate
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +48,25 @@ def test_the_plans_figure_spans_the_whole_step_and_names_the_tail(
     plt.close(fig)
     assert top.get_xlim()[1] == pytest.approx(plan.step_time, rel=1e-12)
     assert legend[-1] == "dp reduction,\noptimizer" and legend[0] == "F"
+
+
+
+def test_the_timeline_of_ranks_sharing_the_hosts_cores_ends_at_the_step_priced_so() -> None:
+    """Four pipeline ranks on two cores (a CPU plan): the figure draws the shared clock the
+    plan is priced by, not each rank on a core of its own."""
+    cpu = Hardware(device_flops=1e9, host_cores=2)
+    request = PlanRequest(
+        model="gpt-tiny", devices=4, device_memory=2**30, global_batch=8, seq_len=32, hardware=cpu
+    )
+    layout = Candidate(
+        mesh=ParallelConfig(pp=4, dp=1, tp=1),
+        schedule="1f1b",
+        stages_per_rank=1,
+        micro_batches=8,
+        micro_batch_size=1,
+    )
+    plan = predict(request, layout)
+    own = predict(replace(request, hardware=replace(cpu, host_cores=0)), layout)
+    assert plan.step_time > own.step_time
+    ends = [end + tail for end, tail in zip(_rank_ends(plan), plan.tails, strict=True)]
+    assert max(ends) == pytest.approx(plan.step_time, rel=1e-12)

@@ -7,10 +7,13 @@ import pytest
 
 from engine.schedule import (
     ActionCosts,
+    add_communication,
     compiled_program,
     make_schedule,
     program_times,
     shared_program_times,
+    shared_timeline,
+    simulate,
 )
 from engine.schedule.program import Program
 
@@ -108,3 +111,43 @@ def test_a_collectives_wait_leaves_the_core_to_the_ranks_that_compute() -> None:
     counted = shared_program_times(program, costs, 2, 1.0)
     assert counted is not None and counted.ends == pytest.approx((4.0, 4.0), abs=1e-12)
     assert times.busy == (2.0, 2.0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "interleaved_1f1b"])
+def test_a_shared_timeline_ends_each_rank_where_the_shared_clock_does(name: str) -> None:
+    """The figure's timeline and the search's price agree: each rank's last action ends
+    where `shared_program_times` ends it, the step and bubble follow."""
+    v = 2 if name == "interleaved_1f1b" else 1
+    schedule = make_schedule(name, num_ranks=4, micro_batches=8, stages_per_rank=v)
+    timed = shared_timeline(add_communication(schedule), _COSTS, 2.0)
+    clock = shared_program_times(compiled_program(schedule), _COSTS, schedule.num_stages, 2.0)
+    assert clock is not None
+    ends = [row[-1].end for row in timed.timeline]
+    assert ends == pytest.approx(clock.ends, rel=1e-12)
+    assert timed.step_time == max(ends)
+    assert timed.busy == clock.busy
+    assert timed.bubble == pytest.approx(1 - sum(clock.busy) / (4 * max(ends)), rel=1e-12)
+
+
+@pytest.mark.parametrize("cores", [1.0, 2.0, 3.0])
+def test_each_action_of_a_shared_timeline_starts_where_its_ranks_last_ended(
+    cores: float,
+) -> None:
+    """A rank runs its actions in turn, none faster than on a core of its own, and the
+    in-flight peaks are its own order's."""
+    lowered = add_communication(make_schedule("1f1b", num_ranks=4, micro_batches=8))
+    own = simulate(lowered, _COSTS)
+    timed = shared_timeline(lowered, _COSTS, cores)
+    for own_row, row in zip(own.timeline, timed.timeline, strict=True):
+        assert [t.action for t in row] == [t.action for t in own_row]
+        assert [t.start for t in row] == [0.0, *(t.end for t in row[:-1])]
+        for mine, alone in zip(row, own_row, strict=True):
+            assert mine.end - mine.start >= alone.end - alone.start - 1e-9 or alone.start > 0
+            assert mine.end - mine.start >= _COSTS.of(mine.action) - 1e-9
+    assert timed.in_flight_peak == own.in_flight_peak
+    assert timed.step_time >= own.step_time - 1e-9
+
+
+def test_a_shared_timeline_with_a_core_for_every_rank_is_simulates_own() -> None:
+    lowered = add_communication(make_schedule("zb_h1", num_ranks=4, micro_batches=8))
+    assert shared_timeline(lowered, _COSTS, 4.0) == simulate(lowered, _COSTS)
