@@ -50,7 +50,6 @@ def test_the_plans_figure_spans_the_whole_step_and_names_the_tail(
     assert legend[-1] == "dp reduction,\noptimizer" and legend[0] == "F"
 
 
-
 def test_the_timeline_of_ranks_sharing_the_hosts_cores_ends_at_the_step_priced_so() -> None:
     """Four pipeline ranks on two cores (a CPU plan): the figure draws the shared clock the
     plan is priced by, not each rank on a core of its own."""
