@@ -209,16 +209,20 @@ def prediction(search: SearchContext, s: Priced, timed: Timed | None) -> Predict
 def with_timeline(search: SearchContext, s: Priced, plan: Prediction) -> Prediction:
     """The plan with its simulated timeline: the step's, or its longer sample's."""
     sample = search.samples(search.pipeline(s.candidate))[-1]
-    slots = search.request.hardware.slots(s.candidate.mesh.dp * s.candidate.mesh.tp)
-    timeline = search.timeline(sample, s.stages, s.p2p, slots)
+    timeline = search.timeline(sample, s.stages, s.p2p, _slots(search, s.candidate))
     return replace(plan, simulated=timeline, tails=s.after)
+
+
+def _slots(search: SearchContext, c: Candidate) -> float:
+    """The host cores each of the candidate's pipeline ranks comes to (`Hardware.slots`)."""
+    return search.request.hardware.slots(c.mesh.dp * c.mesh.tp)
 
 
 def simulated_step(search: SearchContext, s: Priced) -> Timed:
     """The step simulated, or extended from its two samples (`Pipeline.lengths`)."""
     pipeline = search.pipeline(s.candidate)
     samples = search.sample_keys(pipeline)
-    slots = search.request.hardware.slots(s.candidate.mesh.dp * s.candidate.mesh.tp)
+    slots = _slots(search, s.candidate)
     timed = [with_tails(search.run(x, s.stages, s.p2p, slots), s.after) for x in samples]
     if len(timed) == 1:
         return timed[0]
