@@ -3,37 +3,21 @@ planner can price it by, stage by stage, and the same command's spread from run 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
-import pytest
+from scripts import profile_vs_run as script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_vs_run.py"
 _ARGS = ["--model", "gpt-tiny", "--rounds", "1", "--steps", "3", "--repeats", "1"]
 
 
-@pytest.fixture(scope="module")
-def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("profile_vs_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_each_stage_is_priced_three_ways_beside_its_own_run(
-    script: ModuleType, tmp_path: Path
-) -> None:
+def test_each_stage_is_priced_three_ways_beside_its_own_run(tmp_path: Path) -> None:
     prices = script.stage_prices(script.parse_args(_ARGS), tmp_path)
     assert [p.stage for p in prices] == [0, 1]
     for p in prices:
         assert p.layers > 0 and p.in_process > 0 and p.run > 0
 
 
-def test_the_run_trains_the_stages_the_profiles_time(script: ModuleType) -> None:
+def test_the_run_trains_the_stages_the_profiles_time() -> None:
     args = script.parse_args(_ARGS)
     bounds = script._bounds(args)
     command = script._command(args, bounds)
@@ -41,6 +25,6 @@ def test_the_run_trains_the_stages_the_profiles_time(script: ModuleType) -> None
     assert command[command.index("--global-batch") + 1] == str(8 * 2)
 
 
-def test_the_spread_runs_the_same_command_as_often_as_asked(script: ModuleType) -> None:
+def test_the_spread_runs_the_same_command_as_often_as_asked() -> None:
     tokens = script.spread(script.parse_args([*_ARGS, "--spread", "2"]))
     assert len(tokens) == 2 and min(tokens) > 0
