@@ -28,6 +28,7 @@ __all__ = [
     "measured_costs",
     "median_seconds",
     "parameter_costs",
+    "synchronized",
 ]
 
 COST_MODELS = ("parameters", "flops", "activations", "time")
@@ -93,26 +94,52 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples[1:])
 
 
+def synchronized(run: Callable[[], object], device: str) -> Callable[[], object]:
+    """`run`, then a wait for the device's queued kernels where it queues them (CUDA): what a
+    wall-clock timing of GPU work must include."""
+    if torch.device(device).type != "cuda":
+        return run
+
+    def waited() -> None:
+        run()
+        torch.cuda.synchronize(device)
+
+    return waited
+
+
 def _time_layer(
-    spec: LayerSpec, index: int, batch_size: int, seq_len: int, repeats: int, last: bool
+    spec: LayerSpec,
+    index: int,
+    batch_size: int,
+    seq_len: int,
+    repeats: int,
+    last: bool,
+    device: str,
 ) -> float:
-    layer = build_layers([spec] * (index + 1), [index], seed=0)
-    x = spec.example_input(batch_size, seq_len, device="cpu")
+    layer = build_layers([spec] * (index + 1), [index], seed=0, device=device)
+    x = spec.example_input(batch_size, seq_len, device=device)
     if x.is_floating_point():
-        x = torch.randn(x.shape).requires_grad_()
-    return median_seconds(lambda: backward_root(layer(x), last).backward(), repeats)
+        x = torch.randn(x.shape, device=device).requires_grad_()
+    step = synchronized(lambda: backward_root(layer(x), last).backward(), device)
+    return median_seconds(step, repeats)
 
 
 def measured_costs(
-    specs: Sequence[LayerSpec], *, batch_size: int, seq_len: int, repeats: int = 3
+    specs: Sequence[LayerSpec],
+    *,
+    batch_size: int,
+    seq_len: int,
+    repeats: int = 3,
+    device: str = "cpu",
 ) -> tuple[float, ...]:
-    """Median seconds of forward + backward per layer on the CPU, after one warm-up run; the
-    last layer's with the loss (`backward_root`)."""
+    """Median seconds of forward + backward per layer on `device` (the CPU, or a GPU, waiting
+    for its kernels), after one warm-up run; the last layer's with the loss
+    (`backward_root`)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1")
     last = len(specs) - 1
     return tuple(
-        _time_layer(spec, i, batch_size, seq_len, repeats, i == last)
+        _time_layer(spec, i, batch_size, seq_len, repeats, i == last, device)
         for i, spec in enumerate(specs)
     )
 

@@ -5,10 +5,12 @@
 # overhead) and `system` (the CUDA tests, grouped-query attention's memory, two ranks sharing
 # the GPU, the memory model against the allocator); a third, `peers`, times meshpipe's ZB-V and
 # DualPipeV against torch's (issue 26's speed target), both stages of each V on one GPU, then
-# on two ranks where the machine has two GPUs (skipped, saying so, on one). Runs from
+# on two ranks where the machine has two GPUs (skipped, saying so, on one); a fourth, `plan`,
+# sets the planner's predictions against `meshpipe train --plan` runs on one GPU, the layers
+# timed there (issue #25, item 4: the cost model off this VM's noise). Runs from
 # the checkout without installing (PYTHONPATH) and keeps its output in
 # OUT_DIR/gpu_checks-PART.log, so a call cut off at its time limit still returns what ran.
-# Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|peers|all]
+# Usage: bash scripts/gpu_checks.sh [OUT_DIR] [stage|system|peers|plan|all]
 # GPU_CHECKS_SMOKE=1 runs every command at toy size on the CPU (llama-tiny, gpt-tiny): run it
 # before a GPU session, whose calls are too few to spend on a mistyped flag.
 set -uo pipefail
@@ -16,8 +18,8 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_checks}}"
 part="${2:-all}"
 case "$part" in
-  stage|system|peers|all) ;;
-  *) echo "gpu_checks.sh: unknown part '$part': choose stage, system, peers or all" >&2; exit 2 ;;
+  stage|system|peers|plan|all) ;;
+  *) echo "gpu_checks.sh: unknown part '$part': choose stage, system, peers, plan or all" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 exec > >(tee -a "$out/gpu_checks-$part.log") 2>&1
@@ -38,10 +40,11 @@ run() {
 }
 if [ "${GPU_CHECKS_SMOKE:-0}" = 1 ]; then
   dev=cpu llama=llama-tiny gpt=gpt-tiny seq=64 train_seq=64 mbs=2 sizes="1 2 4"
-  peers="--model tiny --steps 2 --warmup 1" gpus=2
+  peers="--model tiny --steps 2 --warmup 1" gpus=2 plan_seq=32
 else
   dev=cuda llama=llama-1b gpt=gpt2 seq=2048 train_seq=512 mbs=8 sizes="4 8 16"
   peers="--model bench-gpu --steps 4 --warmup 1 --rounds 2" gpus=$(nvidia-smi -L | wc -l)
+  plan_seq=1024
 fi
 
 step "device ($dev)"
@@ -126,4 +129,10 @@ else
   run 400 30 $py scripts/bench_peers.py --device "$dev" --ranks 2 $peers --systems "$systems" \
     --work "$out/bench_peers_2"
 fi
+fi
+
+if wants plan; then
+step "the planner's predicted step against $gpt runs on one $dev, fp32, two rounds (issue #25)"
+run 480 20 $py scripts/plan_check.py --model $gpt --devices 1 --device "$dev" \
+  --device-memory 80GB --global-batch 16 --seq-len $plan_seq --steps 6 --rounds 2
 fi

@@ -13,8 +13,10 @@ With `--own-costs` each run is traced, and its schedule simulated again with the
 mean action times (`engine.plan.run_costs`): where that lands near the measured step and the
 prediction does not, the prices were off, not the simulator's structure.
 
-A GPU run: add `--device cuda --device-memory 80GB` on a machine with the GPUs (the layer
-times are then measured on the CPU only if --profile; give --device-flops instead).
+A GPU run: add `--device cuda --device-memory 80GB` on a machine with the GPUs: the layers
+and the optimizer phase are then timed on the GPU (waiting for its kernels), I's share of a
+backward is taken by FLOPs, and more than one device needs `--link-bandwidth` and
+`--latency` (scripts/gpu_checks.sh, part `plan`, runs `--devices 1`).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def _request(
 ) -> PlanRequest:
     """A request with the layers and the link measured now: this VM's speed drifts by up to
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
-    specs = layer_specs(args.model)
+    specs, cpu = layer_specs(args.model), args.device == "cpu"
     link = measured_link(args.devices) if args.devices > 1 else Link(latency=0.0, bandwidth=1e12)
     latency = link.latency if args.latency is None else args.latency
     bandwidth = link.bandwidth if args.link_bandwidth is None else args.link_bandwidth
@@ -186,21 +188,22 @@ def _request(
             gpus_per_node=8,
             reduce_scatter_factor=link.reduce_scatter_factor,
             all_gather_factor=link.all_gather_factor,
-            host_cores=available_cores() if args.device == "cpu" else 0,
-            **(
-                {"memory_bandwidth": measured_memory_bandwidth(specs)}
-                if args.device == "cpu"
-                else {}
-            ),
+            host_cores=available_cores() if cpu else 0,
+            memory_bandwidth=measured_memory_bandwidth(specs, device=args.device),
         ),
-        measured={b: measured_forward(specs, b, args.seq_len, _REPEATS) for b in sizes},
+        measured={
+            b: measured_forward(specs, b, args.seq_len, _REPEATS, device=args.device) for b in sizes
+        },
         measured_split={
             (b, tp): measured_split_forward(specs, b, args.seq_len, tp, _REPEATS)
             for b in sizes
             for tp in widths
             if tp > 1
         },
-        measured_input_shares={b: measured_input_shares(specs, b, args.seq_len) for b in sizes},
+        # on a GPU, I's share of each backward by FLOPs: the stage profile runs on the CPU
+        measured_input_shares=(
+            {b: measured_input_shares(specs, b, args.seq_len) for b in sizes} if cpu else None
+        ),
         micro_batch_sizes=sizes,
     )
 
@@ -324,6 +327,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
+    if args.device != "cpu" and args.devices > 1 and None in (args.link_bandwidth, args.latency):
+        parser.error(
+            f"--device {args.device} --devices {args.devices}: the link measured here is gloo's "
+            "between this host's processes, not the GPUs'; give --link-bandwidth and --latency"
+        )
     torch.set_num_threads(1)  # each rank trains on one thread (--threads 1)
     print(f"{'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7}   link (measured)")
     if args.zero_levels:

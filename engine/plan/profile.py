@@ -43,7 +43,13 @@ from engine.runtime.stage import PipelineStage
 from engine.schedule.simulate import ActionCosts
 from models import LayerSpec
 from partitioners import Partition
-from partitioners.costs import activation_costs, backward_root, measured_costs, median_seconds
+from partitioners.costs import (
+    activation_costs,
+    backward_root,
+    measured_costs,
+    median_seconds,
+    synchronized,
+)
 
 __all__ = [
     "available_cores",
@@ -216,13 +222,19 @@ def profile_stage_costs(
 
 
 def measured_forward(
-    specs: Sequence[LayerSpec], micro_batch_size: int, seq_len: int, repeats: int = 3
+    specs: Sequence[LayerSpec],
+    micro_batch_size: int,
+    seq_len: int,
+    repeats: int = 3,
+    device: str = "cpu",
 ) -> tuple[float, ...]:
-    """Each layer's forward seconds on this CPU for one micro-batch: a third of its measured
-    forward plus backward (`partitioners.measured_costs`, the median of `repeats`), as the
-    simulator's costs split it."""
+    """Each layer's forward seconds on this CPU (or `device`) for one micro-batch: a third of
+    its measured forward plus backward (`partitioners.measured_costs`, the median of
+    `repeats`), as the simulator's costs split it."""
     keep_freed_host_memory()
-    costs = measured_costs(specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats)
+    costs = measured_costs(
+        specs, batch_size=micro_batch_size, seq_len=seq_len, repeats=repeats, device=device
+    )
     return tuple(t / 3 for t in costs)
 
 
@@ -246,17 +258,20 @@ def measured_input_shares(
     return tuple(shares[spec] for spec in specs)
 
 
-def measured_memory_bandwidth(specs: Sequence[LayerSpec] = (), repeats: int = 5) -> float:
-    """Bytes/s the optimizer phase moves on this CPU, counted as `Hardware.update_time` counts
-    them: the engine's gradient norm and clipping (`engine.runtime.clipping`), then torch's
-    fused AdamW (meshpipe's default), over the model's parameters in their order (the first
-    `_SAMPLED_PARAMETERS`; one flat tensor of as many without `specs`), the median of
-    `repeats` steps after a warm-up one. Each tensor costs Python calls and kernel launches
-    beside its bytes: the phase over gpt-bench's 132 tensors took 10.4 ms, where AdamW alone
-    over one flat tensor of as many parameters had priced it at 4.5 ms (docs/BENCHMARKS.md)."""
+def measured_memory_bandwidth(
+    specs: Sequence[LayerSpec] = (), repeats: int = 5, device: str = "cpu"
+) -> float:
+    """Bytes/s the optimizer phase moves on this CPU (or `device`), counted as
+    `Hardware.update_time` counts them: the engine's gradient norm and clipping
+    (`engine.runtime.clipping`), then torch's fused AdamW (meshpipe's default), over the
+    model's parameters in their order (the first `_SAMPLED_PARAMETERS`; one flat tensor of as
+    many without `specs`), the median of `repeats` steps after a warm-up one. Each tensor
+    costs Python calls and kernel launches beside its bytes: the phase over gpt-bench's 132
+    tensors took 10.4 ms, where AdamW alone over one flat tensor of as many parameters had
+    priced it at 4.5 ms (docs/BENCHMARKS.md)."""
     require(repeats >= 1, f"repeats={repeats}")
     sizes = _sampled_sizes(specs)
-    weights = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    weights = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
     for weight in weights:
         weight.grad = torch.full_like(weight, 1e-3)
     named = [(str(i), weight) for i, weight in enumerate(weights)]
@@ -267,7 +282,8 @@ def measured_memory_bandwidth(specs: Sequence[LayerSpec] = (), repeats: int = 5)
         clip_gradients(weights, global_grad_norm(named, order), 1.0)
         optimizer.step()
 
-    return STEP_BYTES_PER_PARAMETER * sum(sizes) / median_seconds(step, repeats)
+    seconds = median_seconds(synchronized(step, device), repeats)
+    return STEP_BYTES_PER_PARAMETER * sum(sizes) / seconds
 
 
 _SAMPLED_PARAMETERS = 4 * 2**20

@@ -14,6 +14,7 @@ from partitioners.costs import (
     flop_costs,
     measured_costs,
     parameter_costs,
+    synchronized,
 )
 
 torch.set_num_threads(1)
@@ -101,3 +102,10 @@ def test_plan_cli_splits_by_memory_within_the_device_budget(
     assert main([*argv, "--seq-len", "2048"]) == 0
     out = capsys.readouterr().out
     assert "(memory, cost share by flops)" in out and "[0, 6)" in out
+
+
+def test_a_cpu_timing_runs_the_work_alone() -> None:
+    """Only a device that queues kernels (CUDA) is waited for: on the CPU the work returns
+    when it is done, and the timed call is the work itself."""
+    work = list
+    assert synchronized(work, "cpu") is work

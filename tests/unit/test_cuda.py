@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.comm.mesh import init_mesh
+from engine.plan import measured_forward, measured_memory_bandwidth
 from engine.runtime.engine import PipelineEngine
 from engine.runtime.optim import build_optimizer
 from engine.runtime.reference import reference_step
@@ -80,3 +81,11 @@ def test_two_ranks_sharing_one_gpu_over_gloo_train_as_on_the_cpu(tmp_path: Path)
     if torch.cuda.device_count() > 1:
         pytest.skip("with a GPU per rank the ranks use NCCL")
     assert _losses(tmp_path, "cuda") == pytest.approx(_losses(tmp_path, "cpu"), rel=1e-4)
+
+
+def test_the_layers_and_the_optimizer_phase_are_timed_on_the_gpu() -> None:
+    """What `scripts/plan_check.py --device cuda` prices a plan by: each layer's forward and
+    backward and the optimizer phase on the GPU, each timing waiting for its kernels."""
+    forward = measured_forward(SPECS, 2, 32, repeats=1, device="cuda")
+    assert len(forward) == len(SPECS) and min(forward) > 0
+    assert measured_memory_bandwidth(SPECS, repeats=1, device="cuda") > 0
