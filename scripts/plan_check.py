@@ -171,7 +171,9 @@ def _request(
     """A request with the layers and the link measured now: this VM's speed drifts by up to
     25 % within minutes, so each layout is predicted from costs taken just before its run."""
     specs, cpu = layer_specs(args.model), args.device == "cpu"
-    link = measured_link(args.devices) if args.devices > 1 else Link(latency=0.0, bandwidth=1e12)
+    # gloo between this host's processes; a GPU run's link is the flags' (`main` asks for them)
+    measure = cpu and args.devices > 1
+    link = measured_link(args.devices) if measure else Link(latency=0.0, bandwidth=1e12)
     latency = link.latency if args.latency is None else args.latency
     bandwidth = link.bandwidth if args.link_bandwidth is None else args.link_bandwidth
     return PlanRequest(
