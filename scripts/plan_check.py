@@ -22,9 +22,7 @@ backward is taken by FLOPs, and more than one device needs `--link-bandwidth` an
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -53,8 +51,7 @@ from engine.plan.run_costs import run_costs
 from engine.plan.search import predict
 from engine.schedule import own_placement
 from models import layer_specs
-
-_TOKENS = re.compile(r"\(([\d,.]+) tokens/s")
+from scripts.train_output import tokens_per_s
 
 
 def _layouts(devices: int, global_batch: int) -> list[Candidate]:
@@ -138,11 +135,7 @@ def _measure(
     if request.device == "cpu":
         command += ["--threads", "1"]  # as the layers were timed
     assert ranks == request.devices
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    found = _TOKENS.search(out)
-    assert found, out
-    tokens = float(found.group(1).replace(",", ""))
-    return request.global_batch * request.seq_len / tokens
+    return request.global_batch * request.seq_len / tokens_per_s(command)
 
 
 def _hand_choice(request: PlanRequest) -> Prediction:

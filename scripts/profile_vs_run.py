@@ -16,9 +16,7 @@ saw them; where the spread is as wide as a tolerance, no model meets that tolera
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -31,8 +29,7 @@ from engine.plan import measured_forward, profile_stage_costs
 from engine.plan.run_costs import run_costs
 from models import layer_specs
 from partitioners import Partition, partition_model
-
-_TOKENS = re.compile(r"\(([\d,.]+) tokens/s")
+from scripts.train_output import tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -58,14 +55,6 @@ def _command(args: argparse.Namespace, bounds: Sequence[int]) -> list[str]:
     ]
 
 
-def _tokens_per_s(command: Sequence[str]) -> float:
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    found = _TOKENS.search(out)
-    if found is None:
-        raise RuntimeError(f"no tokens/s in the run's output:\n{out}")
-    return float(found.group(1).replace(",", ""))
-
-
 def _bounds(args: argparse.Namespace) -> tuple[int, ...]:
     """The split `meshpipe train` makes by default: balanced by FLOPs."""
     specs = layer_specs(args.model)
@@ -78,7 +67,7 @@ def stage_prices(args: argparse.Namespace, folder: Path) -> list[StagePrices]:
     """One round: the run traced, then both profiles of its stages, beside it in time."""
     specs, bounds = layer_specs(args.model), _bounds(args)
     trace = folder / "trace.json"
-    _tokens_per_s([*_command(args, bounds), "--trace", str(trace)])
+    tokens_per_s([*_command(args, bounds), "--trace", str(trace)])
     own, _ = run_costs(trace, list(range(args.pp)))
     forward = measured_forward(specs, args.micro_batch_size, args.seq_len, repeats=args.repeats)
     stages = profile_stage_costs(
@@ -102,7 +91,7 @@ def stage_prices(args: argparse.Namespace, folder: Path) -> list[StagePrices]:
 def spread(args: argparse.Namespace) -> list[float]:
     """Tokens/s of the same untraced command, `args.spread` times in a row."""
     command = _command(args, _bounds(args))
-    return [_tokens_per_s(command) for _ in range(args.spread)]
+    return [tokens_per_s(command) for _ in range(args.spread)]
 
 
 def _print_prices(round_: int, rows: Sequence[StagePrices]) -> None:
